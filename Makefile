@@ -1,0 +1,25 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+# Both create .venv on first use. torch is pinned to the local CPU wheel so no CUDA build is pulled.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH ?= torch==2.13.0
+
+.PHONY: demo test venv clean
+venv: $(VENV)/.ready
+
+$(VENV)/.ready: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+demo: $(VENV)/.ready
+	$(VENV)/bin/redknot demo
+
+test: $(VENV)/.ready
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache

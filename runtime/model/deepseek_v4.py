@@ -1,0 +1,583 @@
+"""DeepSeek-V4, written top-down in paper order with the paper's (and the reference's) names.
+
+One file: rotary embedding (YaRN in compressed layers only), the attention block (low-rank q, per-head
+weightless RMS norm, one shared 512-d K=V latent, 128-token window, CSA compressor with overlapping
+blocks and the lightning indexer, HCA compressor, per-head sink, inverse output RoPE, grouped W_a then
+W_b), the MoE (sqrt-softplus gate with a selection-only bias, hash routing in the first layers, shared
+expert, SwiGLU clamp), the mHC residual (4 streams, Sinkhorn) and the hyper head.
+
+Parameter names equal the official checkpoint's, so `state_dict()` keys are the names on disk.
+Shapes: T = rows in this call, H = local heads, D = head_dim, d = model dim, N = compressed entries.
+Batch size is one request; a serving batch is a list of requests.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import CSA, HCA, WINDOW, ModelConfig
+from .parallel import Parallel
+
+NEG_INF = float("-inf")
+
+
+# ============================================================================ norms and rotary
+
+class RMSNorm(nn.Module):
+    """Weighted RMS norm; the weight is kept in float32 like the reference and the product is cast once."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * xf).to(x.dtype)
+
+
+def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def yarn_inv_freq(dim: int, base: float, factor: float, original_seq_len: int,
+                  beta_fast: float, beta_slow: float) -> torch.Tensor:
+    """Inverse frequencies of one rotary pair per entry; YaRN blends interpolation and extrapolation over
+    the dims whose wavelength crosses the original context (correction range floored/ceiled)."""
+    # built on the CPU explicitly, also when the model is constructed under a meta-device context
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)
+    extrap = 1.0 / pos_freqs
+    if factor <= 1.0 or original_seq_len <= 0:
+        return extrap
+    interp = 1.0 / (factor * pos_freqs)
+
+    def corr_dim(n_rot: float) -> float:
+        return dim * math.log(original_seq_len / (n_rot * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(corr_dim(beta_fast)), 0)
+    high = min(math.ceil(corr_dim(beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    keep_extrap = 1 - ramp
+    return interp * (1 - keep_extrap) + extrap * keep_extrap
+
+
+class Rotary(nn.Module):
+    """Interleaved RoPE on the trailing `rope_head_dim` channels (pairs 2i, 2i+1)."""
+
+    def __init__(self, inv_freq: torch.Tensor):
+        super().__init__()
+        # a plain attribute, not a buffer: derived from the config, never loaded, moved on first use
+        self.inv_freq = inv_freq
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        return freqs.cos(), freqs.sin()
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """x [T, ..., D]; cos/sin [T, rd/2]. Inverse rotation is the conjugate (-sin)."""
+        rd = cos.shape[-1] * 2
+        shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+        c, s = cos.view(shape), sin.view(shape)
+        if inverse:
+            s = -s
+        rope = x[..., -rd:].float()
+        xe, xo = rope[..., 0::2], rope[..., 1::2]
+        rot = torch.stack((xe * c - xo * s, xo * c + xe * s), dim=-1).flatten(-2)
+        return torch.cat([x[..., :-rd], rot.to(x.dtype)], dim=-1)
+
+
+# ============================================================================ linear layers
+
+class Linear(nn.Linear):
+    """nn.Linear without bias. `fp8_act` marks the layers whose activations the reference quantizes to FP8
+    (1x128 blocks); the simulation runs only when the config's `quant_sim` switch is on."""
+
+    def __init__(self, d_in: int, d_out: int, dtype: torch.dtype, fp8_act: bool = False, quant_sim: bool = False):
+        super().__init__(d_in, d_out, bias=False, dtype=dtype)
+        self.simulate = fp8_act and quant_sim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.simulate:
+            from .quant import fake_quant_fp8_act
+            x = fake_quant_fp8_act(x)
+        return F.linear(x.to(self.weight.dtype), self.weight)
+
+
+# ============================================================================ cache
+
+@dataclass
+class CompressorState:
+    """Incomplete tail block (pre-gate rows), the previous block's overlap half (CSA) and all entries."""
+    tail_kv: torch.Tensor | None = None
+    tail_gate: torch.Tensor | None = None
+    prev_kv: torch.Tensor | None = None
+    prev_gate: torch.Tensor | None = None
+    entries: torch.Tensor | None = None
+
+    @property
+    def n_entries(self) -> int:
+        return 0 if self.entries is None else self.entries.shape[0]
+
+
+@dataclass
+class LayerCache:
+    window_kv: torch.Tensor | None = None        # last window-1 latent rows [<=W-1, D]
+    compressor: CompressorState = field(default_factory=CompressorState)
+    indexer: CompressorState = field(default_factory=CompressorState)   # CSA: compressed indexer keys
+
+
+@dataclass
+class ModelCache:
+    layers: list[LayerCache]
+    pos: int = 0
+
+
+# ============================================================================ attention pieces
+
+def _lse_attend(scores: torch.Tensor, values: torch.Tensor, einsum: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax-normalized output and its natural-log LSE; rows with no valid key give out 0 and LSE -inf."""
+    lse = torch.logsumexp(scores, dim=-1)
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    p = torch.exp(scores - safe.unsqueeze(-1))
+    out = torch.einsum(einsum, p.to(values.dtype), values)
+    return out, lse
+
+
+def window_attention(q: torch.Tensor, keys: torch.Tensor, n_past: int, window: int, scale: float):
+    """q [T,H,D]; keys [n_past+T, D] where query t sits at key row n_past+t and sees rows
+    (n_past+t-window, n_past+t]. Each query gathers exactly `window` rows (no masked waste beyond the edge)."""
+    T = q.shape[0]
+    rows = torch.arange(T, device=q.device)[:, None] + n_past - window + 1 + torch.arange(window, device=q.device)
+    valid = rows >= 0
+    k = keys[rows.clamp(min=0)]                                          # [T, W, D]
+    s = torch.einsum("thd,twd->thw", q, k).float() * scale
+    s = s.masked_fill(~valid[:, None, :], NEG_INF)
+    return _lse_attend(s, k, "thw,twd->thd")
+
+
+def entry_attention(q: torch.Tensor, entries: torch.Tensor, visible: torch.Tensor, scale: float):
+    """q [T,H,D]; entries [N,D]; visible [T,N] bool."""
+    s = torch.einsum("thd,nd->thn", q, entries.to(q.dtype)).float() * scale
+    s = s.masked_fill(~visible[:, None, :], NEG_INF)
+    return _lse_attend(s, entries, "thn,nd->thd")
+
+
+def gathered_attention(q: torch.Tensor, entries: torch.Tensor, idx: torch.Tensor, scale: float):
+    """q [T,H,D]; entries [N,D]; idx [T,k] with -1 for no entry."""
+    k = entries[idx.clamp(min=0)]                                        # [T, k, D]
+    s = torch.einsum("thd,tkd->thk", q, k.to(q.dtype)).float() * scale
+    s = s.masked_fill((idx < 0)[:, None, :], NEG_INF)
+    return _lse_attend(s, k, "thk,tkd->thd")
+
+
+def merge_with_sink(parts: list[tuple[torch.Tensor, torch.Tensor]], sink: torch.Tensor) -> torch.Tensor:
+    """N-way log-sum-exp merge of partial outputs [T,H,D] with LSEs [T,H]; the sink's exp(sink) joins the
+    denominator once, after the merge."""
+    lses = torch.stack([lse for _, lse in parts] + [sink.float()[None, :].expand_as(parts[0][1])], dim=0)
+    total = torch.logsumexp(lses, dim=0)                                 # [T, H]
+    out = torch.zeros_like(parts[0][0], dtype=torch.float32)
+    for o, lse in parts:
+        w = torch.exp(lse - total)                                       # exp(-inf) = 0 for empty parts
+        out = out + w.unsqueeze(-1) * o.float()
+    return out
+
+
+# ============================================================================ compressors
+
+class Compressor(nn.Module):
+    """Gated pooling of `ratio` consecutive rows into one entry, blocks aligned to absolute positions.
+    With `overlap` (CSA) each row projects two series: Ca (first half) feeds the NEXT block's entry and Cb
+    (second half) its own, so an entry pools 2*ratio rows with stride ratio. The entry is RMS-normed and
+    carries RoPE at its block's first position."""
+
+    def __init__(self, cfg: ModelConfig, ratio: int, dim: int, rotary: Rotary, dtype: torch.dtype):
+        super().__init__()
+        self.ratio, self.dim, self.overlap = ratio, dim, ratio == 4
+        width = dim * (2 if self.overlap else 1)
+        # The reference keeps the compressor projections in float32.
+        self.wkv = Linear(cfg.dim, width, torch.float32)
+        self.wgate = Linear(cfg.dim, width, torch.float32)
+        self.ape = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32))
+        self.norm = RMSNorm(dim, cfg.norm_eps)
+        self.rotary = rotary
+        self.out_dtype = dtype
+
+    def forward(self, x: torch.Tensor, state: CompressorState) -> torch.Tensor:
+        """Feed rows x [T,d] (the next rows after everything already fed); returns all entries [N, dim]."""
+        kv, gate = self.wkv(x.float()), self.wgate(x.float())
+        if state.tail_kv is not None:
+            kv, gate = torch.cat([state.tail_kv, kv]), torch.cat([state.tail_gate, gate])
+        r, D = self.ratio, self.dim
+        nb = kv.shape[0] // r
+        first = state.n_entries * r
+        state.tail_kv, state.tail_gate = kv[nb * r:], gate[nb * r:]
+        if nb == 0:
+            if state.entries is None:
+                state.entries = x.new_zeros((0, D), dtype=self.out_dtype)
+            return state.entries
+        ck = kv[: nb * r].view(nb, r, -1)
+        cg = gate[: nb * r].view(nb, r, -1) + self.ape
+        if self.overlap:
+            prev_kv = ck.new_zeros((nb, r, D))
+            prev_gate = cg.new_full((nb, r, D), NEG_INF)              # weight 0 where no previous block
+            prev_kv[1:], prev_gate[1:] = ck[:-1, :, :D], cg[:-1, :, :D]
+            if state.prev_kv is not None:
+                prev_kv[0], prev_gate[0] = state.prev_kv, state.prev_gate
+            state.prev_kv, state.prev_gate = ck[-1, :, :D].clone(), cg[-1, :, :D].clone()
+            ck = torch.cat([prev_kv, ck[..., D:]], dim=1)
+            cg = torch.cat([prev_gate, cg[..., D:]], dim=1)
+        pooled = (ck * cg.softmax(dim=1)).sum(dim=1)
+        pooled = self.norm(pooled)
+        pos = first + r * torch.arange(nb, device=x.device)
+        pooled = Rotary.apply(pooled, *self.rotary.cos_sin(pos)).to(self.out_dtype)
+        state.entries = pooled if state.entries is None else torch.cat([state.entries, pooled])
+        return state.entries
+
+
+class Indexer(nn.Module):
+    """Lightning indexer: score(t, s) = sum_h w[t,h] * ReLU(q[t,h] . K[s]) over its own compressed keys;
+    each query keeps the top-k entries among the blocks complete before it."""
+
+    def __init__(self, cfg: ModelConfig, rotary: Rotary, dtype: torch.dtype):
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype, fp8_act=True,
+                           quant_sim=cfg.quant_sim)
+        self.weights_proj = Linear(cfg.dim, self.n_heads, dtype)
+        self.compressor = Compressor(cfg, 4, self.head_dim, rotary, dtype)
+        self.rotary = rotary
+
+    def scores(self, x, qr, positions, keys) -> torch.Tensor:
+        """[T, N] indexer scores with non-causal entries at -inf."""
+        T = x.shape[0]
+        q = self.wq_b(qr).view(T, self.n_heads, self.head_dim)
+        q = Rotary.apply(q, *self.rotary.cos_sin(positions))
+        s = torch.relu(torch.einsum("thd,nd->thn", q, keys.to(q.dtype)).float()) * self.head_dim ** -0.5
+        w = self.weights_proj(x).float() * self.n_heads ** -0.5
+        s = (s * w.unsqueeze(-1)).sum(dim=1)
+        ready = (positions + 1) // 4                                    # entries complete before t
+        return s.masked_fill(torch.arange(keys.shape[0], device=x.device)[None, :] >= ready[:, None], NEG_INF)
+
+    def forward(self, x, qr, positions, state: CompressorState, q_chunk: int) -> torch.Tensor:
+        """Top-k entry ids [T, k'] (k' = min(topk, N)); -1 where fewer entries are ready."""
+        keys = self.compressor(x, state)
+        k = min(self.topk, keys.shape[0])
+        if k == 0:
+            return torch.full((x.shape[0], 0), -1, dtype=torch.long, device=x.device)
+        # the [rows, heads, N] score block is the indexer's largest temporary: bound it to ~2^28 elements
+        q_chunk = max(1, min(q_chunk, (1 << 28) // (self.n_heads * keys.shape[0])))
+        out = []
+        for a in range(0, x.shape[0], q_chunk):
+            b = a + q_chunk
+            top = self.scores(x[a:b], qr[a:b], positions[a:b], keys).topk(k, dim=-1)
+            out.append(torch.where(torch.isinf(top.values), torch.full_like(top.indices, -1), top.indices))
+        return torch.cat(out)
+
+
+# ============================================================================ attention
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, par: Parallel, dtype: torch.dtype):
+        super().__init__()
+        assert cfg.o_groups % par.size == 0, f"o_groups={cfg.o_groups} not divisible by tp={par.size}"
+        self.cfg, self.layer, self.par = cfg, layer, par
+        self.kind = cfg.layer_kind(layer)
+        self.ratio = cfg.compress_ratios[layer]
+        self.n_groups = cfg.o_groups // par.size                       # whole output groups per rank
+        self.n_heads = self.n_groups * cfg.heads_per_group
+        D, qs = cfg.head_dim, cfg.quant_sim
+        self.scale = D ** -0.5
+        self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
+        self.wq_a = Linear(cfg.dim, cfg.q_lora_rank, dtype, fp8_act=True, quant_sim=qs)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * D, dtype, fp8_act=True, quant_sim=qs)
+        self.wkv = Linear(cfg.dim, D, dtype, fp8_act=True, quant_sim=qs)
+        self.kv_norm = RMSNorm(D, cfg.norm_eps)
+        self.wo_a = Linear(cfg.heads_per_group * D, self.n_groups * cfg.o_lora_rank, dtype)
+        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank // par.size, cfg.dim, dtype, fp8_act=True, quant_sim=qs)
+        if self.kind == WINDOW:
+            inv = yarn_inv_freq(cfg.rope_head_dim, cfg.rope_theta, 1.0, 0, cfg.beta_fast, cfg.beta_slow)
+        else:
+            inv = yarn_inv_freq(cfg.rope_head_dim, cfg.compress_rope_theta, cfg.rope_factor,
+                                cfg.original_seq_len, cfg.beta_fast, cfg.beta_slow)
+        self.rotary = Rotary(inv)
+        self.compressor = Compressor(cfg, self.ratio, D, self.rotary, dtype) if self.ratio else None
+        self.indexer = Indexer(cfg, self.rotary, dtype) if self.kind == CSA else None
+
+    # -- pieces reused by the reuse engine -----------------------------------------------------
+    def queries(self, x: torch.Tensor, positions: torch.Tensor):
+        """x [T,d] -> (q [T,H,D] normed and roped, qr [T,q_lora_rank])."""
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).view(x.shape[0], self.n_heads, self.cfg.head_dim)
+        q = unweighted_rms_norm(q, self.cfg.norm_eps)
+        return Rotary.apply(q, *self.rotary.cos_sin(positions)), qr
+
+    def latent(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The one K=V row per token [T, D], RoPE on its last rope_head_dim channels."""
+        kv = self.kv_norm(self.wkv(x))
+        return Rotary.apply(kv, *self.rotary.cos_sin(positions))
+
+    def project(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Per-head outputs [T,H,D] -> projected state P [T, G_local*o_lora_rank]: inverse RoPE at the query
+        position (so the output depends on relative positions only), then each group's block of W_a."""
+        o = Rotary.apply(o, *self.rotary.cos_sin(positions), inverse=True)
+        T, G, R = o.shape[0], self.n_groups, self.cfg.o_lora_rank
+        o = o.reshape(T, G, -1).to(self.wo_a.weight.dtype)
+        w = self.wo_a.weight.view(G, R, -1)
+        return torch.einsum("tgi,gri->tgr", o, w).reshape(T, G * R)
+
+    def output(self, p: torch.Tensor) -> torch.Tensor:
+        """W_b once, row-parallel: one all-reduce."""
+        return self.par.all_reduce(self.wo_b(p))
+
+    # -- full forward --------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerCache, q_chunk: int) -> torch.Tensor:
+        q, qr = self.queries(x, positions)
+        kv = self.latent(x, positions)
+        past = cache.window_kv
+        keys = kv if past is None else torch.cat([past, kv])
+        n_past = 0 if past is None else past.shape[0]
+        W = self.cfg.window_size
+        cache.window_kv = keys[-(W - 1):].clone() if W > 1 else keys[:0].clone()
+
+        entries, idx = None, None
+        if self.compressor is not None:
+            entries = self.compressor(x, cache.compressor)
+        if self.indexer is not None:
+            idx = self.indexer(x, qr, positions, cache.indexer, q_chunk)
+
+        outs = []
+        for a in range(0, x.shape[0], q_chunk):
+            b = min(a + q_chunk, x.shape[0])
+            qc, pc = q[a:b], positions[a:b]
+            parts = [window_attention(qc, keys[: n_past + b], n_past + a, W, self.scale)]
+            if self.kind == HCA:
+                visible = torch.arange(entries.shape[0], device=x.device)[None, :] < ((pc + 1) // self.ratio)[:, None]
+                parts.append(entry_attention(qc, entries, visible, self.scale))
+            elif self.kind == CSA:
+                parts.append(gathered_attention(qc, entries, idx[a:b], self.scale))
+            outs.append(merge_with_sink(parts, self.attn_sink).to(x.dtype))
+        o = torch.cat(outs)
+        return self.output(self.project(o, positions))
+
+
+# ============================================================================ MoE
+
+class Expert(nn.Module):
+    """SwiGLU expert; routed experts clamp (gate above, up both sides) at swiglu_limit, the shared one
+    does not (reference: Expert(dim, inter) with limit 0)."""
+
+    def __init__(self, d: int, inter: int, dtype: torch.dtype, limit: float, quant_sim: bool):
+        super().__init__()
+        self.w1 = Linear(d, inter, dtype, fp8_act=True, quant_sim=quant_sim)
+        self.w2 = Linear(inter, d, dtype, fp8_act=True, quant_sim=quant_sim)
+        self.w3 = Linear(d, inter, dtype, fp8_act=True, quant_sim=quant_sim)
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        gate, up = self.w1(x).float(), self.w3(x).float()
+        if self.limit > 0:
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        h = F.silu(gate) * up
+        if weights is not None:
+            h = weights * h
+        return self.w2(h.to(x.dtype))
+
+
+class Gate(nn.Module):
+    """Router: scores = sqrt(softplus(x W^T)); the bias only steers selection; selected scores are
+    normalized and scaled by route_scale. Hash layers select by a frozen tid2eid[token] table."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.cfg, self.hash = cfg, cfg.is_hash_layer(layer)
+        self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.dim, dtype=torch.float32))
+        if self.hash:
+            self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, cfg.n_activated_experts, dtype=torch.long))
+        else:
+            self.bias = nn.Parameter(torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        s = F.linear(x.float(), self.weight.float())
+        if self.cfg.score_func == "softmax":
+            return s.softmax(dim=-1)
+        if self.cfg.score_func == "sigmoid":
+            return s.sigmoid()
+        return F.softplus(s).sqrt()
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor, k: int | None = None):
+        """-> (weights [T,k], expert ids [T,k]) sorted by decreasing selection score."""
+        s = self.scores(x)
+        if self.hash:
+            idx = self.tid2eid[tokens].long()
+        else:
+            idx = (s + self.bias).topk(k or self.cfg.n_activated_experts, dim=-1).indices
+        w = s.gather(1, idx)
+        if self.cfg.score_func != "softmax":
+            w = w / w.sum(dim=-1, keepdim=True)
+        return w * self.cfg.route_scale, idx
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, par: Parallel, dtype: torch.dtype):
+        super().__init__()
+        E = cfg.n_routed_experts
+        assert E % par.size == 0 and cfg.moe_inter_dim % par.size == 0, "experts / inter dim vs tp"
+        self.par = par
+        self.gate = Gate(cfg, layer)
+        lo, hi = par.rank * E // par.size, (par.rank + 1) * E // par.size
+        self.local = range(lo, hi)                                     # experts split across ranks
+        self.experts = nn.ModuleDict({str(e): Expert(cfg.dim, cfg.moe_inter_dim, dtype, cfg.swiglu_limit,
+                                                     cfg.quant_sim) for e in self.local})
+        # the shared expert is split along its inner dim, so the all-reduce sums its partial outputs
+        self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim // par.size, dtype, 0.0, cfg.quant_sim)
+
+    def routed(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        hit = torch.bincount(idx.flatten(), minlength=self.gate.cfg.n_routed_experts).tolist()
+        for e in self.local:
+            if hit[e] == 0:
+                continue
+            rows, slot = torch.where(idx == e)
+            y.index_add_(0, rows, self.experts[str(e)](x[rows], weights[rows, slot, None]).float())
+        return y
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        weights, idx = self.gate(x, tokens)
+        y = self.routed(x, weights, idx) + self.shared_experts(x).float()
+        return self.par.all_reduce(y).to(x.dtype)
+
+
+# ============================================================================ mHC residual
+
+def hc_mix_weights(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                   hc: int, iters: int, hc_eps: float, norm_eps: float):
+    """x [T, hc, d] -> pre [T,hc], post [T,hc], comb [T,hc,hc] (doubly stochastic by Sinkhorn)."""
+    flat = x.flatten(1).float()
+    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    mixes = F.linear(flat, fn.float())
+    pre = torch.sigmoid(mixes[:, :hc] * scale[0] + base[:hc]) + hc_eps
+    post = 2 * torch.sigmoid(mixes[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    comb = mixes[:, 2 * hc:].view(-1, hc, hc) * scale[2] + base[2 * hc:].view(hc, hc)
+    comb = comb.softmax(dim=-1) + hc_eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    return pre, post, comb
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, par: Parallel, dtype: torch.dtype):
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        self.attn = Attention(cfg, layer, par, dtype)
+        self.ffn = MoE(cfg, layer, par, dtype)
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        mix, hd = (2 + cfg.hc_mult) * cfg.hc_mult, cfg.hc_mult * cfg.dim
+        for site in ("attn", "ffn"):
+            self.register_parameter(f"hc_{site}_fn", nn.Parameter(torch.zeros(mix, hd, dtype=torch.float32)))
+            self.register_parameter(f"hc_{site}_base", nn.Parameter(torch.zeros(mix, dtype=torch.float32)))
+            self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
+
+    def hc_pre(self, x: torch.Tensor, site: str):
+        c = self.cfg
+        pre, post, comb = hc_mix_weights(x, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
+                                         getattr(self, f"hc_{site}_scale"), c.hc_mult, c.hc_sinkhorn_iters,
+                                         c.hc_eps, c.norm_eps)
+        collapsed = (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
+        return collapsed, post, comb
+
+    @staticmethod
+    def hc_post(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        """New streams: post * block output + comb^T @ old streams (comb is doubly stochastic, not symmetric)."""
+        dt = x.dtype
+        return post.to(dt).unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(comb.to(dt).transpose(-1, -2), x)
+
+    def forward(self, x, tokens, positions, cache: LayerCache, q_chunk: int) -> torch.Tensor:
+        h, post, comb = self.hc_pre(x, "attn")
+        x = self.hc_post(self.attn(self.attn_norm(h), positions, cache, q_chunk), x, post, comb)
+        h, post, comb = self.hc_pre(x, "ffn")
+        return self.hc_post(self.ffn(self.ffn_norm(h), tokens), x, post, comb)
+
+
+# ============================================================================ the model
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, par: Parallel | None = None, dtype: torch.dtype = torch.float32,
+                 q_chunk: int = 4096):
+        super().__init__()
+        self.cfg, self.par = cfg, par or Parallel()
+        self.dtype, self.q_chunk = dtype, q_chunk
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, dtype=dtype)
+        self.layers = nn.ModuleList(Block(cfg, i, self.par, dtype) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.head = Linear(cfg.dim, cfg.vocab_size, torch.float32)
+        self.hc_head_fn = nn.Parameter(torch.zeros(cfg.hc_mult, cfg.hc_mult * cfg.dim, dtype=torch.float32))
+        self.hc_head_base = nn.Parameter(torch.zeros(cfg.hc_mult, dtype=torch.float32))
+        self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+
+    def new_cache(self) -> ModelCache:
+        return ModelCache([LayerCache() for _ in range(self.cfg.n_layers)])
+
+    def embed_streams(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        return h.unsqueeze(1).repeat(1, self.cfg.hc_mult, 1)             # [T, hc, d]
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Hyper head: collapse the streams with sigmoid weights, final norm, LM head (float32)."""
+        c = self.cfg
+        flat = x.flatten(1).float()
+        flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + c.norm_eps)
+        pre = torch.sigmoid(F.linear(flat, self.hc_head_fn) * self.hc_head_scale + self.hc_head_base) + c.hc_eps
+        y = (pre.unsqueeze(-1) * x.float()).sum(dim=1)
+        return self.head(self.norm(y))
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, cache: ModelCache | None = None, all_logits: bool = False):
+        """Run `tokens` [T] after what `cache` already holds (prefill when it is empty). Returns logits for the
+        last row ([vocab]) or every row ([T, vocab])."""
+        cache = cache or self.new_cache()
+        T = tokens.shape[0]
+        positions = torch.arange(cache.pos, cache.pos + T, device=tokens.device)
+        x = self.embed_streams(tokens)
+        for layer, lc in zip(self.layers, cache.layers):
+            x = layer(x, tokens, positions, lc, self.q_chunk)
+        cache.pos += T
+        return self.logits(x) if all_logits else self.logits(x[-1:])[0]
+
+    @torch.inference_mode()
+    def prefill(self, tokens: torch.Tensor, cache: ModelCache, chunk: int | None = None) -> torch.Tensor:
+        """Extend the cache by `tokens` in chunks; chunked prefill equals one-shot prefill."""
+        chunk = chunk or tokens.shape[0]
+        out = None
+        for a in range(0, tokens.shape[0], chunk):
+            out = self.forward(tokens[a:a + chunk], cache)
+        return out
+
+    @torch.inference_mode()
+    def generate(self, tokens: torch.Tensor, max_new_tokens: int, chunk: int | None = None,
+                 eos: int | None = None) -> tuple[list[int], ModelCache]:
+        """Greedy decoding; stops at `eos` (the config's when None) or after max_new_tokens."""
+        eos = self.cfg.eos_token_id if eos is None else eos
+        cache = self.new_cache()
+        logits = self.prefill(tokens, cache, chunk)
+        out: list[int] = []
+        for _ in range(max_new_tokens):
+            nxt = int(logits.argmax())
+            out.append(nxt)
+            if nxt == eos:
+                break
+            logits = self.forward(torch.tensor([nxt], device=tokens.device), cache)
+        return out, cache
