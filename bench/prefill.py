@@ -72,7 +72,7 @@ def main() -> int:
     cfg = FLASH.replace(n_routed_experts=args.experts)
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | Flash dims, bf16, "
           f"routed experts {args.experts} of 256 (top-{cfg.n_activated_experts} + shared kept)", flush=True)
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
     rows = []
     for kind, layer in LAYERS.items():
         with torch.device(device):
