@@ -134,6 +134,9 @@ class LayerCache:
     window_kv: torch.Tensor | None = None        # last window-1 latent rows [<=W-1, D]
     compressor: CompressorState = field(default_factory=CompressorState)
     indexer: CompressorState = field(default_factory=CompressorState)   # CSA: compressed indexer keys
+    # when a dict, the attention leaves this call's latent rows, per-head outputs and indexer picks in it
+    # (the reuse producer and the consumer's fences read them)
+    capture: dict | None = None
 
 
 @dataclass
@@ -368,6 +371,8 @@ class Attention(nn.Module):
                 parts.append(gathered_attention(qc, entries, idx[a:b], self.scale))
             outs.append(merge_with_sink(parts, self.attn_sink).to(x.dtype))
         o = torch.cat(outs)
+        if cache.capture is not None:
+            cache.capture.update(latent=kv, o=o, topk=idx)
         return self.output(self.project(o, positions))
 
 
@@ -444,7 +449,8 @@ class MoE(nn.Module):
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        hit = torch.bincount(idx.flatten(), minlength=self.gate.cfg.n_routed_experts).tolist()
+        # an id of -1 marks a slot the caller dropped (adaptive fanout): it runs no expert
+        hit = torch.bincount(idx[idx >= 0].flatten(), minlength=self.gate.cfg.n_routed_experts).tolist()
         for e in self.local:
             if hit[e] == 0:
                 continue

@@ -1,0 +1,34 @@
+"""What the producer keeps for one document, in memory. Serialization and certificates: store.py, certificate.py.
+
+A document is run alone at positions 0..n-1 (n padded up to the profile's alignment with the pad token), so
+nothing here depends on where the document lands in a request."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class LayerArtifact:
+    latent: torch.Tensor                      # [n, D] packed K=V latent of every row, RoPE at canonical positions
+    entries: torch.Tensor | None = None       # [N, D] compressed entries (CSA / HCA layers)
+    index_keys: torch.Tensor | None = None    # [N, index_head_dim] compressed indexer keys (CSA layers)
+    # boundary metadata: the compressor's overlap half of the last complete block (CSA), pre-RoPE
+    comp_prev: tuple[torch.Tensor, torch.Tensor] | None = None
+    index_prev: tuple[torch.Tensor, torch.Tensor] | None = None
+    local_p: torch.Tensor | None = None       # [n, G_local * o_lora_rank] W_a,L O_L, reusable layers, this rank
+
+
+@dataclass
+class DocumentArtifact:
+    tokens: list[int]                         # padded token ids the artifact was built on
+    n_content: int                            # tokens before padding
+    layers: list[LayerArtifact]
+    tp_rank: int = 0
+    tp_size: int = 1
+    meta: dict = field(default_factory=dict)  # profile, fingerprints, dtype, producer version, generation
+
+    @property
+    def n(self) -> int:
+        return len(self.tokens)

@@ -1,0 +1,391 @@
+"""Online reuse path: one request = [doc 1 (prefix, Delta=0), doc 2..k (relocated), new rows (question, then
+decoded tokens)]. See docs/reuse.md for what is cached, what is recomputed and how rows are chosen.
+
+- The prefix document's state is its artifact in every layer (exact: causal attention never looks ahead).
+- Fence layers run the native model over every non-prefix row, continuing from the prefix artifact's cache.
+- Reusable layers: active rows run in full (all heads, latent recomputed into an overlay, MoE with adaptive
+  fanout); other relocated rows restore W_a,L O_L from the artifact, compute the Global heads online, skip the
+  FFN. Attention relocates each segment by rotating the query to t - Delta and the partial output by +Delta, and
+  merges segments by log-sum-exp with the sink once. Artifacts are never rewritten or concatenated.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.model.config import CSA, HCA
+from runtime.model.deepseek_v4 import (NEG_INF, Block, CompressorState, LayerCache, Rotary, Transformer, _lse_attend,
+                                       merge_with_sink, unweighted_rms_norm)
+from .artifact import DocumentArtifact, LayerArtifact
+from .ledger import Ledger
+from .profile import ReuseProfile
+from .roles import global_mask
+
+
+# ============================================================================ segment attention
+
+@dataclass
+class SegmentKeys:
+    """One segment's keys in one layer, in its canonical frame (positions 0..n-1)."""
+    delta: int
+    latent: torch.Tensor                      # [n, D]
+    entries: torch.Tensor | None = None       # [N, D]
+    index_keys: torch.Tensor | None = None    # [N, id]
+
+
+def _window_part(attn, q_raw, cpos, seg: SegmentKeys, scale):
+    W, n = attn.cfg.window_size, seg.latent.shape[0]
+    rows = cpos[:, None] - W + 1 + torch.arange(W, device=cpos.device)
+    valid = (rows >= 0) & (rows < n)
+    k = seg.latent[rows.clamp(0, max(n - 1, 0))]
+    q = Rotary.apply(q_raw, *attn.rotary.cos_sin(cpos))
+    s = torch.einsum("thd,twd->thw", q, k.to(q.dtype)).float() * scale
+    s = s.masked_fill(~valid[:, None, :], NEG_INF)
+    return _lse_attend(s, k, "thw,twd->thd"), q
+
+
+def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: list[SegmentKeys], sink: torch.Tensor,
+                      idx_inputs=None) -> tuple[torch.Tensor, int]:
+    """q_raw [T,H,D] normed, not yet roped; qpos request positions. Returns the merged per-head output in the
+    request frame [T,H,D] (before the inverse output RoPE) and the number of (query, key) pairs attended."""
+    parts, pairs = [], 0
+    cpos_all = [qpos - s.delta for s in segments]
+    picks = None
+    if attn.kind == CSA:
+        picks = _indexer_picks(attn, cpos_all, segments, idx_inputs)
+    for j, seg in enumerate(segments):
+        cpos = cpos_all[j]
+        (o, lse), q = _window_part(attn, q_raw, cpos, seg, attn.scale)
+        seg_parts = [(o, lse)]
+        pairs += int(((cpos[:, None] - torch.arange(attn.cfg.window_size, device=cpos.device) >= 0)
+                      & (cpos[:, None] - torch.arange(attn.cfg.window_size, device=cpos.device) < seg.latent.shape[0])).sum())
+        if attn.kind == HCA and seg.entries is not None and seg.entries.shape[0]:
+            vis = torch.arange(seg.entries.shape[0], device=q.device)[None, :] < ((cpos + 1) // attn.ratio)[:, None]
+            s = torch.einsum("thd,nd->thn", q, seg.entries.to(q.dtype)).float() * attn.scale
+            seg_parts.append(_lse_attend(s.masked_fill(~vis[:, None, :], NEG_INF), seg.entries, "thn,nd->thd"))
+            pairs += int(vis.sum())
+        elif attn.kind == CSA and picks[j] is not None:
+            idx = picks[j]
+            k = seg.entries[idx.clamp(min=0)]
+            s = torch.einsum("thd,tkd->thk", q, k.to(q.dtype)).float() * attn.scale
+            seg_parts.append(_lse_attend(s.masked_fill((idx < 0)[:, None, :], NEG_INF), k, "thk,tkd->thd"))
+            pairs += int((idx >= 0).sum())
+        # the segment's output back to the request frame: its values carry RoPE at canonical positions
+        delta = torch.full_like(qpos, seg.delta)
+        for o, lse in seg_parts:
+            parts.append((Rotary.apply(o, *attn.rotary.cos_sin(delta)), lse))
+    return merge_with_sink(parts, sink), pairs
+
+
+def _indexer_picks(attn, cpos_all, segments, idx_inputs):
+    """Native lightning-indexer top-k over the union of every segment's visible entries, the indexer query
+    rotated per segment; returns per segment the picked local entry ids [T, k] (-1 = none)."""
+    h, qr = idx_inputs
+    scores, owners = [], []
+    for j, seg in enumerate(segments):
+        if seg.index_keys is None or seg.index_keys.shape[0] == 0:
+            continue
+        scores.append(attn.indexer.scores(h, qr, cpos_all[j], seg.index_keys))
+        owners += [(j, e) for e in range(seg.index_keys.shape[0])]
+    out = [None] * len(segments)
+    if not scores:
+        return out
+    s = torch.cat(scores, dim=1)
+    k = min(attn.indexer.topk, s.shape[1])
+    top = s.topk(k, dim=-1)
+    seg_of = torch.tensor([o[0] for o in owners], device=s.device)
+    local = torch.tensor([o[1] for o in owners], device=s.device)
+    valid = ~torch.isinf(top.values)
+    for j in range(len(segments)):
+        mine = valid & (seg_of[top.indices] == j)
+        out[j] = torch.where(mine, local[top.indices], torch.full_like(top.indices, -1))
+    return out
+
+
+# ============================================================================ request state
+
+@dataclass
+class ReuseResult:
+    logits: torch.Tensor
+    ledger: Ledger
+    active_rows: torch.Tensor                  # request positions of active relocated rows
+    state: "RequestState"
+
+
+@dataclass
+class RequestState:
+    """Everything a request needs to keep decoding: native caches for fence layers, segment keys (artifact +
+    overlay) for reusable layers, and the new-rows segment's own latent and compressor state."""
+    fence_caches: dict[int, LayerCache]
+    seg_keys: dict[int, list[SegmentKeys]]              # reusable layer -> prefix + relocated segments
+    new_latent: dict[int, torch.Tensor]
+    new_comp: dict[int, CompressorState]
+    new_index: dict[int, CompressorState]
+    new_delta: int
+    pos: int
+
+
+class ReuseEngine:
+    def __init__(self, model: Transformer, profile: ReuseProfile):
+        profile.check(model.cfg)
+        self.model, self.profile, self.cfg = model, profile, model.cfg
+        n_heads = model.layers[0].attn.n_heads
+        self.gmask = global_mask(self.cfg, profile, n_heads, model.par.rank)
+
+    # ------------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, docs: list[DocumentArtifact], question: list[int]) -> ReuseResult:
+        m, cfg, prof = self.model, self.cfg, self.profile
+        dev = m.embed.weight.device
+        prefix, reloc = docs[0], docs[1:]
+        deltas, pos = [], 0
+        for d in docs:
+            assert d.n % prof.align == 0, "artifacts are padded to the profile's alignment"
+            deltas.append(pos)
+            pos += d.n
+        q_start = pos
+        tokens = torch.tensor([t for d in reloc for t in d.tokens] + list(question), device=dev)
+        positions = torch.arange(prefix.n, q_start + len(question), device=dev)
+        n_reloc = q_start - prefix.n
+        ledger = Ledger.start(cfg, prof, n_prefix=prefix.n, n_reloc=n_reloc, n_new=len(question))
+
+        state = RequestState({}, {}, {}, {}, {}, q_start, q_start + len(question))
+        x = m.embed_streams(tokens)
+        deviation = torch.zeros(n_reloc, device=dev)
+        idx_score = torch.zeros(n_reloc, device=dev)
+        active = None
+        for i, block in enumerate(m.layers):
+            if prof.is_fence(cfg, i):
+                lc = self._prefix_cache(block, prefix.layers[i])
+                lc.capture = {}
+                x = block(x, tokens, positions, lc, m.q_chunk)
+                cap, lc.capture = lc.capture, None
+                state.fence_caches[i] = lc
+                ledger.fence_layer(i, rows=len(tokens), total_rows=q_start + len(question))
+                if i < prof.first_fences and n_reloc:
+                    deviation += self._deviation(block, cap["latent"][:n_reloc], reloc, deltas[1:], i)
+                    if block.attn.kind == CSA and cap["topk"] is not None:
+                        idx_score = torch.maximum(idx_score, self._indexer_rows(cap["topk"], n_reloc, prefix.n,
+                                                                                len(question), block))
+                continue
+            if active is None:
+                active = self._choose_active(deviation, idx_score, reloc, deltas[1:], q_start, len(question))
+                ledger.set_active(int(active.sum()))
+            x = self._reusable_layer(i, block, x, tokens, positions, docs, deltas, active, state, ledger)
+        logits = m.logits(x[-1:])[0]
+        act_pos = positions[:n_reloc][active] if active is not None else positions[:0]
+        return ReuseResult(logits, ledger, act_pos, state)
+
+    # ------------------------------------------------------------------------------------------------
+    def _prefix_cache(self, block: Block, art: LayerArtifact) -> LayerCache:
+        """A native cache holding exactly what the prefix document left behind (padded: no compressor tail)."""
+        W = self.cfg.window_size
+        lc = LayerCache(window_kv=art.latent[-(W - 1):].clone() if W > 1 else art.latent[:0].clone())
+        if block.attn.compressor is not None:
+            lc.compressor = CompressorState(entries=art.entries.clone(),
+                                            prev_kv=art.comp_prev[0] if art.comp_prev else None,
+                                            prev_gate=art.comp_prev[1] if art.comp_prev else None)
+        if block.attn.indexer is not None:
+            lc.indexer = CompressorState(entries=art.index_keys.clone(),
+                                         prev_kv=art.index_prev[0] if art.index_prev else None,
+                                         prev_gate=art.index_prev[1] if art.index_prev else None)
+        return lc
+
+    def _deviation(self, block, latent_req, reloc, deltas, layer) -> torch.Tensor:
+        """CacheBlend's signal for free: the request-context latent of the first fences against the artifact's
+        latent of the same layer (moved to the request frame), relative per row."""
+        outs = []
+        a = 0
+        for d, delta in zip(reloc, deltas):
+            art = d.layers[layer].latent
+            moved = Rotary.apply(art, *block.attn.rotary.cos_sin(torch.full((d.n,), delta, device=art.device)))
+            got = latent_req[a:a + d.n]
+            outs.append((got.float() - moved.float()).norm(dim=-1) / moved.float().norm(dim=-1).clamp_min(1e-12))
+            a += d.n
+        return torch.cat(outs)
+
+    def _indexer_rows(self, topk, n_reloc, prefix_n, n_q, block) -> torch.Tensor:
+        """Rows of the compressed blocks that the native indexer picks for the question rows, scored by how many
+        question rows pick them."""
+        score = torch.zeros(n_reloc, device=topk.device)
+        picks = topk[-n_q:].flatten()
+        picks = picks[picks >= 0]
+        if picks.numel() == 0:
+            return score
+        rows = (picks[:, None] * 4 + torch.arange(4, device=picks.device)).flatten() - prefix_n
+        rows = rows[(rows >= 0) & (rows < n_reloc)]
+        score.index_add_(0, rows, torch.ones_like(rows, dtype=score.dtype))
+        return score
+
+    def _choose_active(self, deviation, idx_score, reloc, deltas, q_start, n_q) -> torch.Tensor:
+        """The fixed controller. Budget = ceil(budget x candidate rows). Fill in this priority order, each class
+        ranked within itself, until the budget is spent:
+          1. dirty rows: the top half of the budget by first-fence deviation;
+          2. join rows (first/last `join_rows` of every relocated segment), nearest the join first;
+          3. rows of blocks the native indexer picks for the question rows, most picked first;
+          4. the most recent `recent_rows` rows of the request, most recent first;
+          5. whatever budget is left: remaining rows by deviation.
+        Question and new rows are always active and are not candidates."""
+        prof = self.profile
+        n = deviation.shape[0]
+        active = torch.zeros(n, dtype=torch.bool, device=deviation.device)
+        if n == 0:
+            return active
+        budget = min(n, math.ceil(prof.budget * n - 1e-9))
+        order: list[torch.Tensor] = []
+        order.append(torch.argsort(deviation, descending=True, stable=True)[: (budget + 1) // 2])
+        dist = torch.full((n,), 1 << 30, device=deviation.device)
+        a = 0
+        for d in reloc:
+            r = torch.arange(d.n, device=dist.device)
+            to_join = torch.minimum(r, d.n - 1 - r)
+            dist[a:a + d.n] = torch.where(to_join < prof.join_rows, to_join, dist[a:a + d.n])
+            a += d.n
+        joins = torch.argsort(dist, stable=True)
+        order.append(joins[dist[joins] < (1 << 30)])
+        picked = torch.argsort(idx_score, descending=True, stable=True)
+        order.append(picked[idx_score[picked] > 0])
+        req_pos = torch.cat([torch.arange(dl, dl + d.n, device=dist.device) for d, dl in zip(reloc, deltas)])
+        recent = torch.argsort(req_pos, descending=True, stable=True)
+        order.append(recent[req_pos[recent] >= q_start + n_q - prof.recent_rows])
+        order.append(torch.argsort(deviation, descending=True, stable=True))
+        left = budget
+        for cls in order:
+            for r in cls.tolist():
+                if left == 0:
+                    return active
+                if not active[r]:
+                    active[r] = True
+                    left -= 1
+        return active
+
+    # ------------------------------------------------------------------------------------------------
+    def _reusable_layer(self, i, block, x, tokens, positions, docs, deltas, active, state, ledger):
+        cfg, prof, attn = self.cfg, self.profile, block.attn
+        n_reloc = active.shape[0]
+        M = x.shape[0]
+        row_active = torch.cat([active, torch.ones(M - n_reloc, dtype=torch.bool, device=x.device)])
+        h, post, comb = block.hc_pre(x, "attn")
+        hn = block.attn_norm(h)
+
+        # keys: prefix from its artifact, relocated from artifact with recomputed rows overlaid, new rows native
+        segs = [SegmentKeys(0, docs[0].layers[i].latent, docs[0].layers[i].entries, docs[0].layers[i].index_keys)]
+        comp_state = CompressorState(prev_kv=_prev(docs[0].layers[i].comp_prev, 0),
+                                     prev_gate=_prev(docs[0].layers[i].comp_prev, 1))
+        idx_state = CompressorState(prev_kv=_prev(docs[0].layers[i].index_prev, 0),
+                                    prev_gate=_prev(docs[0].layers[i].index_prev, 1))
+        a = 0
+        for d, delta in zip(docs[1:], deltas[1:]):
+            art = d.layers[i]
+            rows = slice(a, a + d.n)
+            act = active[rows]
+            cpos = torch.arange(d.n, device=x.device)
+            latent = art.latent
+            if act.any():
+                fresh = attn.latent(hn[rows][act], cpos[act])
+                latent = art.latent.clone()
+                latent[act] = fresh.to(latent.dtype)
+                ledger.latent_rows(int(act.sum()))
+            seg = SegmentKeys(delta, latent, art.entries, art.index_keys)
+            if attn.compressor is not None:
+                seg.entries = self._overlay_entries(attn.compressor, hn[rows], act, art.entries, comp_state)
+            if attn.indexer is not None:
+                seg.index_keys = self._overlay_entries(attn.indexer.compressor, hn[rows], act, art.index_keys, idx_state)
+            segs.append(seg)
+            a += d.n
+        # the new rows: a native segment of their own starting at the aligned question offset
+        nrows = slice(n_reloc, M)
+        ncpos = torch.arange(M - n_reloc, device=x.device)
+        new_latent = attn.latent(hn[nrows], ncpos)
+        new_seg = SegmentKeys(state.new_delta, new_latent)
+        if attn.compressor is not None:
+            new_seg.entries = attn.compressor(hn[nrows], comp_state)
+            state.new_comp[i] = comp_state
+        if attn.indexer is not None:
+            new_seg.index_keys = attn.indexer.compressor(hn[nrows], idx_state)
+            state.new_index[i] = idx_state
+        state.seg_keys[i] = segs
+        state.new_latent[i] = new_latent
+        all_segs = segs + [new_seg]
+
+        # queries: active rows every head, the others their Global heads only
+        qr = attn.q_norm(attn.wq_a(hn))
+        q_raw = unweighted_rms_norm(attn.wq_b(qr).view(M, attn.n_heads, cfg.head_dim), cfg.norm_eps)
+        o = torch.zeros_like(q_raw)
+        pairs = 0
+        for sel, heads in ((row_active, None), (~row_active, self.gmask.to(x.device))):
+            if not sel.any():
+                continue
+            qs = q_raw[sel] if heads is None else q_raw[sel][:, heads]
+            sink = attn.attn_sink if heads is None else attn.attn_sink[heads]
+            out, p = segment_attention(attn, qs, positions[sel], all_segs, sink,
+                                       (hn[sel], qr[sel]) if attn.indexer is not None else None)
+            pairs += p * qs.shape[1]
+            if heads is None:
+                o[sel] = out.to(o.dtype)
+            else:
+                tmp = o[sel]
+                tmp[:, heads] = out.to(o.dtype)
+                o[sel] = tmp
+        P = attn.project(o, positions)
+        restore = ~row_active[:n_reloc]
+        if restore.any():
+            local = torch.cat([d.layers[i].local_p for d in docs[1:]])
+            P[:n_reloc][restore] += local[restore].to(P.dtype)
+        x = block.hc_post(attn.output(P), x, post, comb)
+        ledger.reusable_layer(i, active_rows=int(row_active.sum()), restored_rows=int(restore.sum()),
+                              global_heads=int(self.gmask.sum()), pairs=pairs)
+
+        # FFN: active rows with adaptive fanout; the others per the profile's ffn_mode
+        h2, post2, comb2 = block.hc_pre(x, "ffn")
+        hn2 = block.ffn_norm(h2)
+        y = torch.zeros_like(hn2, dtype=torch.float32)
+        ffn_rows = row_active if prof.ffn_mode == "skip" else torch.ones_like(row_active)
+        if row_active.any():
+            y[row_active] = self._moe_adaptive(block, hn2[row_active], tokens[row_active], ledger)
+        if prof.ffn_mode == "native" and (~row_active).any():
+            y[~row_active] = block.ffn.routed(hn2[~row_active], *block.ffn.gate(hn2[~row_active], tokens[~row_active])) \
+                + block.ffn.shared_experts(hn2[~row_active]).float()
+            ledger.moe_rows((~row_active).sum().item(), cfg.n_activated_experts)
+        elif prof.ffn_mode == "shared-expert-only" and (~row_active).any():
+            y[~row_active] = block.ffn.shared_experts(hn2[~row_active]).float()
+            ledger.moe_rows((~row_active).sum().item(), 0)
+        y = block.ffn.par.all_reduce(y).to(x.dtype)
+        mixed = block.hc_post(y, x, post2, comb2)
+        # skipped rows keep their streams unchanged (residual identity)
+        return torch.where(ffn_rows[:, None, None], mixed, x)
+
+    def _overlay_entries(self, comp, h_rows, act, art_entries, state: CompressorState):
+        """Recompute the compressed entries of blocks holding any active row (with the overlap half carried
+        across the join from the previous segment), keep the artifact's entries elsewhere."""
+        fresh_state = CompressorState(prev_kv=state.prev_kv, prev_gate=state.prev_gate)
+        fresh = comp(h_rows, fresh_state)
+        state.prev_kv, state.prev_gate = fresh_state.prev_kv, fresh_state.prev_gate
+        r = comp.ratio
+        blk = act.view(-1, r).any(dim=1)
+        if not blk.any():
+            return art_entries
+        out = art_entries.clone()
+        out[blk] = fresh[blk].to(out.dtype)
+        return out
+
+    def _moe_adaptive(self, block, h, tokens, ledger) -> torch.Tensor:
+        """Top-6 by the router, then k = smallest k >= min_experts whose normalized cumulative weight reaches
+        tau; the k experts run with their original weights; the shared expert always runs."""
+        prof, cfg = self.profile, self.cfg
+        w, idx = block.ffn.gate(h, tokens)
+        order = torch.argsort(w, dim=-1, descending=True, stable=True)
+        w, idx = w.gather(1, order), idx.gather(1, order)
+        cum = w.cumsum(-1) / w.sum(-1, keepdim=True)
+        k = (cum < prof.tau - 1e-6).sum(-1) + 1
+        k = k.clamp(min=prof.min_experts, max=w.shape[1])
+        keep = torch.arange(w.shape[1], device=h.device)[None, :] < k[:, None]
+        idx = torch.where(keep, idx, torch.full_like(idx, -1))
+        ledger.moe_rows(h.shape[0], float(k.float().mean()))
+        return block.ffn.routed(h, w, idx) + block.ffn.shared_experts(h).float()
+
+
+def _prev(pair, i):
+    return None if pair is None else pair[i]

@@ -1,0 +1,57 @@
+"""Offline producer: run a document alone at positions 0..n-1 and keep, per layer, what the consumer reuses."""
+from __future__ import annotations
+
+import torch
+
+from runtime.model.deepseek_v4 import Transformer
+from .artifact import DocumentArtifact, LayerArtifact
+from .profile import ReuseProfile
+from .roles import local_mask
+
+PRODUCER_VERSION = "redknot-producer/1"
+
+
+def pad_document(tokens: list[int], align: int, pad_id: int) -> list[int]:
+    """Documents are padded at the end with the pad token up to a multiple of `align`, so every segment
+    start in a request stays aligned to compression blocks. The padding is part of the document's tokens
+    and is identical in both arms."""
+    n = len(tokens)
+    return list(tokens) + [pad_id] * ((-n) % align)
+
+
+@torch.inference_mode()
+def produce(model: Transformer, tokens: list[int], profile: ReuseProfile, pad_id: int | None = None) -> DocumentArtifact:
+    cfg = model.cfg
+    profile.check(cfg)
+    pad_id = cfg.eos_token_id if pad_id is None else pad_id
+    padded = pad_document(tokens, profile.align, pad_id)
+    dev = model.embed.weight.device
+    ids = torch.tensor(padded, device=dev)
+    cache = model.new_cache()
+    for lc in cache.layers:
+        lc.capture = {}
+    model(ids, cache)
+    keep_local = local_mask(cfg, profile, model.layers[0].attn.n_heads, model.par.rank).to(dev)
+    layers = []
+    for i, (block, lc) in enumerate(zip(model.layers, cache.layers)):
+        cap = lc.capture
+        art = LayerArtifact(latent=cap["latent"].clone())
+        if block.attn.compressor is not None:
+            st = lc.compressor
+            art.entries = st.entries.clone()
+            if st.prev_kv is not None:
+                art.comp_prev = (st.prev_kv.clone(), st.prev_gate.clone())
+        if block.attn.indexer is not None:
+            st = lc.indexer
+            art.index_keys = st.entries.clone()
+            if st.prev_kv is not None:
+                art.index_prev = (st.prev_kv.clone(), st.prev_gate.clone())
+        if not profile.is_fence(cfg, i):
+            o = cap["o"] * keep_local[None, :, None].to(cap["o"].dtype)
+            art.local_p = block.attn.project(o, torch.arange(len(padded), device=dev)).clone()
+        layers.append(art)
+        lc.capture = None
+    return DocumentArtifact(tokens=padded, n_content=len(tokens), layers=layers, tp_rank=model.par.rank,
+                            tp_size=model.par.size, meta={"profile": profile.to_dict(),
+                                                          "producer_version": PRODUCER_VERSION,
+                                                          "dtype": str(model.dtype).replace("torch.", "")})

@@ -1,0 +1,87 @@
+"""Reuse profiles: frozen values that go into every certificate.
+
+Roles are per output group: in each group of `heads_per_group` heads the first `global_per_group` heads are
+Global (computed online), the rest Local (restored from the artifact). The first and last `fences` layers
+always run full recomputation with native top-k routing."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from runtime.model.config import ModelConfig
+
+FFN_MODES = ("skip", "shared-expert-only", "native")
+LAST_FENCE_KV = ("recompute", "artifact")
+
+
+class ProfileError(ValueError):
+    """A profile that cannot run on this model; the request falls back or the build is refused."""
+
+
+@dataclass(frozen=True)
+class ReuseProfile:
+    name: str = "custom"
+    first_fences: int = 3
+    last_fences: int = 3
+    global_per_group: int = 1
+    budget: float = 0.25          # active rows as a fraction of candidate (relocated) rows
+    tau: float = 0.9              # adaptive MoE fanout threshold on active rows in reusable layers
+    min_experts: int = 3
+    ffn_mode: str = "skip"        # FFN of non-active rows in reusable layers
+    last_fence_kv: str = "recompute"
+    join_rows: int = 128          # B128: first/last rows of every relocated segment
+    recent_rows: int = 32768      # T_32K
+    align: int = 128              # segment starts padded to multiples of this
+
+    def __post_init__(self):
+        if not 0.0 < self.budget <= 1.0:
+            raise ProfileError(f"budget={self.budget} must be in (0, 1]")
+        if not 0.0 < self.tau <= 1.0:
+            raise ProfileError(f"tau={self.tau} must be in (0, 1]")
+        if self.ffn_mode not in FFN_MODES:
+            raise ProfileError(f"ffn_mode={self.ffn_mode!r} not in {FFN_MODES}")
+        if self.last_fence_kv not in LAST_FENCE_KV:
+            raise ProfileError(f"last_fence_kv={self.last_fence_kv!r} not in {LAST_FENCE_KV}")
+        if self.first_fences < 1:
+            raise ProfileError("at least one first fence is needed: it yields the dirty-row signal")
+
+    def check(self, cfg: ModelConfig) -> None:
+        if self.first_fences + self.last_fences > cfg.n_layers:
+            raise ProfileError(f"{self.first_fences}+{self.last_fences} fences exceed {cfg.n_layers} layers")
+        if not 1 <= self.global_per_group <= cfg.heads_per_group:
+            raise ProfileError(f"global_per_group={self.global_per_group} not in 1..{cfg.heads_per_group}")
+        if self.align % max(r for r in cfg.compress_ratios + (1,)) and self.align % 4:
+            raise ProfileError(f"align={self.align} must keep compression blocks aligned")
+        for r in cfg.compress_ratios:
+            if r and self.align % r:
+                raise ProfileError(f"align={self.align} is not a multiple of compress ratio {r}")
+
+    def is_fence(self, cfg: ModelConfig, layer: int) -> bool:
+        return layer < self.first_fences or layer >= cfg.n_layers - self.last_fences
+
+    def reusable_layers(self, cfg: ModelConfig) -> list[int]:
+        return [i for i in range(cfg.n_layers) if not self.is_fence(cfg, i)]
+
+    def local_heads(self, cfg: ModelConfig) -> int:
+        return cfg.n_heads - self.global_per_group * cfg.o_groups
+
+    def structural_ceiling(self, cfg: ModelConfig) -> float:
+        """(R/L) x (Local/heads): the fraction of layer x head units eligible for restoration."""
+        return len(self.reusable_layers(cfg)) / cfg.n_layers * self.local_heads(cfg) / cfg.n_heads
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def replace(self, **kw) -> "ReuseProfile":
+        return dataclasses.replace(self, **kw)
+
+
+FLASH_PROFILE = ReuseProfile(name="flash")     # 3F-37R-3F, 56 Local / 8 Global on Flash
+PRO_PROFILE = ReuseProfile(name="pro")         # 3F-55R-3F, 112 Local / 16 Global on Pro
+PROFILES = {"flash": FLASH_PROFILE, "pro": PRO_PROFILE}
+
+
+def degenerate(cfg: ModelConfig) -> ReuseProfile:
+    """Budget 100%, every head Global, native top-6: must reproduce full recomputation."""
+    return ReuseProfile(name="degenerate", global_per_group=cfg.heads_per_group, budget=1.0, tau=1.0,
+                        min_experts=cfg.n_activated_experts, ffn_mode="native")

@@ -1,0 +1,156 @@
+"""The reuse path is exact where the math is exact (SPEC §3, §5) and measurably approximate elsewhere."""
+import math
+
+import pytest
+import torch
+
+from runtime.model.checkpoint import random_state
+from runtime.model.config import FLASH, PRO, tiny
+from runtime.model.deepseek_v4 import (Transformer, entry_attention, gathered_attention, merge_with_sink, Rotary,
+                                       unweighted_rms_norm, window_attention)
+from runtime.reuse.consumer import ReuseEngine, SegmentKeys, segment_attention
+from runtime.reuse.producer import produce
+from runtime.reuse.profile import FLASH_PROFILE, PRO_PROFILE, ReuseProfile, degenerate
+from runtime.reuse.roles import global_mask, local_mask
+
+TOL = 1e-4
+CFG = tiny(n_layers=8, compress_ratios=(0, 4, 16, 4, 16, 4, 16, 4), n_hash_layers=2)
+BASE = dict(first_fences=2, last_fences=2, align=16)
+
+
+def rel_err(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = Transformer(CFG)
+    m.load_state_dict(random_state(CFG, seed=1))
+    return m
+
+
+@pytest.fixture(scope="module")
+def request_tokens():
+    g = torch.Generator().manual_seed(3)
+    docs = [torch.randint(2, CFG.vocab_size, (n,), generator=g).tolist() for n in (100, 150, 60)]
+    return docs, torch.randint(2, CFG.vocab_size, (20,), generator=g).tolist()
+
+
+def test_split_projection_equals_native(model):
+    """Seed eq. 4: W_a,L O_L + W_a,G O_G = W_a O, then W_b once."""
+    attn = model.layers[3].attn
+    o = torch.randn(30, attn.n_heads, CFG.head_dim)
+    pos = torch.arange(500, 530)
+    prof = ReuseProfile(**BASE)
+    gm = global_mask(CFG, prof, attn.n_heads)[None, :, None].float()
+    lm = local_mask(CFG, prof, attn.n_heads)[None, :, None].float()
+    split = attn.project(o * lm, pos) + attn.project(o * gm, pos)
+    assert rel_err(attn.output(split), attn.output(attn.project(o, pos))) <= 1e-6
+
+
+@pytest.mark.parametrize("layer", [0, 1, 2])       # window-only, CSA, HCA
+def test_relocation_equals_rerope_concatenation(model, layer):
+    """Query rotation + per-segment de-rotation + LSE merge (sink once) equals native attention over a physically
+    re-roped, concatenated cache. Segments at offsets 0, 128 and 4224."""
+    torch.set_grad_enabled(False)
+    attn = model.layers[layer].attn
+    g = torch.Generator().manual_seed(layer)
+    D, ih = CFG.head_dim, CFG.index_head_dim
+    lens, deltas = (128, 4096, 80), (0, 128, 4224)
+    segs = []
+    for n, dl in zip(lens, deltas):
+        N = n // attn.ratio if attn.ratio else 0
+        segs.append(SegmentKeys(dl, torch.randn(n, D, generator=g),
+                                torch.randn(N, D, generator=g) if attn.ratio else None,
+                                torch.randn(N, ih, generator=g) if attn.kind == "csa" else None))
+    qpos = torch.cat([torch.arange(130, 140), torch.arange(4200, 4230), torch.arange(4280, 4304)])
+    T = qpos.shape[0]
+    q_raw = unweighted_rms_norm(torch.randn(T, attn.n_heads, D, generator=g), 1e-6)
+    h, qr = torch.randn(T, CFG.dim, generator=g), torch.randn(T, CFG.q_lora_rank, generator=g)
+    got, _ = segment_attention(attn, q_raw, qpos, segs, attn.attn_sink, (h, qr))
+
+    def moved(t, dl):
+        return Rotary.apply(t, *attn.rotary.cos_sin(torch.full((t.shape[0],), dl)))
+    keys = torch.cat([moved(s.latent, s.delta) for s in segs])
+    q = Rotary.apply(q_raw, *attn.rotary.cos_sin(qpos))
+    outs = []
+    for t in range(T):                       # one query at a time: each at its own place in the concatenation
+        qt, pt = q[t:t + 1], qpos[t:t + 1]
+        parts = [window_attention(qt, keys[: pt.item() + 1], pt.item(), CFG.window_size, attn.scale)]
+        if attn.kind != "window":
+            ent = torch.cat([moved(s.entries, s.delta) for s in segs])
+            if attn.kind == "hca":
+                vis = torch.arange(ent.shape[0])[None, :] < ((pt + 1) // attn.ratio)[:, None]
+                parts.append(entry_attention(qt, ent, vis, attn.scale))
+            else:
+                ik = torch.cat([moved(s.index_keys, s.delta) for s in segs])
+                sc = attn.indexer.scores(h[t:t + 1], qr[t:t + 1], pt, ik)
+                top = sc.topk(min(attn.indexer.topk, ik.shape[0]), dim=-1)
+                idx = torch.where(torch.isinf(top.values), torch.full_like(top.indices, -1), top.indices)
+                parts.append(gathered_attention(qt, ent, idx, attn.scale))
+        outs.append(merge_with_sink(parts, attn.attn_sink))
+    # float32 RoPE angles at positions ~4K carry ~1e-4 rad of rounding, and the two sides round differently
+    # (one rotation by t against rotations by t - Delta and Delta): 1e-4 relative, as for logits
+    assert rel_err(got, torch.cat(outs)) <= TOL
+
+
+def test_degenerate_profile_equals_full_recompute(model, request_tokens):
+    docs, question = request_tokens
+    prof = degenerate(CFG).replace(**BASE)
+    arts = [produce(model, t, prof) for t in docs]
+    ref = model(torch.tensor([t for a in arts for t in a.tokens] + question))
+    res = ReuseEngine(model, prof).prefill(arts, question)
+    assert res.ledger.active == sum(a.n for a in arts[1:])
+    assert rel_err(res.logits, ref) <= TOL
+
+
+def test_prefix_document_plus_question_is_exact(model, request_tokens):
+    docs, question = request_tokens
+    prof = ReuseProfile(**BASE, budget=0.1)
+    art = produce(model, docs[0], prof)
+    res = ReuseEngine(model, prof).prefill([art], question)
+    assert rel_err(res.logits, model(torch.tensor(art.tokens + question))) <= TOL
+
+
+def test_normal_profile_is_approximate_and_ledger_counts_what_was_skipped(model, request_tokens):
+    docs, question = request_tokens
+    prof = ReuseProfile(**BASE, budget=0.25, recent_rows=16, join_rows=8)
+    arts = [produce(model, t, prof) for t in docs]
+    ref = model(torch.tensor([t for a in arts for t in a.tokens] + question))
+    res = ReuseEngine(model, prof).prefill(arts, question)
+    assert rel_err(res.logits, ref) > 1e-3                    # the approximation is really active
+    led = res.ledger
+    n_reloc = sum(a.n for a in arts[1:])
+    assert led.active == math.ceil(0.25 * n_reloc) == res.active_rows.numel()
+    L, H = CFG.n_layers, CFG.n_heads
+    R = len(prof.reusable_layers(CFG))
+    Hg = prof.global_per_group * CFG.o_groups
+    skipped = (n_reloc - led.active) * R
+    assert led.token_row_saving() == pytest.approx(skipped / (n_reloc * L))
+    assert led.head_row_saving() == pytest.approx(skipped * (H - Hg) / (n_reloc * L * H))
+    assert 0 < led.head_row_saving() < led.structural_ceiling()
+    fs = led.flop_saving()
+    assert all(fs[k] > 0 for k in ("projections", "attention", "moe", "total"))
+
+
+def test_controller_priority_order(model):
+    """dirty (top half of the budget) -> join rows nearest the join -> indexer picks -> recency -> deviation."""
+    prof = ReuseProfile(**BASE, budget=0.25, join_rows=2, recent_rows=4)
+    eng = ReuseEngine(model, prof)
+
+    class Doc:
+        n = 16
+    reloc, deltas = [Doc(), Doc()], [16, 32]
+    dev = torch.zeros(32)
+    dev[[5, 20, 9]] = torch.tensor([3.0, 2.0, 1.0])
+    idx = torch.zeros(32)
+    idx[12] = 5.0
+    act = eng._choose_active(dev, idx, reloc, deltas, q_start=48, n_q=4)
+    assert int(act.sum()) == 8
+    # dirty: top 4 by deviation (5, 20, 9, then the stable first zero: 0); joins nearest first: 0,15,16,31
+    assert set(torch.nonzero(act).flatten().tolist()) == {5, 20, 9, 0, 15, 16, 31, 1}
+
+
+def test_structural_ceilings():
+    assert FLASH_PROFILE.structural_ceiling(FLASH) == pytest.approx(0.7529, abs=5e-5)
+    assert PRO_PROFILE.structural_ceiling(PRO) == pytest.approx(0.7889, abs=5e-5)
