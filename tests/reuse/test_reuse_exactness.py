@@ -49,10 +49,10 @@ def test_split_projection_equals_native(model):
 
 
 @pytest.mark.parametrize("layer", [0, 1, 2])       # window-only, CSA, HCA
+@torch.no_grad()
 def test_relocation_equals_rerope_concatenation(model, layer):
     """Query rotation + per-segment de-rotation + LSE merge (sink once) equals native attention over a physically
     re-roped, concatenated cache. Segments at offsets 0, 128 and 4224."""
-    torch.set_grad_enabled(False)
     attn = model.layers[layer].attn
     g = torch.Generator().manual_seed(layer)
     D, ih = CFG.head_dim, CFG.index_head_dim

@@ -1,0 +1,77 @@
+"""One request end to end on one TP rank: load and verify each document's artifact, agree across ranks with one
+collective, then run the reuse path, or fall back, explicitly and counted, to full recomputation of the same
+(padded) tokens. A reuse-arm result always says which arm really ran."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from runtime.model.deepseek_v4 import Transformer
+from .certificate import FallbackCounter, FallbackReason, Verdict, agree, token_hash
+from .consumer import ReuseEngine
+from .ledger import Ledger
+from .producer import PRODUCER_VERSION, pad_document, produce
+from .profile import ReuseProfile
+from .roles import channel_range
+from .store import load_artifact, save_artifact
+
+
+@dataclass(frozen=True)
+class ServingIdentity:
+    """What every artifact must be bound to: the checkpoint fingerprint and the tokenizer's."""
+    fingerprint: str
+    tokenizer_fingerprint: str
+
+
+@dataclass
+class Outcome:
+    logits: torch.Tensor
+    arm: str                                  # "reuse" or "recompute": what really ran
+    verdict: Verdict
+    ledger: Ledger | None
+
+    @property
+    def fell_back(self) -> bool:
+        return self.arm != "reuse"
+
+
+def build(model: Transformer, tokens: list[int], profile: ReuseProfile, ident: ServingIdentity,
+          directory: str | os.PathLike, generation: int = 1) -> Path:
+    """Producer + store: one document's artifact for this rank, certified."""
+    art = produce(model, tokens, profile)
+    par = model.par
+    save_artifact(art, directory, dict(
+        fingerprint=ident.fingerprint, token_hash=token_hash(art.tokens, ident.tokenizer_fingerprint),
+        profile=profile.to_dict(), channel_range=channel_range(model.cfg, par.rank, par.size),
+        dtype=art.meta["dtype"], producer_version=PRODUCER_VERSION, generation=generation))
+    return Path(directory)
+
+
+@torch.inference_mode()
+def answer(model: Transformer, profile: ReuseProfile, docs: list[list[int]], artifact_dirs: list[str | os.PathLike],
+           question: list[int], ident: ServingIdentity, current_generation: int,
+           counter: FallbackCounter | None = None) -> Outcome:
+    cfg, par = model.cfg, model.par
+    padded = [pad_document(d, profile.align, cfg.eos_token_id) for d in docs]
+    expect = dict(fingerprint=ident.fingerprint, profile=profile.to_dict(), tp_size=par.size, tp_rank=par.rank,
+                  channel_range=channel_range(cfg, par.rank, par.size), layers_needed=list(range(cfg.n_layers)),
+                  current_generation=current_generation)
+    arts, verdict = [], Verdict.accept()
+    for toks, d in zip(padded, artifact_dirs):
+        art, v = load_artifact(d, dict(expect, tokens_hash=token_hash(toks, ident.tokenizer_fingerprint)))
+        if not v.ok:
+            verdict = v
+            break
+        arts.append(art)
+    # the one agreement collective, before any reuse-specific collective: all ranks reuse or none does
+    verdict = agree(verdict, par)
+    if verdict.ok:
+        res = ReuseEngine(model, profile).prefill(arts, question)
+        return Outcome(res.logits, "reuse", verdict, res.ledger)
+    if counter is not None:
+        counter.observe(verdict)
+    full = torch.tensor([t for p in padded for t in p] + list(question), device=model.embed.weight.device)
+    return Outcome(model(full), "recompute", verdict, None)

@@ -1,0 +1,296 @@
+"""One document's artifact for one TP rank as a directory (format version 1):
+
+    manifest.msgpack                                  format, tokens, n_content, tp geometry, meta, shard table
+    layer{L:02d}.latent.safetensors                   rank-agnostic: latent, entries, index_keys, *_prev kv/gate
+    layer{L:02d}.local.r{rank}.c{lo}-{hi}.safetensors reusable layers: local_p, this rank's channel range
+    certificate.msgpack                               written LAST: a directory without it is not an artifact
+
+Every file is written to a temp name, fsynced and renamed. The certificate holds the blake3 digest of every
+shard's exact bytes (the manifest included, under the name "manifest"); `load_artifact` recomputes them on
+the bytes it then parses, so what is verified is what is used."""
+from __future__ import annotations
+
+import os
+import re
+import uuid
+from pathlib import Path
+
+import msgpack
+import safetensors.torch
+import torch
+
+from .artifact import DocumentArtifact, LayerArtifact
+from .certificate import Certificate, CertificateError, FallbackReason, Verdict, digest_bytes, validate
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest"
+MANIFEST_FILE = "manifest.msgpack"
+CERTIFICATE_FILE = "certificate.msgpack"
+CERT_FIELDS = ("fingerprint", "token_hash", "profile", "channel_range", "dtype", "producer_version", "generation")
+EXPECT_FIELDS = ("fingerprint", "tokens_hash", "profile", "tp_size", "tp_rank", "channel_range", "layers_needed",
+                 "current_generation")
+_SHARD_NAME = re.compile(r"^layer(\d{2,})\.(latent|local\.r(\d+)\.c(\d+)-(\d+))$")
+
+
+def latent_shard(layer: int) -> str:
+    return f"layer{layer:02d}.latent"
+
+
+def local_shard(layer: int, rank: int, channel_range: tuple[int, int]) -> str:
+    lo, hi = channel_range
+    return f"layer{layer:02d}.local.r{rank}.c{lo}-{hi}"
+
+
+def shard_file(name: str) -> str:
+    # file names follow from shard names, so a reader never needs unverified data to find a file
+    return MANIFEST_FILE if name == MANIFEST else name + ".safetensors"
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _latent_tensors(la: LayerArtifact) -> dict[str, torch.Tensor]:
+    out = {"latent": la.latent}
+    if la.entries is not None:
+        out["entries"] = la.entries
+    if la.index_keys is not None:
+        out["index_keys"] = la.index_keys
+    for prefix, pair in (("comp_prev", la.comp_prev), ("index_prev", la.index_prev)):
+        if pair is not None:
+            out[f"{prefix}.kv"], out[f"{prefix}.gate"] = pair
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------- writing
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(directory: Path, file: str, data: bytes) -> None:
+    tmp = directory / f".{file}.{uuid.uuid4().hex}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, directory / file)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def save_artifact(art: DocumentArtifact, directory: str | os.PathLike, cert_fields: dict) -> Certificate:
+    """Write `art` and certify it. `cert_fields`: fingerprint, token_hash, profile (dict or ReuseProfile),
+    channel_range, dtype, producer_version, generation. Artifacts are immutable: an existing certificate in
+    `directory` is an error, while leftovers of an uncertified (crashed) write are overwritten."""
+    missing = [k for k in CERT_FIELDS if k not in cert_fields]
+    if missing:
+        raise ValueError(f"cert_fields lacks {missing}")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    if (directory / CERTIFICATE_FILE).exists():
+        raise FileExistsError(f"{directory} already holds a certified artifact; artifacts are immutable")
+    lo, hi = (int(c) for c in cert_fields["channel_range"])
+    if not 0 <= lo <= hi:
+        raise ValueError(f"channel_range ({lo}, {hi}) is not 0 <= lo <= hi")
+    if not 0 <= art.tp_rank < art.tp_size:
+        raise ValueError(f"tp_rank {art.tp_rank} outside tp_size {art.tp_size}")
+    profile = cert_fields["profile"]
+    profile = profile.to_dict() if hasattr(profile, "to_dict") else dict(profile)
+
+    shards, digests = [], {}
+    for layer, la in enumerate(art.layers):
+        if la.latent.shape[0] != art.n:
+            raise ValueError(f"layer {layer}: latent has {la.latent.shape[0]} rows for {art.n} tokens")
+        parts = [(latent_shard(layer), "latent", _latent_tensors(la))]
+        if la.local_p is not None:
+            if tuple(la.local_p.shape) != (art.n, hi - lo):
+                raise ValueError(f"layer {layer}: local_p {tuple(la.local_p.shape)} does not match "
+                                 f"{art.n} rows x channels [{lo}, {hi})")
+            parts.append((local_shard(layer, art.tp_rank, (lo, hi)), "local", {"local_p": la.local_p}))
+        for name, kind, tensors in parts:
+            # clone: safetensors refuses tensors that share storage (e.g. kv/gate views of one buffer)
+            tensors = {k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}
+            data = safetensors.torch.save(tensors)
+            _write_atomic(directory, shard_file(name), data)
+            digests[name] = digest_bytes(data)
+            shards.append({"name": name, "file": shard_file(name), "layer": layer, "kind": kind,
+                           "tensors": {k: [list(v.shape), _dtype_name(v)] for k, v in sorted(tensors.items())},
+                           "digest": digests[name]})
+
+    manifest = {"format": FORMAT_VERSION, "tokens": [int(t) for t in art.tokens], "n_content": int(art.n_content),
+                "n_layers": len(art.layers), "tp_rank": art.tp_rank, "tp_size": art.tp_size, "meta": art.meta,
+                "shards": shards}
+    try:
+        data = msgpack.packb(manifest, use_bin_type=True)
+    except TypeError as e:
+        raise TypeError(f"artifact meta must be msgpack-serializable: {e}") from None
+    _write_atomic(directory, MANIFEST_FILE, data)
+    digests[MANIFEST] = digest_bytes(data)
+    _fsync_dir(directory)        # every shard is durable before the certificate can name it
+
+    cert = Certificate(checkpoint_fingerprint=cert_fields["fingerprint"], token_hash=cert_fields["token_hash"],
+                       n_tokens=art.n, profile=profile, tp_size=art.tp_size, tp_rank=art.tp_rank,
+                       channel_range=(lo, hi), layers=tuple(range(len(art.layers))), dtype=str(cert_fields["dtype"]),
+                       producer_version=str(cert_fields["producer_version"]), shard_digests=digests,
+                       generation=int(cert_fields["generation"]))
+    assert not cert.problems(), cert.problems()
+    _write_atomic(directory, CERTIFICATE_FILE, cert.to_bytes())
+    _fsync_dir(directory)
+    return cert
+
+
+# ----------------------------------------------------------------------------------------------------- reading
+
+class _Reject(Exception):
+    """Internal control flow: carries a reject verdict out of the reading helpers."""
+
+    def __init__(self, verdict: Verdict):
+        super().__init__(verdict.detail)
+        self.verdict = verdict
+
+
+def _reject(reason: FallbackReason, detail: str) -> _Reject:
+    return _Reject(Verdict.reject(reason, detail))
+
+
+def _read_certificate(directory: Path) -> Certificate:
+    R = FallbackReason
+    if not directory.exists():
+        raise _reject(R.MISSING_SHARD, f"no artifact directory {directory}")
+    try:
+        raw = (directory / CERTIFICATE_FILE).read_bytes()
+    except FileNotFoundError:
+        raise _reject(R.MISSING_SHARD, f"{directory} has no certificate (incomplete write)") from None
+    except OSError as e:
+        raise _reject(R.STORE_UNAVAILABLE, f"certificate unreadable: {type(e).__name__}: {e}") from None
+    try:
+        return Certificate.from_bytes(raw)
+    except CertificateError as e:
+        raise _reject(R.MISSING_SHARD, f"certificate unreadable: {e}") from None
+
+
+def _read_shard(directory: Path, name: str) -> bytes | None:
+    try:
+        return (directory / shard_file(name)).read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise _reject(FallbackReason.STORE_UNAVAILABLE, f"shard {name} unreadable: {type(e).__name__}: {e}") from None
+
+
+def _check_manifest(raw: bytes, cert: Certificate) -> dict:
+    """The manifest's bytes match the certificate; here it must also agree with the certificate's fields."""
+    def bad(detail: str) -> _Reject:
+        return _reject(FallbackReason.DIGEST_MISMATCH, "manifest inconsistent with certificate: " + detail)
+
+    try:
+        m = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except Exception as e:      # certified bytes that do not decode: a producer bug, still never a crash here
+        raise bad(f"does not decode ({type(e).__name__})") from None
+    if not isinstance(m, dict):
+        raise bad("not a map")
+    if m.get("format") != FORMAT_VERSION:
+        raise _reject(FallbackReason.STORE_UNAVAILABLE,
+                      f"artifact format {m.get('format')!r}, this runtime reads {FORMAT_VERSION}")
+    try:
+        if len(m["tokens"]) != cert.n_tokens or (m["tp_rank"], m["tp_size"]) != (cert.tp_rank, cert.tp_size):
+            raise bad("tokens or tp geometry")
+        if tuple(range(m["n_layers"])) != cert.layers:
+            raise bad("layer set")
+        if not (isinstance(m["n_content"], int) and isinstance(m["meta"], dict)):
+            raise bad("n_content or meta")
+        names = {s["name"] for s in m["shards"]}
+        if names | {MANIFEST} != set(cert.shard_digests):
+            raise bad("shard set")
+        for s in m["shards"]:
+            if (s["file"] != shard_file(s["name"]) or s["digest"] != cert.shard_digests[s["name"]]
+                    or not isinstance(s["tensors"], dict)):
+                raise bad(f"shard {s['name']} entry")
+            want = (local_shard(s["layer"], cert.tp_rank, cert.channel_range) if s["kind"] == "local"
+                    else latent_shard(s["layer"]))
+            if s["name"] != want:
+                raise bad(f"shard {s['name']} is not {want}")
+    except (KeyError, TypeError, ValueError) as e:
+        raise bad(f"{type(e).__name__}: {e}") from None
+    return m
+
+
+def _parse_shard(name: str, raw: bytes, entry: dict) -> dict[str, torch.Tensor]:
+    try:
+        tensors = safetensors.torch.load(raw)
+    except Exception as e:      # safetensors raises its own error type on bad headers
+        raise _reject(FallbackReason.DIGEST_MISMATCH, f"shard {name} does not parse: {e}") from None
+    got = {k: [list(v.shape), _dtype_name(v)] for k, v in tensors.items()}
+    if got != entry["tensors"]:
+        raise _reject(FallbackReason.DIGEST_MISMATCH, f"shard {name} tensors {got} != manifest {entry['tensors']}")
+    return tensors
+
+
+def _build(m: dict, parsed: dict[str, dict[str, torch.Tensor]]) -> DocumentArtifact:
+    layers = []
+    for layer in range(m["n_layers"]):
+        lat = parsed[latent_shard(layer)]
+        if "latent" not in lat:
+            raise _reject(FallbackReason.DIGEST_MISMATCH, f"layer {layer} latent shard has no latent")
+
+        def pair(p: str):
+            return (lat[f"{p}.kv"], lat[f"{p}.gate"]) if f"{p}.kv" in lat else None
+
+        local = [s["name"] for s in m["shards"] if s["layer"] == layer and s["kind"] == "local"]
+        assert len(local) <= 1, local
+        layers.append(LayerArtifact(latent=lat["latent"], entries=lat.get("entries"),
+                                    index_keys=lat.get("index_keys"), comp_prev=pair("comp_prev"),
+                                    index_prev=pair("index_prev"),
+                                    local_p=parsed[local[0]]["local_p"] if local else None))
+    return DocumentArtifact(tokens=list(m["tokens"]), n_content=m["n_content"], layers=layers,
+                            tp_rank=m["tp_rank"], tp_size=m["tp_size"], meta=m["meta"])
+
+
+def load_artifact(directory: str | os.PathLike, expect: dict) -> tuple[DocumentArtifact | None, Verdict]:
+    """The artifact in `directory` if its certificate validates against `expect` (fingerprint, tokens_hash,
+    profile, tp_size, tp_rank, channel_range, layers_needed, current_generation) and every shard's bytes
+    match their certified digest; otherwise (None, reject). Store content never raises; a bad `expect` does."""
+    missing = [k for k in EXPECT_FIELDS if k not in expect]
+    if missing:
+        raise ValueError(f"expect lacks {missing}")
+    directory = Path(directory)
+    checks = dict(fingerprint=expect["fingerprint"], tokens_hash=expect["tokens_hash"], profile=expect["profile"],
+                  tp_size=expect["tp_size"], tp_rank=expect["tp_rank"], channel_range=tuple(expect["channel_range"]),
+                  layers_needed=set(expect["layers_needed"]), current_generation=expect["current_generation"])
+    try:
+        cert = _read_certificate(directory)
+        verdict = validate(cert, **checks)      # cheap reject before reading any shard
+        if not verdict.ok:
+            return None, verdict
+        odd = [n for n in cert.shard_digests if n != MANIFEST and not _SHARD_NAME.match(n)]
+        if odd or MANIFEST not in cert.shard_digests:
+            return None, Verdict.reject(FallbackReason.MISSING_SHARD,
+                                        f"certificate names shards outside format {FORMAT_VERSION}: {odd or 'no manifest'}")
+
+        # digest every shard in validate's order; stop at the first missing or altered one
+        seen, raw = {}, {}
+        for name in sorted(cert.shard_digests):
+            data = _read_shard(directory, name)
+            if data is None:
+                break
+            seen[name] = digest_bytes(data)
+            if seen[name] != cert.shard_digests[name]:
+                break
+            raw[name] = data
+        verdict = validate(cert, **checks, shard_digests_seen=seen)
+        if not verdict.ok:
+            return None, verdict
+
+        m = _check_manifest(raw.pop(MANIFEST), cert)
+        entries = {s["name"]: s for s in m["shards"]}
+        parsed = {name: _parse_shard(name, data, entries[name]) for name, data in raw.items()}
+        return _build(m, parsed), verdict
+    except _Reject as r:
+        return None, r.verdict
