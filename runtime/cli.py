@@ -17,10 +17,19 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--workdir", default=".cache/demo", help="where the random checkpoint is written")
     d.add_argument("--device", default="cpu")
 
+    r = sub.add_parser("reuse-demo", help="build artifacts for a few documents, run one request in both arms")
+    r.add_argument("--model", default=None, help="checkpoint directory; default: the demo's random one")
+    r.add_argument("--workdir", default=".cache/demo")
+    r.add_argument("--budget", type=float, default=0.25)
+    r.add_argument("--repeat", type=int, default=3, help="repeat each document's text to lengthen it")
+
     args = p.parse_args(argv)
     if args.cmd == "demo":
         from runtime.demo import run_demo
         return run_demo(args)
+    if args.cmd == "reuse-demo":
+        from runtime.reuse_demo import run_reuse_demo
+        return run_reuse_demo(args)
     return 2
 
 
