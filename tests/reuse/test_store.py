@@ -222,6 +222,7 @@ def _rank(rank: int, size: int, port: int, root: str) -> None:
         result = {"loaded": got is not None, "own": [own.ok, own.reason and own.reason.value],
                   "agreed": [v.ok, v.reason and v.reason.value, v.detail]}
         (Path(root) / f"result{rank}.json").write_text(json.dumps(result))
+        dist.barrier()      # no rank tears gloo down while its peer still uses it
     finally:
         dist.destroy_process_group()
 

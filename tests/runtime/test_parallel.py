@@ -38,6 +38,8 @@ def _run(rank: int, size: int, port: int, ckpt: str, tokens: torch.Tensor, out: 
             rows.append(model(tokens[t:t + 1], cache, all_logits=True))
         if rank == 0:
             torch.save(torch.cat(rows), out)
+        # no rank tears gloo down while another still uses it (an early teardown aborts the peer)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
