@@ -157,7 +157,9 @@ class ReuseEngine:
         idx_score = torch.zeros(n_reloc, device=dev)
         active = None
         for i, block in enumerate(m.layers):
-            if prof.is_fence(cfg, i):
+            artifact_fence = (prof.last_fence_kv == "artifact" and i >= cfg.n_layers - prof.last_fences
+                              and i >= prof.first_fences)
+            if prof.is_fence(cfg, i) and not artifact_fence:
                 lc = self._prefix_cache(block, prefix.layers[i])
                 lc.capture = {}
                 x = block(x, tokens, positions, lc, m.q_chunk)
@@ -173,7 +175,8 @@ class ReuseEngine:
             if active is None:
                 active = self._choose_active(deviation, idx_score, reloc, deltas[1:], q_start, len(question))
                 ledger.set_active(int(active.sum()))
-            x = self._reusable_layer(i, block, x, tokens, positions, docs, deltas, active, state, ledger)
+            x = self._reusable_layer(i, block, x, tokens, positions, docs, deltas, active, state, ledger,
+                                     fence=artifact_fence)
         logits = m.logits(x[-1:])[0]
         act_pos = positions[:n_reloc][active] if active is not None else positions[:0]
         return ReuseResult(logits, ledger, act_pos, state)
@@ -262,60 +265,112 @@ class ReuseEngine:
         return active
 
     # ------------------------------------------------------------------------------------------------
-    def _reusable_layer(self, i, block, x, tokens, positions, docs, deltas, active, state, ledger):
-        cfg, prof, attn = self.cfg, self.profile, block.attn
+    def _reusable_layer(self, i, block, x, tokens, positions, docs, deltas, active, state, ledger, fence=False):
+        """Prefill of one reusable layer (or, with `fence`, a last fence taking non-active rows' KV from the
+        artifact): build the relocated segments' keys, then one pass over the rows."""
+        attn = block.attn
         n_reloc = active.shape[0]
-        M = x.shape[0]
-        row_active = torch.cat([active, torch.ones(M - n_reloc, dtype=torch.bool, device=x.device)])
         h, post, comb = block.hc_pre(x, "attn")
         hn = block.attn_norm(h)
+        segs, comp_state, idx_state = self._relocated_keys(i, attn, hn, docs, deltas, active, ledger)
+        state.seg_keys[i] = segs
+        state.new_comp[i], state.new_index[i] = comp_state, idx_state
+        state.new_latent[i] = hn.new_zeros((0, self.cfg.head_dim))
+        row_active = torch.cat([active, torch.ones(x.shape[0] - n_reloc, dtype=torch.bool, device=x.device)])
+        local = torch.cat([d.layers[i].local_p for d in docs[1:]]) if n_reloc and not fence else None
+        return self._rows(i, block, x, hn, post, comb, tokens, positions, row_active, n_reloc, state, ledger,
+                          local, fence)
 
-        # keys: prefix from its artifact, relocated from artifact with recomputed rows overlaid, new rows native
-        segs = [SegmentKeys(0, docs[0].layers[i].latent, docs[0].layers[i].entries, docs[0].layers[i].index_keys)]
-        comp_state = CompressorState(prev_kv=_prev(docs[0].layers[i].comp_prev, 0),
-                                     prev_gate=_prev(docs[0].layers[i].comp_prev, 1))
-        idx_state = CompressorState(prev_kv=_prev(docs[0].layers[i].index_prev, 0),
-                                    prev_gate=_prev(docs[0].layers[i].index_prev, 1))
+    @torch.inference_mode()
+    def generate(self, docs: list[DocumentArtifact], question: list[int], max_new_tokens: int,
+                 eos: int | None = None) -> tuple[list[int], ReuseResult]:
+        """Greedy answer through the reuse path: reuse prefill, then decode steps over the kept request state."""
+        eos = self.cfg.eos_token_id if eos is None else eos
+        res = self.prefill(docs, question)
+        logits, out = res.logits, []
+        for _ in range(max_new_tokens):
+            nxt = int(logits.argmax())
+            out.append(nxt)
+            if nxt == eos:
+                break
+            logits = self.decode(res.state, nxt)
+        return out, res
+
+    @torch.inference_mode()
+    def decode(self, state: RequestState, token: int) -> torch.Tensor:
+        """One new row after a reuse prefill: fences native, reusable layers over the kept segment keys."""
+        m = self.model
+        dev = m.embed.weight.device
+        tokens = torch.tensor([token], device=dev)
+        positions = torch.tensor([state.pos], device=dev)
+        x = m.embed_streams(tokens)
+        one = torch.ones(1, dtype=torch.bool, device=dev)
+        for i, block in enumerate(m.layers):
+            if i in state.fence_caches:
+                x = block(x, tokens, positions, state.fence_caches[i], m.q_chunk)
+                continue
+            h, post, comb = block.hc_pre(x, "attn")
+            x = self._rows(i, block, x, block.attn_norm(h), post, comb, tokens, positions, one, 0, state, None,
+                           None, self.profile.is_fence(self.cfg, i))
+        state.pos += 1
+        return m.logits(x)[0]
+
+    def _relocated_keys(self, i, attn, hn, docs, deltas, active, ledger):
+        """Keys of the prefix (its artifact) and of every relocated segment (artifact, with the active rows'
+        recomputed latent and their blocks' re-pooled entries overlaid on copies); returns the compressor
+        states carried to the new rows' segment."""
+        arts0 = docs[0].layers[i]
+        segs = [SegmentKeys(0, arts0.latent, arts0.entries, arts0.index_keys)]
+        comp_state = CompressorState(prev_kv=_prev(arts0.comp_prev, 0), prev_gate=_prev(arts0.comp_prev, 1))
+        idx_state = CompressorState(prev_kv=_prev(arts0.index_prev, 0), prev_gate=_prev(arts0.index_prev, 1))
         a = 0
         for d, delta in zip(docs[1:], deltas[1:]):
             art = d.layers[i]
             rows = slice(a, a + d.n)
             act = active[rows]
-            cpos = torch.arange(d.n, device=x.device)
             latent = art.latent
             if act.any():
-                fresh = attn.latent(hn[rows][act], cpos[act])
+                cpos = torch.arange(d.n, device=hn.device)
                 latent = art.latent.clone()
-                latent[act] = fresh.to(latent.dtype)
+                latent[act] = attn.latent(hn[rows][act], cpos[act]).to(latent.dtype)
                 ledger.latent_rows(int(act.sum()))
             seg = SegmentKeys(delta, latent, art.entries, art.index_keys)
             if attn.compressor is not None:
                 seg.entries = self._overlay_entries(attn.compressor, hn[rows], act, art.entries, comp_state)
             if attn.indexer is not None:
-                seg.index_keys = self._overlay_entries(attn.indexer.compressor, hn[rows], act, art.index_keys, idx_state)
+                seg.index_keys = self._overlay_entries(attn.indexer.compressor, hn[rows], act, art.index_keys,
+                                                       idx_state)
             segs.append(seg)
             a += d.n
-        # the new rows: a native segment of their own starting at the aligned question offset
-        nrows = slice(n_reloc, M)
-        ncpos = torch.arange(M - n_reloc, device=x.device)
-        new_latent = attn.latent(hn[nrows], ncpos)
-        new_seg = SegmentKeys(state.new_delta, new_latent)
-        if attn.compressor is not None:
-            new_seg.entries = attn.compressor(hn[nrows], comp_state)
-            state.new_comp[i] = comp_state
-        if attn.indexer is not None:
-            new_seg.index_keys = attn.indexer.compressor(hn[nrows], idx_state)
-            state.new_index[i] = idx_state
-        state.seg_keys[i] = segs
-        state.new_latent[i] = new_latent
-        all_segs = segs + [new_seg]
+        return segs, comp_state, idx_state
 
-        # queries: active rows every head, the others their Global heads only
+    def _rows(self, i, block, x, hn, post, comb, tokens, positions, row_active, n_reloc, state, ledger, local,
+              fence):
+        """One layer over the rows of this call: rows [0, n_reloc) are relocated rows (active or not), the rest
+        new rows, whose latent and compressor state extend the request's own segment. Active rows: every head,
+        MoE (adaptive fanout, or native top-k in a fence); other rows: Global heads + restored W_a,L O_L, FFN per
+        ffn_mode; in an artifact-KV fence, other rows are not computed at all."""
+        cfg, prof, attn = self.cfg, self.profile, block.attn
+        M = x.shape[0]
+        nrows = slice(n_reloc, M)
+        base = state.new_latent[i].shape[0]
+        ncpos = torch.arange(base, base + M - n_reloc, device=x.device)
+        state.new_latent[i] = torch.cat([state.new_latent[i], attn.latent(hn[nrows], ncpos).to(hn.dtype)])
+        new_seg = SegmentKeys(state.new_delta, state.new_latent[i])
+        if attn.compressor is not None:
+            new_seg.entries = attn.compressor(hn[nrows], state.new_comp[i])
+        if attn.indexer is not None:
+            new_seg.index_keys = attn.indexer.compressor(hn[nrows], state.new_index[i])
+        all_segs = state.seg_keys[i] + [new_seg]
+
         qr = attn.q_norm(attn.wq_a(hn))
         q_raw = unweighted_rms_norm(attn.wq_b(qr).view(M, attn.n_heads, cfg.head_dim), cfg.norm_eps)
         o = torch.zeros_like(q_raw)
         pairs = 0
-        for sel, heads in ((row_active, None), (~row_active, self.gmask.to(x.device))):
+        groups = [(row_active, None)]
+        if not fence:
+            groups.append((~row_active, self.gmask.to(x.device)))
+        for sel, heads in groups:
             if not sel.any():
                 continue
             qs = q_raw[sel] if heads is None else q_raw[sel][:, heads]
@@ -331,31 +386,43 @@ class ReuseEngine:
                 o[sel] = tmp
         P = attn.project(o, positions)
         restore = ~row_active[:n_reloc]
-        if restore.any():
-            local = torch.cat([d.layers[i].local_p for d in docs[1:]])
+        if local is not None and restore.any():
             P[:n_reloc][restore] += local[restore].to(P.dtype)
-        x = block.hc_post(attn.output(P), x, post, comb)
-        ledger.reusable_layer(i, active_rows=int(row_active.sum()), restored_rows=int(restore.sum()),
-                              global_heads=int(self.gmask.sum()), pairs=pairs)
+        x_attn = block.hc_post(attn.output(P), x, post, comb)
+        if ledger is not None:
+            ledger.reusable_layer(i, active_rows=int(row_active.sum()), restored_rows=0 if fence else int(restore.sum()),
+                                  global_heads=0 if fence else int(self.gmask.sum()), pairs=pairs)
 
-        # FFN: active rows with adaptive fanout; the others per the profile's ffn_mode
-        h2, post2, comb2 = block.hc_pre(x, "ffn")
+        h2, post2, comb2 = block.hc_pre(x_attn, "ffn")
         hn2 = block.ffn_norm(h2)
         y = torch.zeros_like(hn2, dtype=torch.float32)
-        ffn_rows = row_active if prof.ffn_mode == "skip" else torch.ones_like(row_active)
         if row_active.any():
-            y[row_active] = self._moe_adaptive(block, hn2[row_active], tokens[row_active], ledger)
-        if prof.ffn_mode == "native" and (~row_active).any():
-            y[~row_active] = block.ffn.routed(hn2[~row_active], *block.ffn.gate(hn2[~row_active], tokens[~row_active])) \
-                + block.ffn.shared_experts(hn2[~row_active]).float()
-            ledger.moe_rows((~row_active).sum().item(), cfg.n_activated_experts)
-        elif prof.ffn_mode == "shared-expert-only" and (~row_active).any():
-            y[~row_active] = block.ffn.shared_experts(hn2[~row_active]).float()
-            ledger.moe_rows((~row_active).sum().item(), 0)
+            if fence:
+                w, idx = block.ffn.gate(hn2[row_active], tokens[row_active])
+                y[row_active] = block.ffn.routed(hn2[row_active], w, idx) + \
+                    block.ffn.shared_experts(hn2[row_active]).float()
+                if ledger is not None:
+                    ledger.moe_rows(int(row_active.sum()), cfg.n_activated_experts)
+            else:
+                y[row_active] = self._moe_adaptive(block, hn2[row_active], tokens[row_active], ledger)
+        rest = ~row_active
+        if not fence and rest.any() and prof.ffn_mode == "native":
+            y[rest] = block.ffn.routed(hn2[rest], *block.ffn.gate(hn2[rest], tokens[rest])) + \
+                block.ffn.shared_experts(hn2[rest]).float()
+            if ledger is not None:
+                ledger.moe_rows(int(rest.sum()), cfg.n_activated_experts)
+        elif not fence and rest.any() and prof.ffn_mode == "shared-expert-only":
+            y[rest] = block.ffn.shared_experts(hn2[rest]).float()
+            if ledger is not None:
+                ledger.moe_rows(int(rest.sum()), 0)
         y = block.ffn.par.all_reduce(y).to(x.dtype)
-        mixed = block.hc_post(y, x, post2, comb2)
-        # skipped rows keep their streams unchanged (residual identity)
-        return torch.where(ffn_rows[:, None, None], mixed, x)
+        mixed = block.hc_post(y, x_attn, post2, comb2)
+        if fence:
+            # non-active rows are not computed in an artifact-KV fence: their streams are left as they were
+            return torch.where(row_active[:, None, None], mixed, x)
+        ffn_rows = row_active if prof.ffn_mode == "skip" else torch.ones_like(row_active)
+        # skipped rows keep the attention sub-block's output and no FFN (residual identity)
+        return torch.where(ffn_rows[:, None, None], mixed, x_attn)
 
     def _overlay_entries(self, comp, h_rows, act, art_entries, state: CompressorState):
         """Recompute the compressed entries of blocks holding any active row (with the overlap half carried
@@ -383,7 +450,8 @@ class ReuseEngine:
         k = k.clamp(min=prof.min_experts, max=w.shape[1])
         keep = torch.arange(w.shape[1], device=h.device)[None, :] < k[:, None]
         idx = torch.where(keep, idx, torch.full_like(idx, -1))
-        ledger.moe_rows(h.shape[0], float(k.float().mean()))
+        if ledger is not None:
+            ledger.moe_rows(h.shape[0], float(k.float().mean()))
         return block.ffn.routed(h, w, idx) + block.ffn.shared_experts(h).float()
 
 

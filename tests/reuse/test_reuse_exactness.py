@@ -154,3 +154,38 @@ def test_controller_priority_order(model):
 def test_structural_ceilings():
     assert FLASH_PROFILE.structural_ceiling(FLASH) == pytest.approx(0.7529, abs=5e-5)
     assert PRO_PROFILE.structural_ceiling(PRO) == pytest.approx(0.7889, abs=5e-5)
+
+
+@pytest.mark.parametrize("last_fence_kv", ["recompute", "artifact"])
+def test_degenerate_prefill_and_decode_equal_full_recompute(model, request_tokens, last_fence_kv):
+    """Decoding after a reuse prefill continues over the kept segment keys; in the degenerate profile every
+    decoded step's logits equal full recomputation, with either source of the last fences' KV."""
+    docs, question = request_tokens
+    prof = degenerate(CFG).replace(**BASE, last_fence_kv=last_fence_kv)
+    arts = [produce(model, t, prof) for t in docs]
+    eng = ReuseEngine(model, prof)
+    res = eng.prefill(arts, question)
+    seq = [t for a in arts for t in a.tokens] + question
+    cache = model.new_cache()
+    ref = model.prefill(torch.tensor(seq), cache)
+    assert rel_err(res.logits, ref) <= TOL
+    for step in range(5):
+        nxt = int(ref.argmax())
+        got = eng.decode(res.state, nxt)
+        ref = model(torch.tensor([nxt]), cache)
+        assert rel_err(got, ref) <= TOL, step
+
+
+def test_artifact_kv_in_last_fences_skips_non_active_rows(model, request_tokens):
+    docs, question = request_tokens
+    base = ReuseProfile(**BASE, budget=0.25, recent_rows=16, join_rows=8)
+    arts = [produce(model, t, base) for t in docs]
+    rec = ReuseEngine(model, base).prefill(arts, question)
+    art = ReuseEngine(model, base.replace(last_fence_kv="artifact")).prefill(arts, question)
+    n_reloc = sum(a.n for a in arts[1:])
+    skipped_more = (n_reloc - art.ledger.active) * base.last_fences
+    assert art.ledger.token_row_saving() == pytest.approx(
+        rec.ledger.token_row_saving() + skipped_more / (n_reloc * CFG.n_layers))
+    assert art.ledger.flop_saving()["total"] > rec.ledger.flop_saving()["total"]
+    out, _ = ReuseEngine(model, base.replace(last_fence_kv="artifact")).generate(arts, question, 4, eos=-1)
+    assert len(out) == 4
