@@ -10,13 +10,13 @@ from pathlib import Path
 import torch
 
 from runtime.model.deepseek_v4 import Transformer
-from .certificate import FallbackCounter, FallbackReason, Verdict, agree, token_hash
+from .certificate import Certificate, FallbackCounter, FallbackReason, Verdict, agree, digest_bytes, token_hash
 from .consumer import ReuseEngine
 from .ledger import Ledger
 from .producer import PRODUCER_VERSION, pad_document, produce
 from .profile import ReuseProfile
 from .roles import channel_range
-from .store import load_artifact, save_artifact
+from .store import CERTIFICATE_FILE, load_artifact, save_artifact
 
 
 @dataclass(frozen=True)
@@ -59,15 +59,17 @@ def answer(model: Transformer, profile: ReuseProfile, docs: list[list[int]], art
     expect = dict(fingerprint=ident.fingerprint, profile=profile.to_dict(), tp_size=par.size, tp_rank=par.rank,
                   channel_range=channel_range(cfg, par.rank, par.size), layers_needed=list(range(cfg.n_layers)),
                   current_generation=current_generation)
-    arts, verdict = [], Verdict.accept()
+    arts, bindings, verdict = [], [], Verdict.accept()
     for toks, d in zip(padded, artifact_dirs):
         art, v = load_artifact(d, dict(expect, tokens_hash=token_hash(toks, ident.tokenizer_fingerprint)))
         if not v.ok:
             verdict = v
             break
         arts.append(art)
-    # the one agreement collective, before any reuse-specific collective: all ranks reuse or none does
-    verdict = agree(verdict, par)
+        bindings.append(Certificate.from_bytes((Path(d) / CERTIFICATE_FILE).read_bytes()).binding_digest())
+    # the one agreement collective, before any reuse-specific collective: all ranks reuse or none does, and
+    # ranks that accept must have accepted the same artifacts (same binding digest)
+    verdict = agree(verdict, par, binding=digest_bytes("|".join(bindings).encode()) if verdict.ok else None)
     if verdict.ok:
         res = ReuseEngine(model, profile).prefill(arts, question)
         return Outcome(res.logits, "reuse", verdict, res.ledger)

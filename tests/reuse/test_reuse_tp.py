@@ -1,0 +1,104 @@
+"""The reuse path under tensor parallelism (gloo, TP=2): each rank builds and loads only its own shards (its
+rank and W_a,L channel range); the reuse arm equals TP=1's reuse arm; one rank with a corrupted shard makes
+both ranks fall back together, with full recomputation's answer."""
+import json
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from runtime.model.checkpoint import random_state, write_official_checkpoint
+from runtime.model.config import tiny
+from runtime.model.loader import load_model
+from runtime.model.parallel import Parallel
+from runtime.reuse.certificate import FallbackCounter
+from runtime.reuse.producer import pad_document
+from runtime.reuse.profile import ReuseProfile
+from runtime.reuse.request import ServingIdentity, answer, build
+
+CFG = tiny(n_layers=6, n_heads=16, o_groups=8, compress_ratios=(0, 4, 16, 4, 16, 4), n_hash_layers=2)
+PROF = ReuseProfile(first_fences=2, last_fences=2, align=16, budget=0.25, recent_rows=16, join_rows=8)
+IDENT = ServingIdentity("a" * 64, "tok")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _docs():
+    g = torch.Generator().manual_seed(21)
+    docs = [torch.randint(2, CFG.vocab_size, (n,), generator=g).tolist() for n in (40, 50, 30)]
+    return docs, torch.randint(2, CFG.vocab_size, (8,), generator=g).tolist()
+
+
+def _corrupt_local_shard(d):
+    name = sorted(p for p in os.listdir(d) if ".local." in p)[0]
+    data = bytearray(open(os.path.join(d, name), "rb").read())
+    data[-3] ^= 0x10
+    open(os.path.join(d, name), "wb").write(bytes(data))
+
+
+def _rank(rank, size, port, ckpt, root, corrupt):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    try:
+        model = load_model(ckpt, par=Parallel(rank, size))
+        docs, question = _docs()
+        dirs = [build(model, d, PROF, IDENT, os.path.join(root, f"rank{rank}", f"doc{i}")) for i, d in enumerate(docs)]
+        assert all(f".local.r{rank}." in n for d in dirs for n in os.listdir(d) if ".local." in n)
+        if corrupt and rank == 1:
+            _corrupt_local_shard(dirs[1])
+        counter = FallbackCounter()
+        out = answer(model, PROF, docs, dirs, question, IDENT, current_generation=1, counter=counter)
+        torch.save(out.logits, os.path.join(root, f"logits{rank}.pt"))
+        with open(os.path.join(root, f"result{rank}.json"), "w") as fh:
+            json.dump({"arm": out.arm, "reason": out.verdict.reason and out.verdict.reason.value,
+                       "counts": counter.snapshot()}, fh)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt")
+    write_official_checkpoint(path, CFG, random_state(CFG, seed=22), quantize=False)
+    model = load_model(path)
+    docs, question = _docs()
+    root = tmp_path_factory.mktemp("tp1")
+    dirs = [build(model, d, PROF, IDENT, root / f"doc{i}") for i, d in enumerate(docs)]
+    reuse = answer(model, PROF, docs, dirs, question, IDENT, current_generation=1)
+    assert reuse.arm == "reuse"
+    full = model(torch.tensor([t for d in docs for t in pad_document(d, 16, CFG.eos_token_id)] + question))
+    return str(path), reuse.logits, full
+
+
+def _run(setup, tmp_path, corrupt):
+    ckpt = setup[0]
+    mp.start_processes(_rank, args=(2, _free_port(), ckpt, str(tmp_path), corrupt), nprocs=2, join=True,
+                       start_method="spawn")
+    results = [json.load(open(tmp_path / f"result{r}.json")) for r in range(2)]
+    return results, torch.load(tmp_path / "logits0.pt")
+
+
+def rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def test_tp2_reuse_equals_tp1_reuse(setup, tmp_path):
+    results, logits = _run(setup, tmp_path, corrupt=False)
+    assert [r["arm"] for r in results] == ["reuse", "reuse"]
+    assert rel(logits, setup[1]) <= 1e-5
+
+
+def test_one_corrupted_shard_makes_every_rank_fall_back(setup, tmp_path):
+    results, logits = _run(setup, tmp_path, corrupt=True)
+    assert [r["arm"] for r in results] == ["recompute", "recompute"]
+    assert results[1]["reason"] == "digest_mismatch" and results[0]["reason"] == "rank_disagreement"
+    assert results[1]["counts"]["digest_mismatch"] == 1 and results[0]["counts"]["rank_disagreement"] == 1
+    assert rel(logits, setup[2]) <= 1e-5
