@@ -217,7 +217,7 @@ class Compressor(nn.Module):
 
     def forward(self, x: torch.Tensor, state: CompressorState) -> torch.Tensor:
         """Feed rows x [T,d] (the next rows after everything already fed); returns all entries [N, dim]."""
-        kv, gate = self.wkv(x.float()), self.wgate(x.float())
+        kv, gate = self.project(x)
         if state.tail_kv is not None:
             kv, gate = torch.cat([state.tail_kv, kv]), torch.cat([state.tail_gate, gate])
         r, D = self.ratio, self.dim
@@ -230,6 +230,7 @@ class Compressor(nn.Module):
             return state.entries
         ck = kv[: nb * r].view(nb, r, -1)
         cg = gate[: nb * r].view(nb, r, -1) + self.ape
+        prev_kv = prev_gate = None
         if self.overlap:
             prev_kv = ck.new_zeros((nb, r, D))
             prev_gate = cg.new_full((nb, r, D), NEG_INF)              # weight 0 where no previous block
@@ -237,14 +238,25 @@ class Compressor(nn.Module):
             if state.prev_kv is not None:
                 prev_kv[0], prev_gate[0] = state.prev_kv, state.prev_gate
             state.prev_kv, state.prev_gate = ck[-1, :, :D].clone(), cg[-1, :, :D].clone()
-            ck = torch.cat([prev_kv, ck[..., D:]], dim=1)
-            cg = torch.cat([prev_gate, cg[..., D:]], dim=1)
-        pooled = (ck * cg.softmax(dim=1)).sum(dim=1)
-        pooled = self.norm(pooled)
         pos = first + r * torch.arange(nb, device=x.device)
-        pooled = Rotary.apply(pooled, *self.rotary.cos_sin(pos)).to(self.out_dtype)
+        pooled = self.pool(ck, cg, prev_kv, prev_gate, pos)
         state.entries = pooled if state.entries is None else torch.cat([state.entries, pooled])
         return state.entries
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-row compressor inputs: (kv, gate) [T, width] in float32, gate without the position bias."""
+        return self.wkv(x.float()), self.wgate(x.float())
+
+    def pool(self, ck, cg, prev_kv, prev_gate, pos) -> torch.Tensor:
+        """Blocks ck/cg [nb, r, width] (gate with ape added) -> entries [nb, dim] with RoPE at `pos`.
+        With overlap, prev_kv/prev_gate [nb, r, dim] are each block's previous block's Ca half (-inf gate
+        where there is none)."""
+        D = self.dim
+        if self.overlap:
+            ck = torch.cat([prev_kv, ck[..., D:]], dim=1)
+            cg = torch.cat([prev_gate, cg[..., D:]], dim=1)
+        pooled = self.norm((ck * cg.softmax(dim=1)).sum(dim=1))
+        return Rotary.apply(pooled, *self.rotary.cos_sin(pos)).to(self.out_dtype)
 
 
 class Indexer(nn.Module):

@@ -18,6 +18,7 @@ class LayerArtifact:
     comp_prev: tuple[torch.Tensor, torch.Tensor] | None = None
     index_prev: tuple[torch.Tensor, torch.Tensor] | None = None
     local_p: torch.Tensor | None = None       # [n, G_local * o_lora_rank] W_a,L O_L, reusable layers, this rank
+    picks: torch.Tensor | None = None         # [n, k] int32 offline indexer top-k (CSA, global_picks="artifact")
 
 
 @dataclass

@@ -47,13 +47,12 @@ def _window_part(attn, q_raw, cpos, seg: SegmentKeys, scale):
 
 
 def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: list[SegmentKeys], sink: torch.Tensor,
-                      idx_inputs=None) -> tuple[torch.Tensor, int]:
+                      idx_inputs=None, picks: list | None = None) -> tuple[torch.Tensor, int]:
     """q_raw [T,H,D] normed, not yet roped; qpos request positions. Returns the merged per-head output in the
     request frame [T,H,D] (before the inverse output RoPE) and the number of (query, key) pairs attended."""
     parts, pairs = [], 0
     cpos_all = [qpos - s.delta for s in segments]
-    picks = None
-    if attn.kind == CSA:
+    if attn.kind == CSA and picks is None:
         picks = _indexer_picks(attn, cpos_all, segments, idx_inputs)
     for j, seg in enumerate(segments):
         cpos = cpos_all[j]
@@ -140,6 +139,7 @@ class ReuseEngine:
         m, cfg, prof = self.model, self.cfg, self.profile
         dev = m.embed.weight.device
         prefix, reloc = docs[0], docs[1:]
+        self._docs = docs
         deltas, pos = [], 0
         for d in docs:
             assert d.n % prof.align == 0, "artifacts are padded to the profile's alignment"
@@ -364,34 +364,36 @@ class ReuseEngine:
         all_segs = state.seg_keys[i] + [new_seg]
 
         qr = attn.q_norm(attn.wq_a(hn))
-        q_raw = unweighted_rms_norm(attn.wq_b(qr).view(M, attn.n_heads, cfg.head_dim), cfg.norm_eps)
-        o = torch.zeros_like(q_raw)
+        P = hn.new_zeros((M, attn.n_groups * cfg.o_lora_rank))
         pairs = 0
-        groups = [(row_active, None)]
-        if not fence:
-            groups.append((~row_active, self.gmask.to(x.device)))
-        for sel, heads in groups:
-            if not sel.any():
-                continue
-            qs = q_raw[sel] if heads is None else q_raw[sel][:, heads]
-            sink = attn.attn_sink if heads is None else attn.attn_sink[heads]
-            out, p = segment_attention(attn, qs, positions[sel], all_segs, sink,
-                                       (hn[sel], qr[sel]) if attn.indexer is not None else None)
-            pairs += p * qs.shape[1]
-            if heads is None:
-                o[sel] = out.to(o.dtype)
-            else:
-                tmp = o[sel]
-                tmp[:, heads] = out.to(o.dtype)
-                o[sel] = tmp
-        P = attn.project(o, positions)
-        restore = ~row_active[:n_reloc]
-        if local is not None and restore.any():
-            P[:n_reloc][restore] += local[restore].to(P.dtype)
+        rest = ~row_active
+        if row_active.any():                       # every head, native W_a
+            q = unweighted_rms_norm(attn.wq_b(qr[row_active]).view(-1, attn.n_heads, cfg.head_dim), cfg.norm_eps)
+            o, p = self._attend(attn, q, positions[row_active], all_segs, attn.attn_sink,
+                                hn[row_active], qr[row_active])
+            P[row_active] = attn.project(o.to(hn.dtype), positions[row_active]).to(P.dtype)
+            pairs += p * attn.n_heads
+        if not fence and rest.any():               # Global heads only, their slice of wq_b and of W_a
+            gm = self.gmask.to(x.device)
+            Hg = int(gm.sum())
+            wq = attn.wq_b.weight.view(attn.n_heads, cfg.head_dim, -1)[gm].reshape(Hg * cfg.head_dim, -1)
+            q = unweighted_rms_norm(torch.nn.functional.linear(qr[rest].to(wq.dtype), wq).view(-1, Hg, cfg.head_dim),
+                                    cfg.norm_eps)
+            picks = None
+            if attn.kind == CSA and self.profile.global_picks == "artifact" and not fence and local is not None:
+                picks = self._own_picks(i, rest, n_reloc, len(all_segs))
+            o, p = self._attend(attn, q, positions[rest], all_segs, attn.attn_sink[gm], hn[rest], qr[rest], picks)
+            P[rest] = self._project_global(attn, o.to(hn.dtype), positions[rest]).to(P.dtype)
+            pairs += p * Hg
+            if local is not None:
+                P[:n_reloc][rest[:n_reloc]] += local[rest[:n_reloc]].to(P.dtype)
+        restore = rest[:n_reloc]
         x_attn = block.hc_post(attn.output(P), x, post, comb)
         if ledger is not None:
+            online_idx = int(row_active.sum()) if (fence or self.profile.global_picks == "artifact") else M
             ledger.reusable_layer(i, active_rows=int(row_active.sum()), restored_rows=0 if fence else int(restore.sum()),
-                                  global_heads=0 if fence else int(self.gmask.sum()), pairs=pairs)
+                                  global_heads=0 if fence else int(self.gmask.sum()), pairs=pairs,
+                                  indexer_rows=online_idx)
 
         h2, post2, comb2 = block.hc_pre(x_attn, "ffn")
         hn2 = block.ffn_norm(h2)
@@ -424,18 +426,84 @@ class ReuseEngine:
         # skipped rows keep the attention sub-block's output and no FFN (residual identity)
         return torch.where(ffn_rows[:, None, None], mixed, x_attn)
 
+    def _attend(self, attn, q_raw, qpos, segs, sink, h, qr, picks=None):
+        """segment_attention in query chunks (bounded temporaries at long context)."""
+        outs, pairs = [], 0
+        step = self.model.q_chunk
+        for a in range(0, q_raw.shape[0], step):
+            b = a + step
+            o, p = segment_attention(attn, q_raw[a:b], qpos[a:b], segs, sink,
+                                     (h[a:b], qr[a:b]) if attn.indexer is not None else None,
+                                     None if picks is None else [None if t is None else t[a:b] for t in picks])
+            outs.append(o)
+            pairs += p
+        return torch.cat(outs), pairs
+
+    def _own_picks(self, i, rest, n_reloc, n_segs):
+        """Per segment [T_rest, k] entry ids: each non-active relocated row's own document's offline picks in its
+        own segment, none elsewhere (its window still crosses the joins). Only relocated rows are non-active."""
+        docs = self._docs
+        rows = torch.nonzero(rest).flatten()
+        k = max(d.layers[i].picks.shape[1] for d in docs[1:])
+        out = [None] * n_segs
+        a = 0
+        for j, d in enumerate(docs[1:], start=1):
+            mine = (rows >= a) & (rows < a + d.n)
+            t = torch.full((rows.numel(), k), -1, dtype=torch.long, device=rest.device)
+            pk = d.layers[i].picks.long()
+            t[mine, :pk.shape[1]] = pk[rows[mine] - a]
+            out[j] = t
+            a += d.n
+        return out
+
+    def _project_global(self, attn, o_g, positions):
+        """W_a,G O_G: inverse output RoPE, then each group's W_a restricted to its Global heads' columns."""
+        cfg, prof = self.cfg, self.profile
+        G, R, hpg, gpg = attn.n_groups, cfg.o_lora_rank, cfg.heads_per_group, prof.global_per_group
+        o_g = Rotary.apply(o_g, *attn.rotary.cos_sin(positions), inverse=True)
+        w = attn.wo_a.weight.view(G, R, hpg, cfg.head_dim)[:, :, :gpg].reshape(G, R, gpg * cfg.head_dim)
+        return torch.einsum("tgi,gri->tgr", o_g.reshape(-1, G, gpg * cfg.head_dim).to(w.dtype), w).reshape(-1, G * R)
+
     def _overlay_entries(self, comp, h_rows, act, art_entries, state: CompressorState):
-        """Recompute the compressed entries of blocks holding any active row (with the overlap half carried
-        across the join from the previous segment), keep the artifact's entries elsewhere."""
-        fresh_state = CompressorState(prev_kv=state.prev_kv, prev_gate=state.prev_gate)
-        fresh = comp(h_rows, fresh_state)
-        state.prev_kv, state.prev_gate = fresh_state.prev_kv, fresh_state.prev_gate
-        r = comp.ratio
-        blk = act.view(-1, r).any(dim=1)
-        if not blk.any():
+        """Re-pool the compressed entries of blocks holding any active row from the current hidden states (with
+        the overlap half carried across the join from the previous segment) and keep the artifact's entries
+        elsewhere. Only the needed blocks' rows (and, with overlap, their predecessors and the last block,
+        whose Ca half carries into the next segment) are projected."""
+        r, D = comp.ratio, comp.dim
+        nb = act.shape[0] // r
+        blk = act.view(nb, r).any(dim=1)
+        rows_needed = blk.clone()
+        if comp.overlap:
+            rows_needed[:-1] |= blk[1:]
+            rows_needed[-1] = True
+        if not rows_needed.any():
             return art_entries
-        out = art_entries.clone()
-        out[blk] = fresh[blk].to(out.dtype)
+        ids = torch.nonzero(rows_needed).flatten()
+        where = torch.full((nb,), -1, dtype=torch.long, device=act.device)
+        where[ids] = torch.arange(ids.numel(), device=act.device)
+        kv, gate = comp.project(h_rows.view(nb, r, -1)[ids].flatten(0, 1))
+        ck, cg = kv.view(ids.numel(), r, -1), gate.view(ids.numel(), r, -1) + comp.ape
+        prev_out = None
+        if comp.overlap:
+            last = where[nb - 1]
+            prev_out = (ck[last, :, :D].clone(), cg[last, :, :D].clone())
+        out = art_entries
+        B = torch.nonzero(blk).flatten()
+        if B.numel():
+            prev_kv = prev_gate = None
+            if comp.overlap:
+                prev_kv = ck.new_zeros((B.numel(), r, D))
+                prev_gate = cg.new_full((B.numel(), r, D), NEG_INF)
+                has = B > 0
+                src = where[(B - 1).clamp(min=0)]
+                prev_kv[has], prev_gate[has] = ck[src[has], :, :D], cg[src[has], :, :D]
+                if (~has).any() and state.prev_kv is not None:
+                    prev_kv[~has], prev_gate[~has] = state.prev_kv, state.prev_gate
+            fresh = comp.pool(ck[where[B]], cg[where[B]], prev_kv, prev_gate, B * r)
+            out = art_entries.clone()
+            out[B] = fresh.to(out.dtype)
+        if comp.overlap:
+            state.prev_kv, state.prev_gate = prev_out
         return out
 
     def _moe_adaptive(self, block, h, tokens, ledger) -> torch.Tensor:

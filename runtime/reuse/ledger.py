@@ -45,7 +45,8 @@ class Ledger:
     def latent_rows(self, n: int) -> None:
         self.reuse_flops["projections"] += 2 * n * self.cfg.dim * self.cfg.head_dim
 
-    def reusable_layer(self, layer: int, active_rows: int, restored_rows: int, global_heads: int, pairs: int) -> None:
+    def reusable_layer(self, layer: int, active_rows: int, restored_rows: int, global_heads: int, pairs: int,
+                       indexer_rows: int | None = None) -> None:
         c = self.cfg
         d, H, D, qr, R = c.dim, c.n_heads, c.head_dim, c.q_lora_rank, c.o_lora_rank
         Hg = global_heads
@@ -57,7 +58,7 @@ class Ledger:
         self.reuse_flops["projections"] += proj
         self.reuse_flops["attention"] += 4 * D * pairs
         if c.layer_kind(layer) == CSA:
-            rows = active_rows + restored_rows
+            rows = active_rows + restored_rows if indexer_rows is None else indexer_rows
             ih, idim = c.index_n_heads, c.index_head_dim
             n_entries = (self.n_prefix + self.n_reloc + self.n_new) // 4
             self.reuse_flops["indexer"] += 2 * rows * (qr * ih * idim + d * ih) + 2 * ih * idim * rows * n_entries / 2

@@ -46,6 +46,8 @@ def produce(model: Transformer, tokens: list[int], profile: ReuseProfile, pad_id
             art.index_keys = st.entries.clone()
             if st.prev_kv is not None:
                 art.index_prev = (st.prev_kv.clone(), st.prev_gate.clone())
+            if profile.global_picks == "artifact" and not profile.is_fence(cfg, i):
+                art.picks = cap["topk"].to(torch.int32).clone()
         if not profile.is_fence(cfg, i):
             o = cap["o"] * keep_local[None, :, None].to(cap["o"].dtype)
             art.local_p = block.attn.project(o, torch.arange(len(padded), device=dev)).clone()

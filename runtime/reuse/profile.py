@@ -29,6 +29,9 @@ class ReuseProfile:
     min_experts: int = 3
     ffn_mode: str = "skip"        # FFN of non-active rows in reusable layers
     last_fence_kv: str = "recompute"
+    # CSA layers, Global heads of non-active rows: "online" = the native indexer over every segment;
+    # "artifact" = the document's own offline top-k picks (no online indexer for those rows)
+    global_picks: str = "online"
     join_rows: int = 128          # B128: first/last rows of every relocated segment
     recent_rows: int = 32768      # T_32K
     align: int = 128              # segment starts padded to multiples of this
@@ -42,6 +45,8 @@ class ReuseProfile:
             raise ProfileError(f"ffn_mode={self.ffn_mode!r} not in {FFN_MODES}")
         if self.last_fence_kv not in LAST_FENCE_KV:
             raise ProfileError(f"last_fence_kv={self.last_fence_kv!r} not in {LAST_FENCE_KV}")
+        if self.global_picks not in ("online", "artifact"):
+            raise ProfileError(f"global_picks={self.global_picks!r} not in ('online', 'artifact')")
         if self.first_fences < 1:
             raise ProfileError("at least one first fence is needed: it yields the dirty-row signal")
 

@@ -56,6 +56,8 @@ def _latent_tensors(la: LayerArtifact) -> dict[str, torch.Tensor]:
         out["entries"] = la.entries
     if la.index_keys is not None:
         out["index_keys"] = la.index_keys
+    if la.picks is not None:
+        out["picks"] = la.picks
     for prefix, pair in (("comp_prev", la.comp_prev), ("index_prev", la.index_prev)):
         if pair is not None:
             out[f"{prefix}.kv"], out[f"{prefix}.gate"] = pair
@@ -247,7 +249,7 @@ def _build(m: dict, parsed: dict[str, dict[str, torch.Tensor]]) -> DocumentArtif
         assert len(local) <= 1, local
         layers.append(LayerArtifact(latent=lat["latent"], entries=lat.get("entries"),
                                     index_keys=lat.get("index_keys"), comp_prev=pair("comp_prev"),
-                                    index_prev=pair("index_prev"),
+                                    index_prev=pair("index_prev"), picks=lat.get("picks"),
                                     local_p=parsed[local[0]]["local_p"] if local else None))
     return DocumentArtifact(tokens=list(m["tokens"]), n_content=m["n_content"], layers=layers,
                             tp_rank=m["tp_rank"], tp_size=m["tp_size"], meta=m["meta"])

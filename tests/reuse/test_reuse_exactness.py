@@ -189,3 +189,22 @@ def test_artifact_kv_in_last_fences_skips_non_active_rows(model, request_tokens)
     assert art.ledger.flop_saving()["total"] > rec.ledger.flop_saving()["total"]
     out, _ = ReuseEngine(model, base.replace(last_fence_kv="artifact")).generate(arts, question, 4, eos=-1)
     assert len(out) == 4
+
+
+def test_artifact_picks_for_global_heads_skip_the_online_indexer(model, request_tokens):
+    """global_picks="artifact": non-active rows' Global heads take their own document's offline top-k in CSA
+    layers, so the online indexer runs on active rows only; still exact in the degenerate profile."""
+    docs, question = request_tokens
+    online = ReuseProfile(**BASE, budget=0.25, recent_rows=16, join_rows=8)
+    stored = online.replace(global_picks="artifact")
+    arts = [produce(model, t, stored) for t in docs]
+    assert all(arts[1].layers[i].picks is not None for i in stored.reusable_layers(CFG)
+               if CFG.layer_kind(i) == "csa")
+    a = ReuseEngine(model, online).prefill(arts, question)
+    b = ReuseEngine(model, stored).prefill(arts, question)
+    assert b.ledger.flop_saving()["indexer"] > a.ledger.flop_saving()["indexer"]
+    assert torch.isfinite(b.logits).all() and not torch.equal(a.logits, b.logits)
+    deg = degenerate(CFG).replace(**BASE, global_picks="artifact")
+    arts = [produce(model, t, deg) for t in docs]
+    ref = model(torch.tensor([t for x in arts for t in x.tokens] + question))
+    assert rel_err(ReuseEngine(model, deg).prefill(arts, question).logits, ref) <= TOL
