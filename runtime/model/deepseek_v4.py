@@ -277,9 +277,11 @@ class Indexer(nn.Module):
         T = x.shape[0]
         q = self.wq_b(qr).view(T, self.n_heads, self.head_dim)
         q = Rotary.apply(q, *self.rotary.cos_sin(positions))
-        s = torch.relu(torch.einsum("thd,nd->thn", q, keys.to(q.dtype)).float()) * self.head_dim ** -0.5
-        w = self.weights_proj(x).float() * self.n_heads ** -0.5
-        s = (s * w.unsqueeze(-1)).sum(dim=1)
+        # in the activation dtype (the reference runs this in FP8), ReLU in place, heads reduced by a batched
+        # matvec: the [T, heads, N] block is written once and read once
+        s = torch.relu_(torch.einsum("thd,nd->thn", q, keys.to(q.dtype)))
+        w = self.weights_proj(x).float() * (self.n_heads ** -0.5 * self.head_dim ** -0.5)
+        s = torch.einsum("thn,th->tn", s, w.to(s.dtype)).float()
         ready = (positions + 1) // 4                                    # entries complete before t
         return s.masked_fill(torch.arange(keys.shape[0], device=x.device)[None, :] >= ready[:, None], NEG_INF)
 
@@ -293,9 +295,15 @@ class Indexer(nn.Module):
         q_chunk = max(1, min(q_chunk, (1 << 28) // (self.n_heads * keys.shape[0])))
         out = []
         for a in range(0, x.shape[0], q_chunk):
-            b = a + q_chunk
-            top = self.scores(x[a:b], qr[a:b], positions[a:b], keys).topk(k, dim=-1)
-            out.append(torch.where(torch.isinf(top.values), torch.full_like(top.indices, -1), top.indices))
+            b = min(a + q_chunk, x.shape[0])
+            # entries no query of this chunk can see are not scored at all (positions increase within a call)
+            n_ready = min(keys.shape[0], int(positions[b - 1].item() + 1) // 4)
+            idx = torch.full((b - a, k), -1, dtype=torch.long, device=x.device)
+            if n_ready:
+                top = self.scores(x[a:b], qr[a:b], positions[a:b], keys[:n_ready]).topk(min(k, n_ready), dim=-1)
+                idx[:, :top.indices.shape[1]] = torch.where(torch.isinf(top.values),
+                                                            torch.full_like(top.indices, -1), top.indices)
+            out.append(idx)
         return torch.cat(out)
 
 
@@ -384,7 +392,12 @@ class Attention(nn.Module):
             outs.append(merge_with_sink(parts, self.attn_sink).to(x.dtype))
         o = torch.cat(outs)
         if cache.capture is not None:
-            cache.capture.update(latent=kv, o=o, topk=idx)
+            keep = cache.capture.get("local_mask")
+            if keep is None:
+                cache.capture.update(latent=kv, o=o, topk=idx)
+            else:   # the producer's Local contribution, computed now so per-head outputs are not kept
+                local = self.project(o * keep.to(o.device, o.dtype)[None, :, None], positions)
+                cache.capture.update(latent=kv, local_p=local, topk=idx)
         return self.output(self.project(o, positions))
 
 

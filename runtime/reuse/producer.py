@@ -28,10 +28,10 @@ def produce(model: Transformer, tokens: list[int], profile: ReuseProfile, pad_id
     dev = model.embed.weight.device
     ids = torch.tensor(padded, device=dev)
     cache = model.new_cache()
-    for lc in cache.layers:
-        lc.capture = {}
-    model(ids, cache)
     keep_local = local_mask(cfg, profile, model.layers[0].attn.n_heads, model.par.rank).to(dev)
+    for i, lc in enumerate(cache.layers):
+        lc.capture = {} if profile.is_fence(cfg, i) else {"local_mask": keep_local}
+    model(ids, cache)
     layers = []
     for i, (block, lc) in enumerate(zip(model.layers, cache.layers)):
         cap = lc.capture
@@ -49,8 +49,7 @@ def produce(model: Transformer, tokens: list[int], profile: ReuseProfile, pad_id
             if profile.global_picks == "artifact" and not profile.is_fence(cfg, i):
                 art.picks = cap["topk"].to(torch.int32).clone()
         if not profile.is_fence(cfg, i):
-            o = cap["o"] * keep_local[None, :, None].to(cap["o"].dtype)
-            art.local_p = block.attn.project(o, torch.arange(len(padded), device=dev)).clone()
+            art.local_p = cap["local_p"]
         layers.append(art)
         lc.capture = None
     return DocumentArtifact(tokens=padded, n_content=len(tokens), layers=layers, tp_rank=model.par.rank,
