@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test venv clean
+.PHONY: demo test venv clean proto
 venv: $(VENV)/.ready
 
 $(VENV)/.ready: pyproject.toml
@@ -20,6 +20,10 @@ demo: $(VENV)/.ready
 
 test: $(VENV)/.ready
 	$(PY) -m pytest -q tests
+
+proto: $(VENV)/.ready   # regenerate services/store/pb after editing proto/ (and lint it)
+	cd proto && ../$(VENV)/bin/buf lint
+	$(PY) proto/generate.py
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache

@@ -23,6 +23,12 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--budget", type=float, default=0.25)
     r.add_argument("--repeat", type=int, default=3, help="repeat each document's text to lengthen it")
 
+    st = sub.add_parser("store", help="the gRPC artifact store")
+    st_sub = st.add_subparsers(dest="store_cmd", required=True)
+    serve = st_sub.add_parser("serve", help="serve the artifact store (settings: flags, then env, then defaults)")
+    from services.store.settings import Settings     # a plain dataclass module: no grpc/redis import here
+    Settings.add_arguments(serve)
+
     args = p.parse_args(argv)
     if args.cmd == "demo":
         from runtime.demo import run_demo
@@ -30,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "reuse-demo":
         from runtime.reuse_demo import run_reuse_demo
         return run_reuse_demo(args)
+    if args.cmd == "store" and args.store_cmd == "serve":
+        from services.store.server import main as serve_main
+        return serve_main(Settings.from_args(args))
     return 2
 
 

@@ -1,0 +1,336 @@
+"""The Redis index: generation pointers, manifests, uploads in progress, blob reference counts.
+
+Every key of one document shares the Redis Cluster hash tag `{<tenant>/<doc_id>}`, so each multi-key step
+below (begin, mark received, commit, retire, GC mark) is one Lua script on one slot: atomic on a single
+Redis and unchanged on Redis Cluster. Per-tenant listing keys (tag `{<tenant>}`) are written before a
+document's first commit and only ever hint; a document is listed only when it has a readable generation.
+
+Per document (prefix P, tag T):
+    P:T:doc            hash   key (msgpack), current (generation), hwm (highest generation begun)
+    P:T:gens           zset   readable (committed, not retired) generations
+    P:T:retired        set    retired generations (never reused)
+    P:T:gen:<g>        hash   manifest (shard table bytes), digests (space separated, distinct), at (ms)
+    P:T:up:<id>        hash   gen, n, shards (declared table), digests; expires with the upload
+    P:T:up:<id>:recv   set    "rank/name" of shards stored and verified
+    P:T:refs           hash   digest -> number of readable generations referencing it
+    P:T:pins           zset   digest -> expiry (ms) of the latest open upload declaring it
+    P:T:deleting       set    digests GC has claimed; puts and commits of them wait
+    P:T:gclock         string GC mutual exclusion per document
+Per tenant: P:{tenant}:docs (set of doc ids), P:{tenant}:byhash:<doc_hash> (set of doc ids)."""
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+import msgpack
+import redis.asyncio as aioredis
+from redis.exceptions import WatchError
+
+from .errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable
+from .keys import DocumentKey, Manifest, ShardSpec
+
+_BEGIN = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local g = tonumber(ARGV[1])
+local hwm = tonumber(redis.call('HGET', KEYS[1], 'hwm') or '0')
+if g == 0 then g = hwm + 1 end
+if redis.call('ZSCORE', KEYS[2], g) or redis.call('SISMEMBER', KEYS[3], g) == 1 then return {-1, g} end
+if g > hwm then redis.call('HSET', KEYS[1], 'hwm', g) end
+redis.call('HSETNX', KEYS[1], 'key', ARGV[3])
+local expires = now + tonumber(ARGV[2])
+local up = KEYS[4]
+redis.call('HSET', up, 'gen', g, 'n', ARGV[4], 'shards', ARGV[5], 'digests', ARGV[6], 'key', ARGV[3])
+redis.call('PEXPIREAT', up, expires)
+local out = {g, expires}
+for d in string.gmatch(ARGV[6], '%S+') do
+  redis.call('ZADD', KEYS[5], 'GT', expires, d)
+  if redis.call('SISMEMBER', KEYS[6], d) == 1 then table.insert(out, d) end
+end
+return out
+"""
+# KEYS: doc, gens, retired, up, pins, deleting; ARGV: generation (0: allocate), ttl_ms, key, n, shards, digests
+
+_RECEIVED = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+for i = 2, #ARGV do
+  if redis.call('SISMEMBER', KEYS[3], ARGV[i]) == 1 then return -2 end
+end
+redis.call('SADD', KEYS[2], ARGV[1])
+redis.call('PEXPIREAT', KEYS[2], redis.call('PEXPIRETIME', KEYS[1]))
+return 1
+"""
+# KEYS: up, recv, deleting; ARGV: member, digests...
+
+_COMMIT = """
+if redis.call('EXISTS', KEYS[4]) == 0 then return {-1} end
+local g = tonumber(redis.call('HGET', KEYS[4], 'gen'))
+if g ~= tonumber(ARGV[1]) then return {-3, g} end
+if redis.call('ZSCORE', KEYS[2], g) or redis.call('SISMEMBER', KEYS[3], g) == 1 then return {-2, g} end
+local n = tonumber(redis.call('HGET', KEYS[4], 'n'))
+local have = redis.call('SCARD', KEYS[5])
+if have ~= n then return {-4, have, n} end
+local digests = redis.call('HGET', KEYS[4], 'digests')
+for d in string.gmatch(digests, '%S+') do
+  if redis.call('SISMEMBER', KEYS[8], d) == 1 then return {-5, d} end
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('HSET', KEYS[6], 'manifest', ARGV[2], 'digests', digests, 'at', now)
+for d in string.gmatch(digests, '%S+') do redis.call('HINCRBY', KEYS[7], d, 1) end
+redis.call('ZADD', KEYS[2], g, g)
+local cur = tonumber(redis.call('HGET', KEYS[1], 'current') or '0')
+local became = 0
+if g > cur then
+  redis.call('HSET', KEYS[1], 'current', g)
+  cur = g
+  became = 1
+end
+redis.call('DEL', KEYS[4], KEYS[5])
+return {1, became, cur, now}
+"""
+# KEYS: doc, gens, retired, up, recv, gen:g, refs, deleting; ARGV: g, manifest
+
+_RETIRE = """
+local g = tonumber(ARGV[1])
+if not redis.call('ZSCORE', KEYS[2], g) then
+  if redis.call('SISMEMBER', KEYS[3], g) == 1 then return {-2} end
+  return {-1}
+end
+local digests = redis.call('HGET', KEYS[4], 'digests') or ''
+for d in string.gmatch(digests, '%S+') do
+  if redis.call('HINCRBY', KEYS[5], d, -1) <= 0 then redis.call('HDEL', KEYS[5], d) end
+end
+redis.call('DEL', KEYS[4])
+redis.call('ZREM', KEYS[2], g)
+redis.call('SADD', KEYS[3], g)
+local cur = tonumber(redis.call('HGET', KEYS[1], 'current') or '0')
+if cur == g then
+  local top = redis.call('ZREVRANGE', KEYS[2], 0, 0)
+  cur = tonumber(top[1] or '0')
+  redis.call('HSET', KEYS[1], 'current', cur)
+end
+return {1, cur}
+"""
+# KEYS: doc, gens, retired, gen:g, refs; ARGV: g
+
+_GC_MARK = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+local marked = {}
+for i = 1, #ARGV do
+  local d = ARGV[i]
+  if redis.call('HEXISTS', KEYS[1], d) == 0 and not redis.call('ZSCORE', KEYS[2], d) then
+    redis.call('SADD', KEYS[3], d)
+    table.insert(marked, d)
+  end
+end
+return marked
+"""
+# KEYS: refs, pins, deleting; ARGV: candidate digests
+
+_UNLOCK = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+@dataclass(frozen=True)
+class Upload:
+    upload_id: str
+    tenant: str
+    doc_id: str
+    key: DocumentKey
+    generation: int
+    shards: tuple[ShardSpec, ...]
+    received: frozenset[tuple[int, str]]
+
+
+@dataclass(frozen=True)
+class DocState:
+    key: DocumentKey
+    current: int
+    generations: tuple[int, ...]
+
+
+def upload_id_parts(upload_id: str) -> tuple[str, str]:
+    """An upload id is `<doc_id>.<random>`: the document (hence the hash tag) is recoverable from it."""
+    doc_id, _, rand = upload_id.partition(".")
+    return doc_id, rand
+
+
+class RedisIndex:
+    def __init__(self, client: aioredis.Redis, prefix: str = "redknot"):
+        self.r, self.prefix = client, prefix
+        self._begin = client.register_script(_BEGIN)
+        self._received = client.register_script(_RECEIVED)
+        self._commit = client.register_script(_COMMIT)
+        self._retire = client.register_script(_RETIRE)
+        self._gc_mark = client.register_script(_GC_MARK)
+        self._unlock = client.register_script(_UNLOCK)
+
+    # ------------------------------------------------------------------------------------------------ keys
+    def k(self, tenant: str, doc_id: str, *rest: str | int) -> str:
+        return ":".join([f"{self.prefix}:{{{tenant}/{doc_id}}}", *map(str, rest)])
+
+    def tk(self, tenant: str, *rest: str) -> str:
+        return ":".join([f"{self.prefix}:{{{tenant}}}", *rest])
+
+    # ------------------------------------------------------------------------------------------- writing
+    async def begin(self, tenant: str, key: DocumentKey, generation: int, shards: list[ShardSpec],
+                    ttl_ms: int) -> tuple[int, str, int, set[str]]:
+        """Open an upload; returns (generation, upload_id, expires_at_ms, digests being collected)."""
+        doc_id = key.doc_id
+        upload_id = f"{doc_id}.{uuid.uuid4().hex}"
+        digests = sorted({s.digest for s in shards})
+        # listing hints first: a crash after them lists nothing (no readable generation), never hides a commit
+        async with self.r.pipeline(transaction=False) as p:
+            p.sadd(self.tk(tenant, "docs"), doc_id)
+            p.sadd(self.tk(tenant, "byhash", key.doc_hash), doc_id)
+            await p.execute()
+        _, up, _ = self._up(tenant, upload_id)
+        res = await self._begin(
+            keys=[self.k(tenant, doc_id, "doc"), self.k(tenant, doc_id, "gens"), self.k(tenant, doc_id, "retired"),
+                  up, self.k(tenant, doc_id, "pins"), self.k(tenant, doc_id, "deleting")],
+            args=[generation, ttl_ms, msgpack.packb(key.to_dict()), len(shards),
+                  msgpack.packb([s.to_list() for s in shards]), " ".join(digests)])
+        if res[0] == -1:
+            raise AlreadyExists(f"generation {res[1]} of this document is already committed or retired")
+        return int(res[0]), upload_id, int(res[1]), {d.decode() if isinstance(d, bytes) else d for d in res[2:]}
+
+    def _up(self, tenant: str, upload_id: str) -> tuple[str, str, str]:
+        doc_id, rand = upload_id_parts(upload_id)
+        return doc_id, self.k(tenant, doc_id, "up", rand), self.k(tenant, doc_id, "up", rand, "recv")
+
+    async def upload(self, tenant: str, upload_id: str) -> Upload:
+        doc_id, up, recv = self._up(tenant, upload_id)
+        async with self.r.pipeline(transaction=True) as p:
+            p.hmget(up, "gen", "shards", "key")
+            p.smembers(recv)
+            (gen, shards, key), received = await p.execute()
+        if gen is None:
+            raise NotFound(f"upload {upload_id!r} is unknown, expired or already committed")
+        specs = tuple(ShardSpec.from_list(s) for s in msgpack.unpackb(shards, raw=False))
+        got = set()
+        for m in received:
+            rank, _, name = m.decode().partition("/")
+            got.add((int(rank), name))
+        return Upload(upload_id, tenant, doc_id, DocumentKey.from_dict(msgpack.unpackb(key, raw=False)), int(gen),
+                      specs, frozenset(got))
+
+    async def mark_received(self, tenant: str, upload_id: str, spec: ShardSpec) -> None:
+        doc_id, up, recv = self._up(tenant, upload_id)
+        res = await self._received(keys=[up, recv, self.k(tenant, doc_id, "deleting")],
+                                   args=[f"{spec.rank}/{spec.name}", spec.digest])
+        if res == -1:
+            raise NotFound(f"upload {upload_id!r} expired or was committed while shard {spec.name!r} was stored")
+        if res == -2:
+            raise Unavailable(f"blob {spec.digest[:16]} is being garbage-collected; retry the shard")
+
+    async def is_deleting(self, tenant: str, doc_id: str, digest: str) -> bool:
+        return bool(await self.r.sismember(self.k(tenant, doc_id, "deleting"), digest))
+
+    async def commit(self, tenant: str, upload: Upload, manifest: Manifest) -> tuple[bool, int, int]:
+        """Atomically publish `manifest`; returns (became_current, current, committed_at_ms)."""
+        t, d = tenant, upload.doc_id
+        _, up, recv = self._up(tenant, upload.upload_id)
+        res = await self._commit(
+            keys=[self.k(t, d, "doc"), self.k(t, d, "gens"), self.k(t, d, "retired"), up, recv,
+                  self.k(t, d, "gen", upload.generation), self.k(t, d, "refs"), self.k(t, d, "deleting")],
+            args=[upload.generation, manifest.shard_table_bytes()])
+        code = res[0]
+        if code == -1:
+            raise NotFound(f"upload {upload.upload_id!r} is unknown, expired or already committed")
+        if code == -2:
+            raise AlreadyExists(f"generation {res[1]} of this document is already committed or retired")
+        if code == -4:
+            raise FailedPrecondition(f"{res[1]} of {res[2]} declared shards are stored; commit needs all of them")
+        if code == -5:
+            raise Unavailable(f"blob {res[1]!r} is being garbage-collected; re-upload it and commit again")
+        assert code == 1, res
+        return bool(res[1]), int(res[2]), int(res[3])
+
+    async def retire(self, tenant: str, key: DocumentKey, generation: int) -> int:
+        t, d = tenant, key.doc_id
+        res = await self._retire(keys=[self.k(t, d, "doc"), self.k(t, d, "gens"), self.k(t, d, "retired"),
+                                       self.k(t, d, "gen", generation), self.k(t, d, "refs")], args=[generation])
+        if res[0] == -1:
+            raise NotFound(f"generation {generation} is not a readable generation of this document")
+        if res[0] == -2:
+            raise NotFound(f"generation {generation} is already retired")
+        return int(res[1])
+
+    # ------------------------------------------------------------------------------------------- reading
+    async def manifest(self, tenant: str, key: DocumentKey, generation: int) -> tuple[Manifest, int, tuple[int, ...]]:
+        """A consistent (manifest, current, readable generations): WATCH makes the pointer and the manifest
+        come from one moment, so a concurrent commit or retire can never pair a pointer with another manifest."""
+        d = key.doc_id
+        doc, gens = self.k(tenant, d, "doc"), self.k(tenant, d, "gens")
+        for _ in range(16):
+            async with self.r.pipeline(transaction=True) as p:
+                try:
+                    await p.watch(doc, gens)
+                    cur = int(await p.hget(doc, "current") or 0)
+                    g = generation or cur
+                    if g == 0:
+                        raise NotFound("this document has no readable generation")
+                    p.multi()
+                    p.hmget(self.k(tenant, d, "gen", g), "manifest", "at")
+                    p.zrange(gens, 0, -1)
+                    (raw, at), readable = await p.execute()
+                except WatchError:
+                    continue
+            if raw is None:
+                raise NotFound(f"generation {g} is not a readable generation of this document")
+            m = Manifest.from_bytes(raw, int(at))
+            if m.key != key:
+                raise NotFound("no such document")        # a doc_id collision would land here; never serve it
+            return m, cur, tuple(int(x) for x in readable)
+        raise Unavailable("the document changed 16 times while its manifest was read; retry")
+
+    async def doc_state(self, tenant: str, doc_id: str) -> DocState | None:
+        async with self.r.pipeline(transaction=True) as p:
+            p.hmget(self.k(tenant, doc_id, "doc"), "key", "current")
+            p.zrange(self.k(tenant, doc_id, "gens"), 0, -1)
+            (raw, cur), gens = await p.execute()
+        if raw is None or not gens:
+            return None
+        return DocState(DocumentKey.from_dict(msgpack.unpackb(raw, raw=False)), int(cur or 0),
+                        tuple(int(g) for g in gens))
+
+    async def list_doc_ids(self, tenant: str, cursor: int, count: int, doc_hash: str = "") -> tuple[int, list[str]]:
+        key = self.tk(tenant, "byhash", doc_hash) if doc_hash else self.tk(tenant, "docs")
+        cursor, ids = await self.r.sscan(key, cursor=cursor, count=count)
+        return int(cursor), sorted(i.decode() for i in ids)
+
+    async def all_doc_ids(self, tenant: str) -> list[str]:
+        return sorted(i.decode() for i in await self.r.smembers(self.tk(tenant, "docs")))
+
+    # ------------------------------------------------------------------------------------------------ GC
+    async def gc_lock(self, tenant: str, doc_id: str, ttl_ms: int) -> str | None:
+        token = uuid.uuid4().hex
+        ok = await self.r.set(self.k(tenant, doc_id, "gclock"), token, nx=True, px=ttl_ms)
+        return token if ok else None
+
+    async def gc_unlock(self, tenant: str, doc_id: str, token: str) -> None:
+        await self._unlock(keys=[self.k(tenant, doc_id, "gclock")], args=[token])
+
+    async def gc_leftovers(self, tenant: str, doc_id: str) -> list[str]:
+        """Digests a crashed GC had claimed; still unreferenced (nothing can reference a claimed digest)."""
+        return sorted(d.decode() for d in await self.r.smembers(self.k(tenant, doc_id, "deleting")))
+
+    async def gc_mark(self, tenant: str, doc_id: str, candidates: list[str]) -> list[str]:
+        if not candidates:
+            return []
+        t, d = tenant, doc_id
+        res = await self._gc_mark(keys=[self.k(t, d, "refs"), self.k(t, d, "pins"), self.k(t, d, "deleting")],
+                                  args=candidates)
+        return [x.decode() if isinstance(x, bytes) else x for x in res]
+
+    async def gc_unmark(self, tenant: str, doc_id: str, digests: list[str]) -> None:
+        if digests:
+            await self.r.srem(self.k(tenant, doc_id, "deleting"), *digests)
+
+    async def referenced(self, tenant: str, doc_id: str) -> set[str]:
+        return {d.decode() for d in await self.r.hkeys(self.k(tenant, doc_id, "refs"))}

@@ -1,0 +1,112 @@
+"""`redknot store serve`: builds every object from Settings, serves on grpc.aio, stops gracefully.
+
+Order on SIGTERM/SIGINT: health turns NOT_SERVING (load balancers stop routing), the server stops accepting
+and gives in-flight RPCs `grace_s` to finish, then the index connection and the metrics endpoint close."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from pathlib import Path
+
+import grpc
+import redis.asyncio as aioredis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from .auth import AuthInterceptor, TokenTable
+from .blob_fs import FilesystemBlobs
+from .blob_s3 import S3Blobs
+from .core import ArtifactStore
+from .grpc_service import SERVICE, ErrorInterceptor, StoreServicer, generic_handler
+from .index import RedisIndex
+from .keys import MAX_MESSAGE_BYTES, Limits
+from .metrics import StoreMetrics
+from .settings import Settings
+
+log = logging.getLogger("redknot.store")
+
+
+def build_blobs(s: Settings):
+    if s.backend == "fs":
+        return FilesystemBlobs(s.blob_root)
+    return S3Blobs(endpoint=s.s3_endpoint, bucket=s.s3_bucket, prefix=s.s3_prefix, region=s.s3_region,
+                   spool=Path(s.blob_root) / "spool")
+
+
+def _host_port(listen: str) -> tuple[str, int]:
+    host, _, port = listen.rpartition(":")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+async def serve(s: Settings, *, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> int:
+    tokens = TokenTable.parse(s.tokens, s.tokens_file)
+    if not len(tokens):
+        raise SystemExit("no tenants: give --tokens-file or REDKNOT_STORE_TOKENS")
+    metrics = StoreMetrics()
+    redis_client = aioredis.from_url(s.redis_url, socket_timeout=30, socket_connect_timeout=5,
+                                     health_check_interval=30)
+    await redis_client.ping()
+    store = ArtifactStore(RedisIndex(redis_client, s.redis_prefix), build_blobs(s), metrics,
+                          limits=Limits(s.max_shard_bytes, s.max_shards_per_generation), upload_ttl_s=s.upload_ttl_s,
+                          spool_stale_s=s.spool_stale_s,
+                          failpoints=[f.strip() for f in s.failpoints.split(",") if f.strip()])
+
+    server = grpc.aio.server(
+        interceptors=[ErrorInterceptor(metrics), AuthInterceptor(tokens)],
+        options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+    server.add_generic_rpc_handlers((generic_handler(StoreServicer(store)),))
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection((SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                                         reflection.SERVICE_NAME), server)
+    if s.tls_cert:
+        creds = grpc.ssl_server_credentials(
+            [(Path(s.tls_key).read_bytes(), Path(s.tls_cert).read_bytes())],
+            root_certificates=Path(s.tls_client_ca).read_bytes() if s.tls_client_ca else None,
+            require_client_auth=bool(s.tls_client_ca))
+        port = server.add_secure_port(s.listen, creds)
+    else:
+        port = server.add_insecure_port(s.listen)
+    if port == 0:
+        raise SystemExit(f"cannot listen on {s.listen}")
+
+    http = None
+    if s.metrics_listen:
+        host, mport = _host_port(s.metrics_listen)
+        http = start_http_server(mport, addr=host, registry=metrics.registry)
+
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):      # not the main thread (tests run serve in a thread)
+            pass
+    await server.start()
+    for name in ("", SERVICE):
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("store serving on %s (port %d, backend %s, %d tenants, metrics %s)", s.listen, port, s.backend,
+             len(tokens), s.metrics_listen or "off")
+    print(f"redknot store: serving on port {port}", flush=True)
+    if ready is not None:
+        ready.set()
+    await stop.wait()
+
+    log.info("store stopping: draining for up to %.1fs", s.grace_s)
+    for name in ("", SERVICE):
+        await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.stop(s.grace_s)
+    await redis_client.aclose()
+    if http is not None:
+        http[0].shutdown()
+    print("redknot store: stopped", flush=True)
+    return 0
+
+
+def main(s: Settings) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(serve(s))

