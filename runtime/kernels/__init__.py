@@ -1,0 +1,16 @@
+"""GPU kernels (Triton) for the consumer's attention, the N-way LSE merge and the lightning indexer.
+
+Each kernel sits beside a torch reference (`reference.py`, built from the model's own functions) and is compared
+with it by `tests/kernels/test_kernels_gpu.py` on the device machine. Importable everywhere: on a machine without
+Triton or without CUDA, `available()` is False and the reference path is what callers use.
+
+    from runtime.kernels import available, sparse_mqa_attention, merge_lse, indexer_topk
+"""
+from __future__ import annotations
+
+from ._triton import HAVE_TRITON, available
+from .indexer import indexer_scores, indexer_topk
+from .merge import merge_lse
+from .sparse_attention import sparse_mqa_attention
+
+__all__ = ["HAVE_TRITON", "available", "sparse_mqa_attention", "merge_lse", "indexer_scores", "indexer_topk"]

@@ -1,0 +1,106 @@
+"""Lightning-indexer scoring and top-k at long context: runtime/model/deepseek_v4.py `Indexer.scores` followed by
+`topk` (as in `Indexer.forward`), without the [T, IH, N] score block.
+
+    score[t, s] = ID^-0.5 * sum_h w[t, h] * relu(q[t, h] . key[s])      for s < (cpos[t] + 1) // ratio
+                = -inf                                                  otherwise
+
+`w` is the already scaled head weight (weights_proj(x) * IH^-0.5). The scoring kernel tiles [BLOCK_T rows x
+BLOCK_N entries], keeps the key tile on chip, loops over the IH heads with one [BLOCK_T, ID] x [ID, BLOCK_N]
+product each and reduces the heads in registers, so only the [T, N] float32 scores reach memory; tiles wholly
+past every row's causal limit are written as -inf without any product. Top-k then runs with torch.topk over
+row chunks of the score matrix (a bounded [T_chunk, N] buffer).
+"""
+from __future__ import annotations
+
+import torch
+
+from ._triton import HAVE_TRITON, check_runnable, tl, triton
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _indexer_scores_kernel(q_ptr, k_ptr, w_ptr, cpos_ptr, o_ptr, T, N, ratio, scale,
+                               stride_qt, stride_qh, stride_wt, stride_ot,
+                               IH: tl.constexpr, ID: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
+        pid_n = tl.program_id(0)                  # entries fastest: programs of one row block run together
+        pid_t = tl.program_id(1)
+        offs_t = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+        tmask = offs_t < T
+        n0 = pid_n * BLOCK_N
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        nmask = offs_n < N
+        offs_d = tl.arange(0, ID)
+        cp = tl.load(cpos_ptr + offs_t, mask=tmask, other=-1).to(tl.int32)
+        ready = tl.maximum(cp + 1, 0) // ratio                            # entries complete before row t
+        if n0 < tl.max(ready, 0):
+            kt = tl.load(k_ptr + offs_n[None, :].to(tl.int64) * ID + offs_d[:, None], mask=nmask[None, :],
+                         other=0.0)                                      # [ID, BLOCK_N]
+            acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+            for h in range(IH):
+                qh = tl.load(q_ptr + offs_t[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                             mask=tmask[:, None], other=0.0)             # [BLOCK_T, ID]
+                s = tl.dot(qh, kt)
+                wh = tl.load(w_ptr + offs_t * stride_wt + h, mask=tmask, other=0.0)
+                acc += wh[:, None] * tl.maximum(s, 0.0)
+            res = tl.where(offs_n[None, :] < ready[:, None], acc * scale, float("-inf"))
+        else:
+            res = tl.full([BLOCK_T, BLOCK_N], float("-inf"), tl.float32)
+        tl.store(o_ptr + offs_t[:, None] * stride_ot + offs_n[None, :], res, mask=tmask[:, None] & nmask[None, :])
+
+
+def default_config(IH: int, ID: int) -> dict:
+    return dict(BLOCK_T=64, BLOCK_N=128, num_warps=4, num_stages=3)
+
+
+def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, cpos: torch.Tensor, ratio: int = 4,
+                   out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """q [T,IH,ID] roped, keys [N,ID], weights [T,IH] float32 (already scaled), cpos [T] -> scores [T,N] float32
+    (-inf past the causal limit). `out` may be a [T, N] view with unit column stride (a column slice of a wider
+    buffer, e.g. one segment's columns of the union)."""
+    check_runnable(q)
+    T, IH, ID = q.shape
+    N = keys.shape[0]
+    if ID & (ID - 1) or ID < 16:
+        raise ValueError(f"index head dim {ID} must be a power of two >= 16")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    keys = keys.to(q.dtype).contiguous()
+    weights = weights.float()
+    if weights.stride(-1) != 1:
+        weights = weights.contiguous()
+    cpos = cpos.to(device=q.device).contiguous()
+    if out is None:
+        out = torch.empty((T, N), dtype=torch.float32, device=q.device)
+    elif out.shape != (T, N) or out.dtype != torch.float32 or (N > 1 and out.stride(1) != 1):
+        raise ValueError("out must be a float32 [T, N] view with unit column stride")
+    if T == 0 or N == 0:
+        return out
+    cfg = dict(default_config(IH, ID), **(config or {}))
+    grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(T, cfg["BLOCK_T"]))
+    _indexer_scores_kernel[grid](q, keys, weights, cpos, out, T, N, int(ratio), ID ** -0.5,
+                                 q.stride(0), q.stride(1), weights.stride(0), out.stride(0),
+                                 IH=IH, ID=ID, BLOCK_T=cfg["BLOCK_T"], BLOCK_N=cfg["BLOCK_N"],
+                                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out
+
+
+def indexer_topk(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, cpos: torch.Tensor, k: int,
+                 ratio: int = 4, chunk_elems: int = 1 << 29, sorted: bool = True, config: dict | None = None):
+    """-> (idx [T, k'] int64, -1 where fewer than k' entries are visible; values [T, k'] float32), k' = min(k, N).
+    Scores are computed and reduced `chunk_elems // N` rows at a time (2 GiB of float32 scores by default)."""
+    check_runnable(q)
+    T, N = q.shape[0], keys.shape[0]
+    kk = min(int(k), N)
+    idx = torch.full((T, kk), -1, dtype=torch.int64, device=q.device)
+    vals = torch.full((T, kk), float("-inf"), dtype=torch.float32, device=q.device)
+    if kk == 0 or T == 0:
+        return idx, vals
+    rows = max(1, min(T, chunk_elems // N))
+    buf = torch.empty((rows, N), dtype=torch.float32, device=q.device)
+    for a in range(0, T, rows):
+        b = min(a + rows, T)
+        s = indexer_scores(q[a:b], keys, weights[a:b], cpos[a:b], ratio, out=buf[: b - a], config=config)
+        top = torch.topk(s, kk, dim=-1, sorted=sorted)
+        vals[a:b] = top.values
+        idx[a:b] = torch.where(torch.isinf(top.values), torch.full_like(top.indices, -1), top.indices)
+    return idx, vals

@@ -1,0 +1,85 @@
+"""Fused N-way log-sum-exp merge of partial attention outputs, with the per-head sink joining the
+denominator once after the merge: equal to runtime/model/deepseek_v4.py `merge_with_sink`.
+
+    total[t,h] = logsumexp(lse_1[t,h], .., lse_P[t,h], sink[h])
+    out[t,h,:] = sum_i exp(lse_i[t,h] - total[t,h]) * o_i[t,h,:]
+
+One pass: each part's output is read once and the result written once (the reference makes P read-modify-write
+passes over an fp32 accumulator). Parts are passed as tables of device addresses, so P is not a compile-time
+constant and the parts need not be stacked (a stack would copy them).
+"""
+from __future__ import annotations
+
+import torch
+
+from ._triton import HAVE_TRITON, check_runnable, tl, triton
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _merge_kernel(o_tab, lse_tab, sink_ptr, out_ptr, lse_out_ptr, R, H, P,
+                      HAS_SINK: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+        pid_r = tl.program_id(0)
+        pid_d = tl.program_id(1)
+        rows = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)    # flattened (t, h)
+        rmask = rows < R
+        offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+        dmask = offs_d < D
+        if HAS_SINK:
+            m = tl.load(sink_ptr + rows % H, mask=rmask, other=0.0).to(tl.float32)
+        else:
+            m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        for i in range(P):
+            lp = tl.load(lse_tab + i).to(tl.pointer_type(tl.float32))
+            m = tl.maximum(m, tl.load(lp + rows, mask=rmask, other=float("-inf")))
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        if HAS_SINK:
+            den = tl.exp(tl.load(sink_ptr + rows % H, mask=rmask, other=0.0).to(tl.float32) - m_safe)
+        else:
+            den = tl.zeros([BLOCK_R], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+        for i in range(P):
+            lp = tl.load(lse_tab + i).to(tl.pointer_type(tl.float32))
+            op = tl.multiple_of(tl.load(o_tab + i).to(tl.pointer_type(tl.float32)), 16)   # torch allocations
+            w = tl.exp(tl.load(lp + rows, mask=rmask, other=float("-inf")) - m_safe)   # 0 for empty parts
+            den += w
+            o = tl.load(op + rows[:, None] * D + offs_d[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
+            acc += w[:, None] * o
+        den_safe = tl.where(den == 0.0, 1.0, den)
+        tl.store(out_ptr + rows[:, None] * D + offs_d[None, :], acc / den_safe[:, None],
+                 mask=rmask[:, None] & dmask[None, :])
+        if pid_d == 0:
+            lse = tl.where(den == 0.0, float("-inf"), m_safe + tl.log(den_safe))
+            tl.store(lse_out_ptr + rows, lse, mask=rmask)
+
+
+def merge_lse(parts: list[tuple[torch.Tensor, torch.Tensor]], sink: torch.Tensor | None = None,
+              return_lse: bool = False):
+    """parts: [(o [T,H,D], lse [T,H])], sink [H] or None -> merged o [T,H,D] float32 (and the merged LSE
+    [T,H], the sink included, when return_lse)."""
+    if not parts:
+        raise ValueError("merge_lse needs at least one part")
+    o0, l0 = parts[0]
+    check_runnable(o0)
+    T, H, D = o0.shape
+    os_, ls_ = [], []
+    for o, lse in parts:
+        if o.shape != (T, H, D) or lse.shape != (T, H):
+            raise ValueError("all parts must share o [T,H,D] and lse [T,H]")
+        os_.append(o.float().contiguous())
+        ls_.append(lse.float().contiguous())
+    out = torch.empty((T, H, D), dtype=torch.float32, device=o0.device)
+    lse_out = torch.empty((T, H), dtype=torch.float32, device=o0.device)
+    R = T * H
+    if R == 0:
+        return (out, lse_out) if return_lse else out
+    o_tab = torch.tensor([o.data_ptr() for o in os_], dtype=torch.int64, device=o0.device)
+    l_tab = torch.tensor([lse.data_ptr() for lse in ls_], dtype=torch.int64, device=o0.device)
+    has_sink = sink is not None
+    s = sink.float().contiguous() if has_sink else ls_[0]
+    BLOCK_D = min(triton.next_power_of_2(D), 512)
+    BLOCK_R = max(1, 4096 // BLOCK_D)
+    grid = (triton.cdiv(R, BLOCK_R), triton.cdiv(D, BLOCK_D))
+    _merge_kernel[grid](o_tab, l_tab, s, out, lse_out, R, H, len(parts),
+                        HAS_SINK=has_sink, D=D, BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D, num_warps=4)
+    return (out, lse_out) if return_lse else out

@@ -1,0 +1,176 @@
+"""Sparse MQA attention over one segment: window rows of the shared K=V latent plus compressed entries
+(all causally visible ones, HCA; or per-row picks, CSA), with an online softmax in float32.
+
+Reference semantics (runtime/model/deepseek_v4.py `window_attention`, `entry_attention`, `gathered_attention`,
+and runtime/reuse/consumer.py `_window_part`), merged by log-sum-exp WITHOUT the sink:
+
+- window: query t sees key rows cpos[t]-W+1 .. cpos[t], clipped to [0, n);
+- mode "causal": entry w is visible iff w < (cpos[t]+1) // ratio;
+- mode "picks": entries picks[t, :] (-1 = none);
+- mode "none": window only.
+
+K = V: one latent row serves as key and value for every head (MQA). Returns the normalized output o [T,H,D]
+float32 and the natural-log LSE [T,H] float32 (-inf, with o = 0, where a row saw no key). The sink is applied
+once after all parts are merged (`merge_lse`).
+
+Kernel design: one program per (query row, block of BLOCK_H heads). The program streams BLOCK_N key rows at a
+time; each key tile is loaded once and used by all BLOCK_H heads for both products (S = Q K^T on [BLOCK_H, D] x
+[D, BLOCK_N], then O += P K on [BLOCK_H, BLOCK_N] x [BLOCK_N, D]), which is the MQA sharing that makes the
+work matrix-shaped (M = heads). Scores are scaled into the log2 domain and the softmax runs in float32.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._triton import HAVE_TRITON, check_runnable, tl, triton
+
+MODES = {"none": 0, "causal": 1, "picks": 2}
+LN2 = math.log(2.0)
+LOG2E = 1.0 / LN2
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _online_block(q, k, v, valid, m_i, l_i, acc, qk_scale):
+        """One key tile: q [BH, D], k [BN, D], v [BN, DV] (K = V: v is k or its column slice), valid [BN];
+        the softmax state is kept in the log2 domain."""
+        s = tl.dot(q, tl.trans(k)) * qk_scale                             # [BH, BN] fp32
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)                                      # 0 while m_i is -inf
+        p = tl.exp2(s - m_safe[:, None])                                   # 0 at masked keys
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _tile(base_ptr, rows, valid, offs_d, offs_v, D: tl.constexpr, DV: tl.constexpr):
+        """Key tile [BN, D] and its value columns [BN, DV] (the same tile when DV == D)."""
+        ptr = base_ptr + rows[:, None].to(tl.int64) * D
+        k = tl.load(ptr + offs_d[None, :], mask=valid[:, None], other=0.0)
+        if DV == D:
+            v = k
+        else:
+            v = tl.load(ptr + offs_v[None, :], mask=valid[:, None], other=0.0)
+        return k, v
+
+    @triton.jit
+    def _sparse_mqa_kernel(q_ptr, k_ptr, e_ptr, cpos_ptr, picks_ptr, o_ptr, lse_ptr,
+                           H, n_keys, n_entries, n_picks, ratio, window, qk_scale,
+                           stride_qt, stride_qh, stride_pt,
+                           MODE: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_H: tl.constexpr,
+                           BLOCK_N: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        hb = tl.program_id(1)
+        offs_v = tl.program_id(2) * DV + tl.arange(0, DV)                 # this program's output columns
+        offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        hmask = offs_h < H
+        offs_d = tl.arange(0, D)
+        offs_n = tl.arange(0, BLOCK_N)
+
+        q = tl.load(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+                    mask=hmask[:, None], other=0.0)
+        cp = tl.load(cpos_ptr + t).to(tl.int32)
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, DV], dtype=tl.float32)
+
+        # window rows cpos-W+1 .. cpos, clipped to [0, n_keys)
+        lo = tl.maximum(cp - window + 1, 0)
+        hi = tl.minimum(cp + 1, n_keys)
+        for start in range(lo, hi, BLOCK_N):
+            rows = start + offs_n
+            valid = rows < hi
+            k, v = _tile(k_ptr, rows, valid, offs_d, offs_v, D, DV)
+            m_i, l_i, acc = _online_block(q, k, v, valid, m_i, l_i, acc, qk_scale)
+
+        if MODE == 1:
+            # every entry complete before the query: w < (cpos+1)//ratio (an empty range when cpos+1 <= 0)
+            nvis = tl.minimum(tl.maximum(cp + 1, 0) // ratio, n_entries)
+            for start in range(0, nvis, BLOCK_N):
+                rows = start + offs_n
+                valid = rows < nvis
+                k, v = _tile(e_ptr, rows, valid, offs_d, offs_v, D, DV)
+                m_i, l_i, acc = _online_block(q, k, v, valid, m_i, l_i, acc, qk_scale)
+        elif MODE == 2:
+            for start in range(0, n_picks, BLOCK_N):
+                j = start + offs_n
+                idx = tl.load(picks_ptr + t * stride_pt + j, mask=j < n_picks, other=-1)
+                valid = (idx >= 0) & (idx < n_entries)
+                k, v = _tile(e_ptr, idx, valid, offs_d, offs_v, D, DV)
+                m_i, l_i, acc = _online_block(q, k, v, valid, m_i, l_i, acc, qk_scale)
+
+        empty = l_i == 0.0
+        l_safe = tl.where(empty, 1.0, l_i)
+        o = acc / l_safe[:, None]
+        lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
+        o_rows = t * (H * D) + offs_h[:, None] * D + offs_v[None, :]
+        tl.store(o_ptr + o_rows, o, mask=hmask[:, None])
+        if tl.program_id(2) == 0:
+            tl.store(lse_ptr + t * H + offs_h, lse, mask=hmask)
+
+
+def default_config(H: int, D: int) -> dict:
+    """Block sizes per shape. BLOCK_H = the heads of one program (the matrix M dimension)."""
+    bh = min(64, max(16, triton.next_power_of_2(H))) if HAVE_TRITON else 64
+    if D >= 512:
+        return dict(BLOCK_H=bh, BLOCK_N=32 if bh >= 64 else 64, num_warps=8 if bh >= 64 else 4, num_stages=2)
+    return dict(BLOCK_H=bh, BLOCK_N=64, num_warps=4, num_stages=2)
+
+
+def sparse_mqa_attention(q: torch.Tensor, keys: torch.Tensor, cpos: torch.Tensor, window: int,
+                         entries: torch.Tensor | None = None, mode: str = "none", ratio: int = 1,
+                         picks: torch.Tensor | None = None, scale: float | None = None,
+                         config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T,H,D] (roped, bf16/fp16), keys [n,D], cpos [T] (query position in the keys' frame), window W,
+    entries [N,D] or None, mode "none" | "causal" | "picks", ratio (causal), picks [T,k] int (-1 = none),
+    scale (default D^-0.5) -> (o [T,H,D] float32 normalized, lse [T,H] float32 natural log, -inf where no key)."""
+    check_runnable(q)
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
+    T, H, D = q.shape
+    if D & (D - 1):
+        raise ValueError(f"head dim {D} must be a power of two")
+    if keys.dim() != 2 or keys.shape[1] != D:
+        raise ValueError(f"keys must be [n, {D}], got {tuple(keys.shape)}")
+    scale = D ** -0.5 if scale is None else float(scale)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    keys = keys.to(q.dtype).contiguous()
+    cpos = cpos.to(device=q.device).contiguous()
+    if mode != "none":
+        if entries is None:
+            raise ValueError(f"mode {mode!r} needs entries")
+        entries = entries.to(q.dtype).contiguous()
+    e = entries if entries is not None and entries.shape[0] else keys     # any valid pointer when unused
+    n_entries = 0 if entries is None else entries.shape[0]
+    if mode == "picks":
+        if picks is None:
+            raise ValueError("mode 'picks' needs picks [T, k]")
+        picks = picks.to(device=q.device, dtype=torch.int32).contiguous()
+        n_picks, stride_pt = picks.shape[1], picks.stride(0)
+        p = picks if picks.numel() else cpos
+    else:
+        n_picks, stride_pt, p = 0, 0, cpos
+    if mode == "causal" and ratio < 1:
+        raise ValueError("causal mode needs ratio >= 1")
+
+    o = torch.empty((T, H, D), dtype=torch.float32, device=q.device)
+    lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
+    if T == 0:
+        return o, lse
+    k_arg = keys if keys.shape[0] else q                                # n = 0: the window loop never runs
+    cfg = dict(default_config(H, D), **(config or {}))
+    DV = min(int(cfg.get("DV", D)), D)                                 # output columns per program
+    if D % DV or DV & (DV - 1):
+        raise ValueError(f"DV={DV} must be a power of two dividing D={D}")
+    grid = (T, triton.cdiv(H, cfg["BLOCK_H"]), D // DV)
+    _sparse_mqa_kernel[grid](q, k_arg, e, cpos, p, o, lse,
+                             H, keys.shape[0], n_entries, n_picks, max(int(ratio), 1), int(window),
+                             scale * LOG2E, q.stride(0), q.stride(1), stride_pt,
+                             MODE=MODES[mode], D=D, DV=DV, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
+                             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return o, lse

@@ -1,0 +1,219 @@
+"""GPU kernels against their torch references (runtime/kernels/reference.py), on fresh random inputs.
+
+Skipped where Triton or CUDA is missing (CPU CI). Tolerance per the device tool's METHOD.md for bf16 operands:
+||out - ref|| / ||ref|| < 1e-2 against a float32 reference on the upcast inputs; NaN never passes; outputs are
+poisoned (NaN-filled allocator blocks) before each run so an unwritten element fails. LSEs must agree on which
+rows are empty (-inf) and be within 1e-2 elsewhere.
+"""
+import math
+
+import pytest
+import torch
+
+from runtime.kernels import available
+
+pytestmark = pytest.mark.skipif(not available(), reason="needs Triton and a CUDA device")
+
+if available():
+    from runtime.kernels import indexer_scores, indexer_topk, merge_lse, sparse_mqa_attention
+    from runtime.kernels.reference import indexer_scores_reference, sparse_mqa_reference
+    from runtime.model.deepseek_v4 import merge_with_sink
+
+TOL = 1e-2
+DEV = "cuda"
+DT = torch.bfloat16      # DEV/DT are module globals so a CPU debug run (TRITON_INTERPRET=1, fp16) can reuse the cases
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not torch.isnan(out).any(), "NaN in the kernel output"
+    den = ref.double().norm()
+    return float((out.double() - ref.double()).norm() / (den if den > 0 else 1.0))
+
+
+def poison(nbytes: int = 1 << 30) -> None:
+    """Leave NaN in the caching allocator's free blocks, so torch.empty inside a kernel wrapper returns NaNs."""
+    if DEV != "cuda":
+        return
+    torch.cuda.synchronize()
+    x = torch.full((nbytes // 4,), float("nan"), device=DEV)
+    del x
+
+
+def check_lse(lse, ref_lse):
+    assert not torch.isnan(lse).any()
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), "empty rows differ"
+    fin = torch.isfinite(ref_lse)
+    if fin.any():
+        assert float((lse[fin] - ref_lse[fin]).abs().max()) < TOL
+
+
+def causal_picks(cpos: torch.Tensor, n_entries: int, k: int, ratio: int = 4, gen=None) -> torch.Tensor:
+    """k distinct picks per row among the entries visible to it ((cpos+1)//ratio), -1 padded, shuffled."""
+    T = cpos.shape[0]
+    ready = ((cpos + 1) // ratio).clamp(0, n_entries)
+    r = torch.rand(T, n_entries, device=cpos.device, generator=gen)
+    r = r.masked_fill(torch.arange(n_entries, device=cpos.device)[None, :] >= ready[:, None], 2.0)
+    kk = min(k, n_entries)
+    top = torch.topk(r, kk, dim=-1, largest=False)
+    idx = torch.where(top.values < 2.0, top.indices, torch.full_like(top.indices, -1))
+    if kk < k:
+        idx = torch.cat([idx, torch.full((T, k - kk), -1, device=cpos.device, dtype=idx.dtype)], dim=1)
+    return idx[:, torch.randperm(k, device=cpos.device, generator=gen)].to(torch.int32)
+
+
+def run_case(T, H, D, W, n, mode, N=0, ratio=4, k=0, cpos=None, seed=0, picks=None, config=None, chunk=1024):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    q = torch.randn(T, H, D, device=DEV, generator=g).to(DT)
+    keys = torch.randn(n, D, device=DEV, generator=g).to(DT)
+    ent = torch.randn(N, D, device=DEV, generator=g).to(DT) if N else None
+    if cpos is None:
+        cpos = torch.arange(n - T, n, device=DEV) if n >= T else torch.arange(T, device=DEV)
+    if mode == "picks" and picks is None:
+        picks = causal_picks(cpos, N, k, ratio, g)
+    poison()
+    o, lse = sparse_mqa_attention(q, keys, cpos, W, ent, mode, ratio, picks, config=config)
+    ro, rl = sparse_mqa_reference(q.float(), keys.float(), cpos, W, None if ent is None else ent.float(), mode, ratio,
+                                  picks, chunk=chunk)
+    err = rel_err(o, ro)
+    assert err < TOL, f"rel err {err:.2e}"
+    check_lse(lse, rl)
+    return err
+
+
+# ---------------------------------------------------------------- sparse MQA attention
+
+@pytest.mark.parametrize("mode", ["none", "causal", "picks"])
+def test_sparse_small_odd_shapes(mode):
+    # H not a multiple of the head block, cpos anywhere (before 0, past the keys), n smaller than the window reach
+    T, H, D, W, n, N = 333, 20, 128, 32, 300, 80
+    cpos = torch.randint(-40, n + 80, (T,), device=DEV)
+    run_case(T, H, D, W, n, mode, N=N, ratio=4, k=48, cpos=cpos, seed=1)
+
+
+@pytest.mark.parametrize("mode,N,ratio", [("none", 0, 1), ("causal", 32, 128), ("causal", 1024, 4), ("picks", 1024, 4)])
+def test_sparse_real_dims(mode, N, ratio):
+    # DeepSeek-V4-Flash per rank at TP1: 64 heads, D = 512, W = 128, top-k 512; thousands of query rows
+    run_case(4096, 64, 512, 128, 4096, mode, N=N, ratio=ratio, k=512, seed=2)
+
+
+def test_sparse_real_dims_long_prefix():
+    # rows deep in a long segment: every window full, 512 picks of 4K visible entries
+    T, n = 2048, 16384
+    run_case(T, 64, 512, 128, n, "picks", N=n // 4, ratio=4, k=512, seed=3, cpos=torch.arange(n - T, n, device=DEV))
+
+
+def test_sparse_edge_cases():
+    T, H, D, W = 256, 64, 512, 128
+    # cpos < W everywhere: the window is clipped at row 0
+    run_case(T, H, D, W, 512, "none", cpos=torch.arange(T, device=DEV), seed=4)
+    # no visible entries: cpos + 1 < ratio for every row
+    run_case(T, H, D, W, 512, "causal", N=16, ratio=1024, cpos=torch.arange(T, device=DEV), seed=5)
+    # all picks -1
+    picks = torch.full((T, 512), -1, dtype=torch.int32, device=DEV)
+    run_case(T, H, D, W, 512, "picks", N=64, picks=picks, cpos=torch.arange(T, device=DEV), seed=6)
+    # queries before the segment or past its window reach: empty rows (o = 0, lse = -inf)
+    cpos = torch.cat([torch.full((8,), -5, device=DEV), torch.full((8,), 1000, device=DEV)])
+    g = torch.Generator(device=DEV).manual_seed(7)
+    q = torch.randn(16, H, D, device=DEV, generator=g).to(DT)
+    keys = torch.randn(100, D, device=DEV, generator=g).to(DT)
+    poison()
+    o, lse = sparse_mqa_attention(q, keys, cpos, W)
+    assert torch.isinf(lse).all() and (lse < 0).all() and (o == 0).all()
+
+
+def test_sparse_block_configs_agree():
+    # the variants the benchmark may pick compute the same function
+    for cfg in (dict(BLOCK_N=64), dict(DV=256), dict(BLOCK_N=16, num_stages=3)):
+        run_case(512, 64, 512, 128, 2048, "picks", N=512, k=512, seed=8, config=cfg)
+
+
+# ---------------------------------------------------------------- merge
+
+@pytest.mark.parametrize("P,T,H,D", [(1, 100, 8, 64), (3, 1000, 64, 512), (5, 777, 20, 128)])
+def test_merge_lse_equals_merge_with_sink(P, T, H, D):
+    g = torch.Generator(device=DEV).manual_seed(P)
+    parts = []
+    for i in range(P):
+        o = torch.randn(T, H, D, device=DEV, generator=g)
+        lse = torch.randn(T, H, device=DEV, generator=g) * 3
+        lse[torch.rand(T, H, device=DEV, generator=g) < 0.2] = float("-inf")   # empty parts in some rows
+        parts.append((o, lse))
+    parts[0][1][:5] = float("-inf")
+    sink = torch.randn(H, device=DEV, generator=g)
+    poison()
+    out = merge_lse(parts, sink)
+    assert rel_err(out, merge_with_sink(parts, sink)) < 1e-5
+    # without a sink: the merged LSE, -inf where every part is empty
+    for p in parts:
+        p[1][:5] = float("-inf")
+    out, lse = merge_lse(parts, None, return_lse=True)
+    want = torch.logsumexp(torch.stack([p[1] for p in parts]), 0)
+    check_lse(lse, want)
+    assert (out[:5] == 0).all() and not torch.isnan(out).any()
+
+
+def test_sparse_parts_merge_equals_model_merge():
+    # window part and picks part as separate kernel calls, merged with the sink by merge_lse
+    T, H, D, n, N = 1024, 64, 512, 4096, 1024
+    g = torch.Generator(device=DEV).manual_seed(9)
+    q = torch.randn(T, H, D, device=DEV, generator=g).to(DT)
+    keys = torch.randn(n, D, device=DEV, generator=g).to(DT)
+    ent = torch.randn(N, D, device=DEV, generator=g).to(DT)
+    cpos = torch.arange(n - T, n, device=DEV)
+    picks = causal_picks(cpos, N, 512, 4, g)
+    sink = torch.randn(H, device=DEV, generator=g)
+    a = sparse_mqa_attention(q, keys, cpos, 128)
+    b = sparse_mqa_attention(q, keys[:0], cpos, 128, ent, "picks", 4, picks)
+    got = merge_lse([a, b], sink)
+    ro, rl = sparse_mqa_reference(q.float(), keys.float(), cpos, 128, ent.float(), "picks", 4, picks)
+    assert rel_err(got, merge_with_sink([(ro, rl)], sink)) < TOL
+
+
+# ---------------------------------------------------------------- indexer
+
+def _indexer_inputs(T, N, IH=64, ID=128, seed=0, offset=None):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    q = torch.randn(T, IH, ID, device=DEV, generator=g).to(DT)
+    keys = torch.randn(N, ID, device=DEV, generator=g).to(DT)
+    w = torch.randn(T, IH, device=DEV, generator=g) * IH ** -0.5
+    start = 4 * N - T if offset is None else offset
+    cpos = torch.arange(start, start + T, device=DEV)
+    return q, keys, w, cpos
+
+
+@pytest.mark.parametrize("T,N,IH,ID", [(300, 100, 16, 32), (4096, 1024, 64, 128), (2048, 8192, 64, 128)])
+def test_indexer_scores(T, N, IH, ID):
+    q, keys, w, cpos = _indexer_inputs(T, N, IH, ID, seed=T)
+    poison()
+    s = indexer_scores(q, keys, w, cpos)
+    ref = torch.cat([indexer_scores_reference(q[a:a + 512].float(), keys.float(), w[a:a + 512], cpos[a:a + 512])
+                     for a in range(0, T, 512)])
+    assert not torch.isnan(s).any()
+    assert torch.equal(torch.isinf(s), torch.isinf(ref))
+    fin = torch.isfinite(ref)
+    assert rel_err(s[fin], ref[fin]) < TOL
+
+
+@pytest.mark.parametrize("T,N,k,offset", [(4096, 1024, 512, 0), (8192, 4096, 512, None), (1000, 300, 512, 0)])
+def test_indexer_topk(T, N, k, offset):
+    q, keys, w, cpos = _indexer_inputs(T, N, seed=k + T, offset=offset)
+    poison()
+    idx, vals = indexer_topk(q, keys, w, cpos, k, chunk_elems=1 << 22)      # several score chunks
+    kk = min(k, N)
+    assert idx.shape == (T, kk) and idx.dtype == torch.int64
+    ready = ((cpos + 1) // 4).clamp(0, N)
+    assert torch.equal((idx >= 0).sum(1), ready.clamp(max=kk)), "number of picks per row"
+    for a in range(0, T, 512):
+        ref = indexer_scores_reference(q[a:a + 512].float(), keys.float(), w[a:a + 512], cpos[a:a + 512])
+        want = ref.topk(kk, dim=-1).values                                # ties aside: compare the sets' scores
+        i = idx[a:a + 512]
+        got = torch.where(i >= 0, ref.gather(1, i.clamp(min=0)), torch.full_like(want, float("-inf")))
+        got = got.sort(dim=-1, descending=True).values
+        fin = torch.isfinite(want)
+        assert torch.equal(fin, torch.isfinite(got))
+        scale = want[fin].abs().max().clamp(min=1e-6)
+        assert float((got[fin] - want[fin]).abs().max() / scale) < 1e-3
+        # picks are distinct entries
+        srt = i.sort(dim=-1).values
+        dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
+        assert not dup.any()
