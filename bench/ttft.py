@@ -79,6 +79,7 @@ def main() -> int:
     ap.add_argument("--global-picks", default="artifact", choices=["online", "artifact"])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--cold-at", type=int, default=65536)
+    ap.add_argument("--profile-at", type=int, default=0, help="print a torch.profiler table of both arms at this length")
     ap.add_argument("--q-chunk", type=int, default=4096)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--small", action="store_true", help="tiny dims for a CPU smoke run")
@@ -132,6 +133,14 @@ def main() -> int:
                    structural_ceiling=led["structural_ceiling"], token_row_saving=led["token_row_saving"],
                    flop_saving=led["flop_saving"], build_s=t_build, active=led["rows"]["active"],
                    relocated=led["rows"]["relocated"], recompute_all=rec_t, reuse_all=reu_t)
+        if L == args.profile_at and device.type == "cuda":
+            from torch.profiler import ProfilerActivity, profile
+            for arm, fn in (("reuse", reuse), ("recompute", lambda: model(full))):
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof_:
+                    fn()
+                    torch.cuda.synchronize()
+                print(f"## profile of the {arm} arm at {L}")
+                print(prof_.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
         if L == args.cold_at:
             def cold():
                 fresh = [pin(produce(model, d, prof)) for d in docs]

@@ -35,71 +35,109 @@ class SegmentKeys:
     index_keys: torch.Tensor | None = None    # [N, id]
 
 
-def _window_part(attn, q_raw, cpos, seg: SegmentKeys, scale):
+def _window_part(attn, q, cpos, seg: SegmentKeys, scale):
+    """q already rotated to the segment's frame; rows cpos-W+1..cpos clipped to the segment."""
     W, n = attn.cfg.window_size, seg.latent.shape[0]
     rows = cpos[:, None] - W + 1 + torch.arange(W, device=cpos.device)
     valid = (rows >= 0) & (rows < n)
     k = seg.latent[rows.clamp(0, max(n - 1, 0))]
-    q = Rotary.apply(q_raw, *attn.rotary.cos_sin(cpos))
     s = torch.einsum("thd,twd->thw", q, k.to(q.dtype)).float() * scale
     s = s.masked_fill(~valid[:, None, :], NEG_INF)
-    return _lse_attend(s, k, "thw,twd->thd"), q
+    return _lse_attend(s, k, "thw,twd->thd"), valid.sum()
+
+
+class _OnlineMerge:
+    """Running log-sum-exp merge of partial outputs over row subsets; the sink joins once at the end."""
+
+    def __init__(self, T, H, D, device):
+        self.lse = torch.full((T, H), NEG_INF, device=device)
+        self.o = torch.zeros((T, H, D), device=device)
+
+    def add(self, rows, o, lse):
+        old = self.lse[rows]
+        new = torch.logaddexp(old, lse)
+        safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
+        w_old = torch.where(torch.isinf(old), torch.zeros_like(old), torch.exp(old - safe))
+        w_new = torch.where(torch.isinf(lse), torch.zeros_like(lse), torch.exp(lse - safe))
+        self.o[rows] = self.o[rows] * w_old.unsqueeze(-1) + o.float() * w_new.unsqueeze(-1)
+        self.lse[rows] = new
+
+    def finish(self, sink):
+        total = torch.logaddexp(self.lse, sink.float()[None, :])
+        return self.o * torch.exp(self.lse - total).unsqueeze(-1)
 
 
 def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: list[SegmentKeys], sink: torch.Tensor,
-                      idx_inputs=None, picks: list | None = None) -> tuple[torch.Tensor, int]:
+                      idx_inputs=None, picks: list | None = None,
+                      qpos_host: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q_raw [T,H,D] normed, not yet roped; qpos request positions. Returns the merged per-head output in the
-    request frame [T,H,D] (before the inverse output RoPE) and the number of (query, key) pairs attended."""
-    parts, pairs = [], 0
+    request frame [T,H,D] (before the inverse output RoPE) and the number of (query, key) pairs attended (a
+    tensor, so no host sync). A query works only on the segments it can see: a segment's window rows only for
+    queries within W-1 rows past its end, its entries only for queries at or after its start."""
+    T, H, D = q_raw.shape
+    W = attn.cfg.window_size
+    merge = _OnlineMerge(T, H, D, q_raw.device)
+    pairs = torch.zeros((), dtype=torch.long, device=q_raw.device)
     cpos_all = [qpos - s.delta for s in segments]
     if attn.kind == CSA and picks is None:
         picks = _indexer_picks(attn, cpos_all, segments, idx_inputs)
+    # rows come in increasing position: the rows a segment serves are contiguous, found on the host (no sync)
+    host = (qpos.cpu() if qpos_host is None else qpos_host).contiguous()
     for j, seg in enumerate(segments):
-        cpos = cpos_all[j]
-        (o, lse), q = _window_part(attn, q_raw, cpos, seg, attn.scale)
-        seg_parts = [(o, lse)]
-        pairs += int(((cpos[:, None] - torch.arange(attn.cfg.window_size, device=cpos.device) >= 0)
-                      & (cpos[:, None] - torch.arange(attn.cfg.window_size, device=cpos.device) < seg.latent.shape[0])).sum())
+        first = int(torch.searchsorted(host, seg.delta))
+        if first == T:
+            continue
+        live = slice(first, T)
+        cl = cpos_all[j][live]
+        q = Rotary.apply(q_raw[live], *attn.rotary.cos_sin(cl))
+        cos_d, sin_d = attn.rotary.cos_sin(torch.full((1,), seg.delta, device=qpos.device))
+
+        def to_request(o):   # the segment's values carry RoPE at canonical positions
+            return Rotary.apply(o, cos_d.expand(o.shape[0], -1), sin_d.expand(o.shape[0], -1))
+        end = int(torch.searchsorted(host, seg.delta + seg.latent.shape[0] + W - 1))
+        if end > first:
+            near = slice(0, end - first)
+            (o, lse), n = _window_part(attn, q[near], cl[near], seg, attn.scale)
+            merge.add(slice(first, end), to_request(o), lse)
+            pairs = pairs + n
         if attn.kind == HCA and seg.entries is not None and seg.entries.shape[0]:
-            vis = torch.arange(seg.entries.shape[0], device=q.device)[None, :] < ((cpos + 1) // attn.ratio)[:, None]
+            vis = torch.arange(seg.entries.shape[0], device=q.device)[None, :] < ((cl + 1) // attn.ratio)[:, None]
             s = torch.einsum("thd,nd->thn", q, seg.entries.to(q.dtype)).float() * attn.scale
-            seg_parts.append(_lse_attend(s.masked_fill(~vis[:, None, :], NEG_INF), seg.entries, "thn,nd->thd"))
-            pairs += int(vis.sum())
+            o, lse = _lse_attend(s.masked_fill(~vis[:, None, :], NEG_INF), seg.entries, "thn,nd->thd")
+            merge.add(live, to_request(o), lse)
+            pairs = pairs + vis.sum()
         elif attn.kind == CSA and picks[j] is not None:
-            idx = picks[j]
+            idx = picks[j][live]
             k = seg.entries[idx.clamp(min=0)]
             s = torch.einsum("thd,tkd->thk", q, k.to(q.dtype)).float() * attn.scale
-            seg_parts.append(_lse_attend(s.masked_fill((idx < 0)[:, None, :], NEG_INF), k, "thk,tkd->thd"))
-            pairs += int((idx >= 0).sum())
-        # the segment's output back to the request frame: its values carry RoPE at canonical positions
-        delta = torch.full_like(qpos, seg.delta)
-        for o, lse in seg_parts:
-            parts.append((Rotary.apply(o, *attn.rotary.cos_sin(delta)), lse))
-    return merge_with_sink(parts, sink), pairs
+            o, lse = _lse_attend(s.masked_fill((idx < 0)[:, None, :], NEG_INF), k, "thk,tkd->thd")
+            merge.add(live, to_request(o), lse)
+            pairs = pairs + (idx >= 0).sum()
+    return merge.finish(sink), pairs
 
 
 def _indexer_picks(attn, cpos_all, segments, idx_inputs):
     """Native lightning-indexer top-k over the union of every segment's visible entries, the indexer query
     rotated per segment; returns per segment the picked local entry ids [T, k] (-1 = none)."""
     h, qr = idx_inputs
-    scores, owners = [], []
+    scores, seg_ids, local_ids = [], [], []
     for j, seg in enumerate(segments):
         if seg.index_keys is None or seg.index_keys.shape[0] == 0:
             continue
+        N = seg.index_keys.shape[0]
         scores.append(attn.indexer.scores(h, qr, cpos_all[j], seg.index_keys))
-        owners += [(j, e) for e in range(seg.index_keys.shape[0])]
+        seg_ids.append(torch.full((N,), j, device=h.device))
+        local_ids.append(torch.arange(N, device=h.device))
     out = [None] * len(segments)
     if not scores:
         return out
     s = torch.cat(scores, dim=1)
-    k = min(attn.indexer.topk, s.shape[1])
-    top = s.topk(k, dim=-1)
-    seg_of = torch.tensor([o[0] for o in owners], device=s.device)
-    local = torch.tensor([o[1] for o in owners], device=s.device)
+    seg_of, local = torch.cat(seg_ids), torch.cat(local_ids)
+    top = s.topk(min(attn.indexer.topk, s.shape[1]), dim=-1)
     valid = ~torch.isinf(top.values)
+    owner = seg_of[top.indices]
     for j in range(len(segments)):
-        mine = valid & (seg_of[top.indices] == j)
-        out[j] = torch.where(mine, local[top.indices], torch.full_like(top.indices, -1))
+        out[j] = torch.where(valid & (owner == j), local[top.indices], torch.full_like(top.indices, -1))
     return out
 
 
@@ -365,15 +403,16 @@ class ReuseEngine:
 
         qr = attn.q_norm(attn.wq_a(hn))
         P = hn.new_zeros((M, attn.n_groups * cfg.o_lora_rank))
-        pairs = 0
+        pairs = torch.zeros((), dtype=torch.long, device=x.device)
         rest = ~row_active
-        if row_active.any():                       # every head, native W_a
+        ra_host, pos_host = row_active.cpu(), positions.cpu()     # row selection decided on the host, once
+        if ra_host.any():                          # every head, native W_a
             q = unweighted_rms_norm(attn.wq_b(qr[row_active]).view(-1, attn.n_heads, cfg.head_dim), cfg.norm_eps)
             o, p = self._attend(attn, q, positions[row_active], all_segs, attn.attn_sink,
-                                hn[row_active], qr[row_active])
+                                hn[row_active], qr[row_active], qpos_host=pos_host[ra_host])
             P[row_active] = attn.project(o.to(hn.dtype), positions[row_active]).to(P.dtype)
             pairs += p * attn.n_heads
-        if not fence and rest.any():               # Global heads only, their slice of wq_b and of W_a
+        if not fence and not bool(ra_host.all()):  # Global heads only, their slice of wq_b and of W_a
             gm = self.gmask.to(x.device)
             Hg = int(gm.sum())
             wq = attn.wq_b.weight.view(attn.n_heads, cfg.head_dim, -1)[gm].reshape(Hg * cfg.head_dim, -1)
@@ -382,7 +421,8 @@ class ReuseEngine:
             picks = None
             if attn.kind == CSA and self.profile.global_picks == "artifact" and not fence and local is not None:
                 picks = self._own_picks(i, rest, n_reloc, len(all_segs))
-            o, p = self._attend(attn, q, positions[rest], all_segs, attn.attn_sink[gm], hn[rest], qr[rest], picks)
+            o, p = self._attend(attn, q, positions[rest], all_segs, attn.attn_sink[gm], hn[rest], qr[rest], picks,
+                                qpos_host=pos_host[~ra_host])
             P[rest] = self._project_global(attn, o.to(hn.dtype), positions[rest]).to(P.dtype)
             pairs += p * Hg
             if local is not None:
@@ -392,7 +432,7 @@ class ReuseEngine:
         if ledger is not None:
             online_idx = int(row_active.sum()) if (fence or self.profile.global_picks == "artifact") else M
             ledger.reusable_layer(i, active_rows=int(row_active.sum()), restored_rows=0 if fence else int(restore.sum()),
-                                  global_heads=0 if fence else int(self.gmask.sum()), pairs=pairs,
+                                  global_heads=0 if fence else int(self.gmask.sum()), pairs=int(pairs),
                                   indexer_rows=online_idx)
 
         h2, post2, comb2 = block.hc_pre(x_attn, "ffn")
@@ -426,15 +466,17 @@ class ReuseEngine:
         # skipped rows keep the attention sub-block's output and no FFN (residual identity)
         return torch.where(ffn_rows[:, None, None], mixed, x_attn)
 
-    def _attend(self, attn, q_raw, qpos, segs, sink, h, qr, picks=None):
+    def _attend(self, attn, q_raw, qpos, segs, sink, h, qr, picks=None, qpos_host=None):
         """segment_attention in query chunks (bounded temporaries at long context)."""
-        outs, pairs = [], 0
+        outs, pairs = [], torch.zeros((), dtype=torch.long, device=q_raw.device)
         step = self.model.q_chunk
+        host = qpos.cpu() if qpos_host is None else qpos_host
         for a in range(0, q_raw.shape[0], step):
             b = a + step
             o, p = segment_attention(attn, q_raw[a:b], qpos[a:b], segs, sink,
                                      (h[a:b], qr[a:b]) if attn.indexer is not None else None,
-                                     None if picks is None else [None if t is None else t[a:b] for t in picks])
+                                     None if picks is None else [None if t is None else t[a:b] for t in picks],
+                                     host[a:b])
             outs.append(o)
             pairs += p
         return torch.cat(outs), pairs
