@@ -80,6 +80,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--cold-at", type=int, default=65536)
     ap.add_argument("--profile-at", type=int, default=0, help="print a torch.profiler table of both arms at this length")
+    ap.add_argument("--check-at", type=int, default=0,
+                    help="at this length, compare first-token logits of the kernel path against the reference path")
     ap.add_argument("--q-chunk", type=int, default=4096)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--small", action="store_true", help="tiny dims for a CPU smoke run")
@@ -133,6 +135,16 @@ def main() -> int:
                    structural_ceiling=led["structural_ceiling"], token_row_saving=led["token_row_saving"],
                    flop_saving=led["flop_saving"], build_s=t_build, active=led["rows"]["active"],
                    relocated=led["rows"]["relocated"], recompute_all=rec_t, reuse_all=reu_t)
+        if L == args.check_at and device.type == "cuda":
+            got = {}
+            for flag in ("1", "0"):
+                os.environ["REDKNOT_KERNELS"] = flag
+                got[flag] = (model(full).float(), reuse().logits.float())
+            os.environ["REDKNOT_KERNELS"] = "1"
+            for k, arm in enumerate(("recompute", "reuse")):
+                a, b = got["1"][k], got["0"][k]
+                print(f"## check at {L}: {arm} arm, kernels vs reference path: rel err "
+                      f"{((a - b).norm() / b.norm()).item():.2e}, same argmax {int(a.argmax()) == int(b.argmax())}")
         if L == args.profile_at and device.type == "cuda":
             from torch.profiler import ProfilerActivity, profile
             for arm, fn in (("reuse", reuse), ("recompute", lambda: model(full))):

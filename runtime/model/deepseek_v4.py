@@ -277,6 +277,9 @@ class Indexer(nn.Module):
         T = x.shape[0]
         q = self.wq_b(qr).view(T, self.n_heads, self.head_dim)
         q = Rotary.apply(q, *self.rotary.cos_sin(positions))
+        from runtime.kernels import enabled, indexer_scores
+        if enabled(q):
+            return indexer_scores(q, keys.to(q.dtype), self.weights_proj(x).float() * self.n_heads ** -0.5, positions)
         # in the activation dtype (the reference runs this in FP8), ReLU in place, heads reduced by a batched
         # matvec: the [T, heads, N] block is written once and read once
         s = torch.relu_(torch.einsum("thd,nd->thn", q, keys.to(q.dtype)))
@@ -293,6 +296,12 @@ class Indexer(nn.Module):
             return torch.full((x.shape[0], 0), -1, dtype=torch.long, device=x.device)
         # the [rows, heads, N] score block is the indexer's largest temporary: bound it to ~2^28 elements
         q_chunk = max(1, min(q_chunk, (1 << 28) // (self.n_heads * keys.shape[0])))
+        from runtime.kernels import enabled, indexer_topk
+        if enabled(x):
+            q = Rotary.apply(self.wq_b(qr).view(x.shape[0], self.n_heads, self.head_dim),
+                             *self.rotary.cos_sin(positions))
+            w = self.weights_proj(x).float() * self.n_heads ** -0.5
+            return indexer_topk(q, keys.to(q.dtype), w, positions, k)[0]
         out = []
         for a in range(0, x.shape[0], q_chunk):
             b = min(a + q_chunk, x.shape[0])
@@ -379,10 +388,19 @@ class Attention(nn.Module):
         if self.indexer is not None:
             idx = self.indexer(x, qr, positions, cache.indexer, q_chunk)
 
+        from runtime.kernels import enabled, sparse_mqa_attention
+        fast = enabled(q)
         outs = []
         for a in range(0, x.shape[0], q_chunk):
             b = min(a + q_chunk, x.shape[0])
             qc, pc = q[a:b], positions[a:b]
+            if fast:   # one fused pass over window rows and entries; the sink joins in the merge
+                mode = {WINDOW: "none", HCA: "causal", CSA: "picks"}[self.kind]
+                cpos = torch.arange(n_past + a, n_past + b, device=q.device)
+                part = sparse_mqa_attention(qc, keys[: n_past + b], cpos, W, entries, mode, self.ratio or 1,
+                                            idx[a:b] if idx is not None else None, self.scale)
+                outs.append(merge_with_sink([part], self.attn_sink).to(x.dtype))
+                continue
             parts = [window_attention(qc, keys[: n_past + b], n_past + a, W, self.scale)]
             if self.kind == HCA:
                 visible = torch.arange(entries.shape[0], device=x.device)[None, :] < ((pc + 1) // self.ratio)[:, None]

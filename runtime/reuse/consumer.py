@@ -18,6 +18,7 @@ import torch
 from runtime.model.config import CSA, HCA
 from runtime.model.deepseek_v4 import (NEG_INF, Block, CompressorState, LayerCache, Rotary, Transformer, _lse_attend,
                                        merge_with_sink, unweighted_rms_norm)
+from runtime.kernels import enabled, sparse_mqa_attention
 from .artifact import DocumentArtifact, LayerArtifact
 from .ledger import Ledger
 from .profile import ReuseProfile
@@ -67,6 +68,18 @@ class _OnlineMerge:
         return self.o * torch.exp(self.lse - total).unsqueeze(-1)
 
 
+def _pair_count(cl, seg, W, attn, mode, picks) -> torch.Tensor:
+    """(query, key) pairs the fused kernel attends for these rows: clipped window rows plus visible entries."""
+    n = seg.latent.shape[0]
+    lo, hi = (cl - W + 1).clamp(min=0), cl.clamp(max=n - 1)
+    total = (hi - lo + 1).clamp(min=0).sum()
+    if mode == "causal":
+        total = total + ((cl + 1) // attn.ratio).clamp(max=seg.entries.shape[0]).sum()
+    elif mode == "picks":
+        total = total + (picks >= 0).sum()
+    return total
+
+
 def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: list[SegmentKeys], sink: torch.Tensor,
                       idx_inputs=None, picks: list | None = None,
                       qpos_host: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,6 +107,15 @@ def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: l
 
         def to_request(o):   # the segment's values carry RoPE at canonical positions
             return Rotary.apply(o, cos_d.expand(o.shape[0], -1), sin_d.expand(o.shape[0], -1))
+        if enabled(q):   # fused: window rows and entries of this segment in one pass
+            n_ent = 0 if seg.entries is None else seg.entries.shape[0]
+            mode = "causal" if attn.kind == HCA and n_ent else "picks" if attn.kind == CSA and picks[j] is not None \
+                else "none"
+            o, lse = sparse_mqa_attention(q, seg.latent, cl, W, seg.entries if mode != "none" else None, mode,
+                                          attn.ratio or 1, picks[j][live] if mode == "picks" else None, attn.scale)
+            merge.add(live, to_request(o), lse)
+            pairs = pairs + _pair_count(cl, seg, W, attn, mode, picks[j][live] if mode == "picks" else None)
+            continue
         end = int(torch.searchsorted(host, seg.delta + seg.latent.shape[0] + W - 1))
         if end > first:
             near = slice(0, end - first)
