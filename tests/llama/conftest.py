@@ -1,4 +1,24 @@
+"""One SmolLM2-135M-Instruct conversion per test session (about 4 s), into a temporary directory."""
 import pytest
+
+from runtime.llama.gguf import convert_gguf
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory):
+    return convert_gguf(out_dir=tmp_path_factory.mktemp("smollm2") / "ckpt").out
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_dir):
+    from runtime.llama.loader import load_llama
+    return load_llama(smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(smollm2_dir):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(smollm2_dir)
 
 
 @pytest.fixture(autouse=True)
