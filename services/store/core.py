@@ -201,17 +201,16 @@ class ArtifactStore:
         shards = check_shard_table(key, p.shards, self.limits)
         generation, upload_id, expires, deleting = await self.index.begin(
             tenant, key, p.generation, shards, self.upload_ttl_ms)
-        # Shards whose blob this document already holds need no upload: they were verified when written, and
-        # the upload's pins (set above, before this check) keep GC off them until it commits or expires.
+        # Shards whose blob this document already holds need no upload. The blob is re-hashed first (a rotted
+        # one must be uploaded again, which replaces it), and the upload's pins, set above, keep GC off it.
         by_digest: dict[str, list[ShardSpec]] = {}
         for s in shards:
             if s.digest not in deleting:
                 by_digest.setdefault(s.digest, []).append(s)
-        sizes = await asyncio.gather(*(self._blocking(self.blobs.size_blocking, BlobKey(tenant, key.doc_id, d))
-                                       for d in by_digest))
+        intact = await asyncio.gather(*(self._intact(tenant, key.doc_id, specs[0]) for specs in by_digest.values()))
         stored = []
-        for (digest, specs), size in zip(by_digest.items(), sizes):
-            if size == specs[0].size:
+        for specs, ok in zip(by_digest.values(), intact):
+            if ok:
                 for s in specs:
                     await self.index.mark_received(tenant, upload_id, s)
                     stored.append(s.ref)
@@ -309,6 +308,19 @@ class ArtifactStore:
                  len(upload.shards), current)
         return CommitResult(Manifest(upload.key, upload.generation, upload.shards, at), became, current)
 
+    async def _intact(self, tenant: str, doc_id: str, s: ShardSpec) -> bool:
+        """Is the stored blob for `s` present with the right size and digest? (A corrupt one counts as a read
+        digest failure.)"""
+        size = await self._blocking(self.blobs.size_blocking, BlobKey(tenant, doc_id, s.digest))
+        if size != s.size:
+            return False
+        try:
+            async for _ in self._read_verified(tenant, doc_id, s, 0, count=False):
+                pass
+        except DataLoss:
+            return False
+        return True
+
     # ------------------------------------------------------------------------------------------- reading
     async def manifest(self, tenant: str, key: DocumentKey, generation: int) -> ManifestResult:
         key.check()
@@ -335,7 +347,7 @@ class ArtifactStore:
             async for chunk in self._read_verified(tenant, key.doc_id, s, m.generation):
                 yield chunk
 
-    async def _read_verified(self, tenant: str, doc_id: str, s: ShardSpec, generation: int
+    async def _read_verified(self, tenant: str, doc_id: str, s: ShardSpec, generation: int, count: bool = True
                              ) -> AsyncIterator[FetchChunk]:
         """Chunks of one shard; each is sent only once the next has been read, and the last only after the
         whole shard's size and digest match, so a reader never gets a complete corrupt shard."""
@@ -364,8 +376,9 @@ class ArtifactStore:
             if pending is None:
                 pending = FetchChunk(s, generation, 0, b"", False)
             yield FetchChunk(pending.shard, generation, pending.offset, pending.data, True)
-            self.metrics.shards_served.inc()
-            self.metrics.bytes_out.inc(s.size)
+            if count:
+                self.metrics.shards_served.inc()
+                self.metrics.bytes_out.inc(s.size)
         finally:
             await asyncio.to_thread(f.close)
 
@@ -412,7 +425,7 @@ class ArtifactStore:
         for s in mine:
             if p.deep:
                 try:
-                    async for _ in self._read_verified(tenant, key.doc_id, s, m.generation):
+                    async for _ in self._read_verified(tenant, key.doc_id, s, m.generation, count=False):
                         pass
                 except DataLoss as e:
                     return Verdict(False, R.DIGEST_MISMATCH, str(e), cur, cert.digest)

@@ -13,7 +13,8 @@ Per document (prefix P, tag T):
     P:T:up:<id>        hash   gen, n, shards (declared table), digests; expires with the upload
     P:T:up:<id>:recv   set    "rank/name" of shards stored and verified
     P:T:refs           hash   digest -> number of readable generations referencing it
-    P:T:pins           zset   digest -> expiry (ms) of the latest open upload declaring it
+    P:T:pins           hash   digest -> number of open uploads declaring it
+    P:T:uploads        zset   open upload ids by expiry (ms); P:T:updigests hash: upload id -> its digests
     P:T:deleting       set    digests GC has claimed; puts and commits of them wait
     P:T:gclock         string GC mutual exclusion per document
 Per tenant: P:{tenant}:docs (set of doc ids), P:{tenant}:byhash:<doc_hash> (set of doc ids)."""
@@ -39,17 +40,19 @@ if redis.call('ZSCORE', KEYS[2], g) or redis.call('SISMEMBER', KEYS[3], g) == 1 
 if g > hwm then redis.call('HSET', KEYS[1], 'hwm', g) end
 redis.call('HSETNX', KEYS[1], 'key', ARGV[3])
 local expires = now + tonumber(ARGV[2])
-local up = KEYS[4]
-redis.call('HSET', up, 'gen', g, 'n', ARGV[4], 'shards', ARGV[5], 'digests', ARGV[6], 'key', ARGV[3])
-redis.call('PEXPIREAT', up, expires)
+redis.call('HSET', KEYS[4], 'gen', g, 'n', ARGV[4], 'shards', ARGV[5], 'digests', ARGV[6], 'key', ARGV[3])
+redis.call('PEXPIREAT', KEYS[4], expires)
+redis.call('ZADD', KEYS[7], expires, ARGV[7])
+redis.call('HSET', KEYS[8], ARGV[7], ARGV[6])
 local out = {g, expires}
 for d in string.gmatch(ARGV[6], '%S+') do
-  redis.call('ZADD', KEYS[5], 'GT', expires, d)
+  redis.call('HINCRBY', KEYS[5], d, 1)
   if redis.call('SISMEMBER', KEYS[6], d) == 1 then table.insert(out, d) end
 end
 return out
 """
-# KEYS: doc, gens, retired, up, pins, deleting; ARGV: generation (0: allocate), ttl_ms, key, n, shards, digests
+# KEYS: doc, gens, retired, up, pins, deleting, uploads, updigests
+# ARGV: generation (0: allocate), ttl_ms, key, n, shards, digests, upload id
 
 _RECEIVED = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
@@ -87,9 +90,15 @@ if g > cur then
   became = 1
 end
 redis.call('DEL', KEYS[4], KEYS[5])
+if redis.call('HDEL', KEYS[10], ARGV[3]) == 1 then
+  redis.call('ZREM', KEYS[9], ARGV[3])
+  for d in string.gmatch(digests, '%S+') do
+    if redis.call('HINCRBY', KEYS[11], d, -1) <= 0 then redis.call('HDEL', KEYS[11], d) end
+  end
+end
 return {1, became, cur, now}
 """
-# KEYS: doc, gens, retired, up, recv, gen:g, refs, deleting; ARGV: g, manifest
+# KEYS: doc, gens, retired, up, recv, gen:g, refs, deleting, uploads, updigests, pins; ARGV: g, manifest, upload id
 
 _RETIRE = """
 local g = tonumber(ARGV[1])
@@ -117,18 +126,26 @@ return {1, cur}
 _GC_MARK = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', now)) do
+  local digests = redis.call('HGET', KEYS[5], id) or ''
+  for d in string.gmatch(digests, '%S+') do
+    if redis.call('HINCRBY', KEYS[2], d, -1) <= 0 then redis.call('HDEL', KEYS[2], d) end
+  end
+  redis.call('HDEL', KEYS[5], id)
+  redis.call('ZREM', KEYS[4], id)
+end
 local marked = {}
 for i = 1, #ARGV do
   local d = ARGV[i]
-  if redis.call('HEXISTS', KEYS[1], d) == 0 and not redis.call('ZSCORE', KEYS[2], d) then
+  if redis.call('HEXISTS', KEYS[1], d) == 0 and redis.call('HEXISTS', KEYS[2], d) == 0 then
     redis.call('SADD', KEYS[3], d)
     table.insert(marked, d)
   end
 end
 return marked
 """
-# KEYS: refs, pins, deleting; ARGV: candidate digests
+# KEYS: refs, pins, deleting, uploads, updigests; ARGV: candidate digests
+# (expired uploads release their pins here: an upload's key expires by itself, its pins only when reaped)
 
 _UNLOCK = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
@@ -192,9 +209,10 @@ class RedisIndex:
         _, up, _ = self._up(tenant, upload_id)
         res = await self._begin(
             keys=[self.k(tenant, doc_id, "doc"), self.k(tenant, doc_id, "gens"), self.k(tenant, doc_id, "retired"),
-                  up, self.k(tenant, doc_id, "pins"), self.k(tenant, doc_id, "deleting")],
+                  up, self.k(tenant, doc_id, "pins"), self.k(tenant, doc_id, "deleting"),
+                  self.k(tenant, doc_id, "uploads"), self.k(tenant, doc_id, "updigests")],
             args=[generation, ttl_ms, msgpack.packb(key.to_dict()), len(shards),
-                  msgpack.packb([s.to_list() for s in shards]), " ".join(digests)])
+                  msgpack.packb([s.to_list() for s in shards]), " ".join(digests), upload_id])
         if res[0] == -1:
             raise AlreadyExists(f"generation {res[1]} of this document is already committed or retired")
         return int(res[0]), upload_id, int(res[1]), {d.decode() if isinstance(d, bytes) else d for d in res[2:]}
@@ -237,8 +255,9 @@ class RedisIndex:
         _, up, recv = self._up(tenant, upload.upload_id)
         res = await self._commit(
             keys=[self.k(t, d, "doc"), self.k(t, d, "gens"), self.k(t, d, "retired"), up, recv,
-                  self.k(t, d, "gen", upload.generation), self.k(t, d, "refs"), self.k(t, d, "deleting")],
-            args=[upload.generation, manifest.shard_table_bytes()])
+                  self.k(t, d, "gen", upload.generation), self.k(t, d, "refs"), self.k(t, d, "deleting"),
+                  self.k(t, d, "uploads"), self.k(t, d, "updigests"), self.k(t, d, "pins")],
+            args=[upload.generation, manifest.shard_table_bytes(), upload.upload_id])
         code = res[0]
         if code == -1:
             raise NotFound(f"upload {upload.upload_id!r} is unknown, expired or already committed")
@@ -321,11 +340,9 @@ class RedisIndex:
         return sorted(d.decode() for d in await self.r.smembers(self.k(tenant, doc_id, "deleting")))
 
     async def gc_mark(self, tenant: str, doc_id: str, candidates: list[str]) -> list[str]:
-        if not candidates:
-            return []
         t, d = tenant, doc_id
-        res = await self._gc_mark(keys=[self.k(t, d, "refs"), self.k(t, d, "pins"), self.k(t, d, "deleting")],
-                                  args=candidates)
+        res = await self._gc_mark(keys=[self.k(t, d, "refs"), self.k(t, d, "pins"), self.k(t, d, "deleting"),
+                                        self.k(t, d, "uploads"), self.k(t, d, "updigests")], args=candidates)
         return [x.decode() if isinstance(x, bytes) else x for x in res]
 
     async def gc_unmark(self, tenant: str, doc_id: str, digests: list[str]) -> None:

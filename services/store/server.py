@@ -46,8 +46,11 @@ async def serve(s: Settings, *, ready: asyncio.Event | None = None, stop: asynci
     if not len(tokens):
         raise SystemExit("no tenants: give --tokens-file or REDKNOT_STORE_TOKENS")
     metrics = StoreMetrics()
-    redis_client = aioredis.from_url(s.redis_url, socket_timeout=30, socket_connect_timeout=5,
-                                     health_check_interval=30)
+    # a bounded pool: index connections grow with concurrency up to the limit, then RPCs wait for one
+    pool = aioredis.BlockingConnectionPool.from_url(s.redis_url, max_connections=s.redis_connections, timeout=30,
+                                                    socket_timeout=30, socket_connect_timeout=5,
+                                                    health_check_interval=30)
+    redis_client = aioredis.Redis(connection_pool=pool)
     await redis_client.ping()
     store = ArtifactStore(RedisIndex(redis_client, s.redis_prefix), build_blobs(s), metrics,
                           limits=Limits(s.max_shard_bytes, s.max_shards_per_generation), upload_ttl_s=s.upload_ttl_s,

@@ -23,6 +23,7 @@ from services.store.keys import DocumentKey, Range, ShardKind, ShardSpec, digest
 ROOT = Path(__file__).resolve().parents[2]
 TOKENS = {"acme": "acme-token-0123456789abcdef", "globex": "globex-token-0123456789abcdef"}
 START_TIMEOUT_S = 30.0
+S3_BUCKET = "redknot-tests"
 
 
 def free_port() -> int:
@@ -93,7 +94,7 @@ def seaweed(tmp_path_factory):
             f"-volume.port={ports['volume']}", f"-volume.port.grpc={ports['volume'] + 10000}",
             "-filer", f"-filer.port={ports['filer']}", f"-filer.port.grpc={ports['filer'] + 10000}",
             "-s3", f"-s3.port={ports['s3']}", f"-s3.port.grpc={ports['s3'] + 10000}",
-            "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.volumeSizeLimitMB=64", "-volume.max=16",
+            "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.volumeSizeLimitMB=64", "-volume.max=100",
             "-metricsPort=0"]
     log = open(d / "weed.log", "wb")
     proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -109,13 +110,13 @@ def seaweed(tmp_path_factory):
             assert proc.poll() is None, (d / "weed.log").read_text()[-3000:]
             try:
                 s3.list_buckets()
-                s3.create_bucket(Bucket="redknot-probe")
-                s3.put_object(Bucket="redknot-probe", Key="probe", Body=b"x")   # a volume is writable
+                s3.create_bucket(Bucket=S3_BUCKET)       # one bucket (one collection) for every test
+                s3.put_object(Bucket=S3_BUCKET, Key="probe", Body=b"x")   # a volume is writable
                 break
             except Exception:       # noqa: BLE001 - not up yet
                 assert time.monotonic() < deadline, "SeaweedFS S3 did not come up in 60 s"
                 time.sleep(0.5)
-        yield {"endpoint": endpoint, "client": s3, "dir": d}
+        yield {"endpoint": endpoint, "client": s3, "dir": d, "bucket": S3_BUCKET}
     finally:
         proc.kill()             # SIGKILL, as the issue asks; its data directory is a temp dir
         proc.wait(timeout=10)
