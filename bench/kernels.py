@@ -251,7 +251,7 @@ def main() -> int:
     attn_cfgs = [None]
     idx_cfgs = [None]
     if args.tune:
-        attn_cfgs = [None, dict(BLOCK_N=64), dict(DV=256), dict(BLOCK_H=32, BLOCK_N=64, num_warps=8),
+        attn_cfgs = [None, dict(BLOCK_N=32), dict(DV=256, BLOCK_N=32), dict(BLOCK_H=32, BLOCK_N=64, num_warps=8),
                      dict(BLOCK_H=16, BLOCK_N=64, num_warps=4)]
         idx_cfgs = [None, dict(BLOCK_T=128, BLOCK_N=128, num_warps=8, num_stages=3),
                     dict(BLOCK_T=64, BLOCK_N=256, num_warps=8, num_stages=3),

@@ -96,6 +96,12 @@ def test_sparse_real_dims(mode, N, ratio):
     run_case(4096, 64, 512, 128, 4096, mode, N=N, ratio=ratio, k=512, seed=2)
 
 
+@pytest.mark.parametrize("H", [8, 24])
+def test_sparse_few_heads(H):
+    # a Global-head subset: fewer heads than one 64-head block (BLOCK_H 16 / 32, masked rows)
+    run_case(1024, H, 512, 128, 4096, "picks", N=1024, ratio=4, k=512, seed=10 + H)
+
+
 def test_sparse_real_dims_long_prefix():
     # rows deep in a long segment: every window full, 512 picks of 4K visible entries
     T, n = 2048, 16384
@@ -122,8 +128,10 @@ def test_sparse_edge_cases():
 
 
 def test_sparse_block_configs_agree():
-    # the variants the benchmark may pick compute the same function
-    for cfg in (dict(BLOCK_N=64), dict(DV=256), dict(BLOCK_N=16, num_stages=3)):
+    # the variants the benchmark may pick compute the same function (DV=256 needs BLOCK_N=32: at 64 the
+    # stages take 262 KB of shared memory, over the 227 KB limit)
+    for cfg in (dict(BLOCK_N=32), dict(DV=256, BLOCK_N=32), dict(BLOCK_N=16, num_stages=3), dict(BLOCK_H=32, BLOCK_N=64),
+                dict(BLOCK_H=16, BLOCK_N=64, num_warps=4)):
         run_case(512, 64, 512, 128, 2048, "picks", N=512, k=512, seed=8, config=cfg)
 
 
