@@ -20,6 +20,7 @@ from runtime.model.deepseek_v4 import (NEG_INF, Block, CompressorState, LayerCac
                                        merge_with_sink, unweighted_rms_norm)
 from runtime.kernels import enabled, sparse_mqa_attention
 from .artifact import DocumentArtifact, LayerArtifact
+from .controller import choose_active
 from .ledger import Ledger
 from .profile import ReuseProfile
 from .roles import global_mask
@@ -283,46 +284,7 @@ class ReuseEngine:
         return score
 
     def _choose_active(self, deviation, idx_score, reloc, deltas, q_start, n_q) -> torch.Tensor:
-        """The fixed controller. Budget = ceil(budget x candidate rows). Fill in this priority order, each class
-        ranked within itself, until the budget is spent:
-          1. dirty rows: the top half of the budget by first-fence deviation;
-          2. join rows (first/last `join_rows` of every relocated segment), nearest the join first;
-          3. rows of blocks the native indexer picks for the question rows, most picked first;
-          4. the most recent `recent_rows` rows of the request, most recent first;
-          5. whatever budget is left: remaining rows by deviation.
-        Question and new rows are always active and are not candidates."""
-        prof = self.profile
-        n = deviation.shape[0]
-        active = torch.zeros(n, dtype=torch.bool, device=deviation.device)
-        if n == 0:
-            return active
-        budget = min(n, math.ceil(prof.budget * n - 1e-9))
-        order: list[torch.Tensor] = []
-        order.append(torch.argsort(deviation, descending=True, stable=True)[: (budget + 1) // 2])
-        dist = torch.full((n,), 1 << 30, device=deviation.device)
-        a = 0
-        for d in reloc:
-            r = torch.arange(d.n, device=dist.device)
-            to_join = torch.minimum(r, d.n - 1 - r)
-            dist[a:a + d.n] = torch.where(to_join < prof.join_rows, to_join, dist[a:a + d.n])
-            a += d.n
-        joins = torch.argsort(dist, stable=True)
-        order.append(joins[dist[joins] < (1 << 30)])
-        picked = torch.argsort(idx_score, descending=True, stable=True)
-        order.append(picked[idx_score[picked] > 0])
-        req_pos = torch.cat([torch.arange(dl, dl + d.n, device=dist.device) for d, dl in zip(reloc, deltas)])
-        recent = torch.argsort(req_pos, descending=True, stable=True)
-        order.append(recent[req_pos[recent] >= q_start + n_q - prof.recent_rows])
-        order.append(torch.argsort(deviation, descending=True, stable=True))
-        left = budget
-        for cls in order:
-            for r in cls.tolist():
-                if left == 0:
-                    return active
-                if not active[r]:
-                    active[r] = True
-                    left -= 1
-        return active
+        return choose_active(self.profile, deviation, idx_score, [d.n for d in reloc], deltas, q_start, n_q)
 
     # ------------------------------------------------------------------------------------------------
     def _reusable_layer(self, i, block, x, tokens, positions, docs, deltas, active, state, ledger, fence=False):

@@ -1,0 +1,51 @@
+"""The fixed active-row controller shared by every model family's reuse path."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .profile import ReuseProfile
+
+
+def choose_active(prof: ReuseProfile, deviation: torch.Tensor, idx_score: torch.Tensor, seg_lens: list[int],
+                  deltas: list[int], q_start: int, n_q: int) -> torch.Tensor:
+    """Candidates are the relocated rows (segments of `seg_lens` at request offsets `deltas`). Budget =
+    ceil(budget x candidates). Fill in this priority order, each class ranked within itself, until the budget
+    is spent:
+      1. dirty rows: the top half of the budget by first-fence deviation;
+      2. join rows (first/last `join_rows` of every relocated segment), nearest the join first;
+      3. rows of blocks the native indexer picks for the question rows, most picked first (DeepSeek only);
+      4. the most recent `recent_rows` rows of the request, most recent first;
+      5. whatever budget is left: remaining rows by deviation.
+    Question and new rows are always active and are not candidates."""
+    n = deviation.shape[0]
+    active = torch.zeros(n, dtype=torch.bool, device=deviation.device)
+    if n == 0:
+        return active
+    budget = min(n, math.ceil(prof.budget * n - 1e-9))
+    order: list[torch.Tensor] = [torch.argsort(deviation, descending=True, stable=True)[: (budget + 1) // 2]]
+    dist = torch.full((n,), 1 << 30, device=deviation.device)
+    a = 0
+    for ln in seg_lens:
+        r = torch.arange(ln, device=dist.device)
+        to_join = torch.minimum(r, ln - 1 - r)
+        dist[a:a + ln] = torch.where(to_join < prof.join_rows, to_join, dist[a:a + ln])
+        a += ln
+    joins = torch.argsort(dist, stable=True)
+    order.append(joins[dist[joins] < (1 << 30)])
+    picked = torch.argsort(idx_score, descending=True, stable=True)
+    order.append(picked[idx_score[picked] > 0])
+    req_pos = torch.cat([torch.arange(dl, dl + ln, device=dist.device) for ln, dl in zip(seg_lens, deltas)])
+    recent = torch.argsort(req_pos, descending=True, stable=True)
+    order.append(recent[req_pos[recent] >= q_start + n_q - prof.recent_rows])
+    order.append(torch.argsort(deviation, descending=True, stable=True))
+    left = budget
+    for cls in order:
+        for r in cls.tolist():
+            if left == 0:
+                return active
+            if not active[r]:
+                active[r] = True
+                left -= 1
+    return active

@@ -1,0 +1,265 @@
+"""The reuse path for Llama-family models (Llama, Qwen2, SmolLM2): the same roles, fences, protected rows,
+relocation by query rotation, LSE merge, certificate binding and ledger as the DeepSeek engine, on GQA.
+
+Differences from DeepSeek-V4 that simplify it: K and V are separate per KV head, RoPE turns whole heads and
+only K carries it (so relocation rotates the query and needs no output de-rotation), there is no sink, no
+compressor and no MoE, and `W_o` is sliced directly by head channels: W_o O = W_o,L O_L + W_o,G O_G.
+Roles are per KV group: in each group of `heads_per_kv` query heads the first `global_per_group` are Global.
+Segments need no alignment (no compression blocks): the profile's `align` should be 1.
+
+Arms: `reuse` (this path), `naive` (every document row's K/V from its artifact, relocated, only the new rows
+computed: what position-independent caches without recomputation do) and the caller's recompute arm."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.llama.model import Llama, LayerCache, merge
+from .certificate import FallbackReason, Verdict, token_hash
+from .controller import choose_active
+from .profile import ReuseProfile
+
+
+@dataclass
+class LlamaArtifact:
+    tokens: list[int]
+    k: list[torch.Tensor]                     # per layer [n, KV, D], RoPE at canonical positions 0..n-1
+    v: list[torch.Tensor]                     # per layer [n, KV, D]
+    local: list[torch.Tensor | None]          # per layer [n, d]: W_o,L O_L in reusable layers
+    binding: dict = field(default_factory=dict)   # profile and token hash the artifact is certified for
+
+    @property
+    def n(self) -> int:
+        return len(self.tokens)
+
+
+def global_heads(model: Llama, prof: ReuseProfile) -> torch.Tensor:
+    G = model.cfg.num_attention_heads // model.cfg.num_key_value_heads
+    return torch.arange(model.cfg.num_attention_heads) % G < prof.global_per_group
+
+
+@torch.inference_mode()
+def produce_llama(model: Llama, tokens: list[int], prof: ReuseProfile, tokenizer_fp: str = "") -> LlamaArtifact:
+    n_layers = len(model.layers)
+    dev = next(model.parameters()).device
+    cache = model.new_cache()
+    for lc in cache.layers:
+        lc.capture = {}
+    model(torch.tensor(tokens, device=dev), cache)
+    loc = ~global_heads(model, prof)
+    ks, vs, locals_ = [], [], []
+    for i, (layer, lc) in enumerate(zip(model.layers, cache.layers)):
+        cap = lc.capture
+        ks.append(cap["k"].clone())
+        vs.append(cap["v"].clone())
+        fence = i < prof.first_fences or i >= n_layers - prof.last_fences
+        locals_.append(None if fence else layer.self_attn.project(cap["o"][:, loc.to(cap["o"].device)],
+                                                                  heads=loc.to(cap["o"].device)))
+        lc.capture = None
+    return LlamaArtifact(list(tokens), ks, vs, locals_,
+                         {"profile": prof.to_dict(), "token_hash": token_hash(tokens, tokenizer_fp)})
+
+
+@dataclass
+class LlamaLedger:
+    n_prefix: int
+    n_reloc: int
+    n_new: int
+    n_layers: int
+    n_heads: int
+    active: int = 0
+    head_rows: float = 0.0
+    token_rows_skipped: float = 0.0
+    flops: float = 0.0
+    flops_recompute: float = 0.0
+
+    def summary(self) -> dict:
+        units = max(1, self.n_reloc * self.n_layers * self.n_heads)
+        return {"rows": {"prefix": self.n_prefix, "relocated": self.n_reloc, "new": self.n_new,
+                         "active": self.active},
+                "head_row_saving": 1 - self.head_rows / units if self.n_reloc else 0.0,
+                "token_row_saving": self.token_rows_skipped / max(1, self.n_reloc * self.n_layers),
+                "flop_ratio": self.flops_recompute / self.flops if self.flops else float("inf")}
+
+
+class LlamaReuseEngine:
+    def __init__(self, model: Llama, prof: ReuseProfile, mode: str = "reuse", tokenizer_fp: str = ""):
+        assert mode in ("reuse", "naive"), mode
+        c = model.cfg
+        if prof.first_fences + prof.last_fences > len(model.layers):
+            raise ValueError("fences exceed the model's layers")
+        self.model, self.prof, self.mode, self.tokenizer_fp = model, prof, mode, tokenizer_fp
+        self.gmask = global_heads(model, prof)
+        self.n_layers = len(model.layers)
+        self.d, self.H, self.KV, self.D = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.ffn = c.intermediate_size
+
+    def verify(self, docs: list[LlamaArtifact]) -> Verdict:
+        """Each artifact must be certified for this profile and its own tokens."""
+        for d in docs:
+            if d.binding.get("profile") != self.prof.to_dict():
+                return Verdict.reject(FallbackReason.PROFILE_MISMATCH, "artifact built for another profile")
+            if d.binding.get("token_hash") != token_hash(d.tokens, self.tokenizer_fp):
+                return Verdict.reject(FallbackReason.TOKEN_MISMATCH, "artifact tokens do not match its certificate")
+        return Verdict.accept()
+
+    def _fence(self, i: int) -> bool:
+        return self.mode == "reuse" and (i < self.prof.first_fences or i >= self.n_layers - self.prof.last_fences)
+
+    # --------------------------------------------------------------------------------------------
+    def _flops_row(self, heads: int, keys: float, mlp: bool, qkv_heads: int | None = None) -> float:
+        d, D = self.d, self.D
+        qh = heads if qkv_heads is None else qkv_heads
+        f = 2 * d * D * qh + 2 * d * D * 2 * self.KV * (qkv_heads is None) + 2 * heads * D * d + 4 * heads * D * keys
+        return f + (6 * d * self.ffn if mlp else 0)
+
+    @torch.inference_mode()
+    def prefill(self, docs: list[LlamaArtifact], question: list[int]):
+        m, prof = self.model, self.prof
+        dev = next(m.parameters()).device
+        deltas, pos = [], 0
+        for d in docs:
+            deltas.append(pos)
+            pos += d.n
+        q_start = pos
+        n_reloc = q_start - docs[0].n
+        reloc = docs[1:]
+        led = LlamaLedger(docs[0].n, n_reloc, len(question), self.n_layers, self.H)
+        T_all = q_start + len(question)
+        # recompute arm: every row, every layer; a row at position t attends t+1 keys
+        led.flops_recompute = self.n_layers * (T_all * self._flops_row(self.H, 0, True)
+                                               + 4 * self.H * self.D * T_all * (T_all + 1) / 2)
+        computed = list(range(docs[0].n, T_all)) if self.mode == "reuse" else list(range(q_start, T_all))
+        tok_all = torch.tensor([t for d in docs for t in d.tokens] + list(question), device=dev)
+        positions = torch.tensor(computed, device=dev)
+        x = m.embed(tok_all[positions])
+        n_rc = n_reloc if self.mode == "reuse" else 0            # relocated rows this arm computes
+        deviation = torch.zeros(n_reloc, device=dev)
+        active = torch.zeros(n_reloc, dtype=torch.bool, device=dev) if self.mode == "naive" else None
+        state = {"fence": {}, "segs": {}, "new": {}, "delta_q": q_start, "pos": T_all}
+        for i, layer in enumerate(m.layers):
+            attn = layer.self_attn
+            if self._fence(i):
+                lc = LayerCache()
+                lc.append(docs[0].k[i], docs[0].v[i])
+                lc.capture = {}
+                x = layer(x, positions, lc)
+                k_req, lc.capture = lc.capture["k"], None
+                state["fence"][i] = lc
+                led.head_rows += n_reloc * self.H
+                led.flops += x.shape[0] * self._flops_row(self.H, positions.float().mean().item() + 1, True)
+                if i < prof.first_fences and n_reloc:
+                    a = 0
+                    for d, dl in zip(reloc, deltas[1:]):
+                        moved = attn.rotary.rotate(d.k[i], torch.full((d.n,), dl, device=dev))
+                        got = k_req[a:a + d.n]
+                        deviation[a:a + d.n] += ((got.float() - moved.float()).flatten(1).norm(dim=-1)
+                                                 / moved.float().flatten(1).norm(dim=-1).clamp_min(1e-12))
+                        a += d.n
+                continue
+            if active is None:
+                active = choose_active(prof, deviation, torch.zeros_like(deviation), [d.n for d in reloc],
+                                       deltas[1:], q_start, len(question))
+                led.active = int(active.sum())
+            x = self._layer(i, layer, x, positions, docs, deltas, active, n_rc, state, led)
+        logits = m.logits(x[-1:])[0]
+        return logits, state, led
+
+    def _segments(self, i, attn, h, docs, deltas, active, n_rc, dev):
+        """Per segment (delta, k canonical, v): prefix and relocated from their artifacts, with active rows'
+        recomputed K/V overlaid on copies."""
+        segs = [(0, docs[0].k[i], docs[0].v[i])]
+        a = 0
+        for d, dl in zip(docs[1:], deltas[1:]):
+            k, v = d.k[i], d.v[i]
+            if n_rc and active[a:a + d.n].any():
+                act = active[a:a + d.n]
+                cpos = torch.arange(d.n, device=dev)[act]
+                _, k_new, v_new = attn.qkv(h[a:a + d.n][act], cpos)
+                k, v = k.clone(), v.clone()
+                k[act], v[act] = k_new.to(k.dtype), v_new.to(v.dtype)
+            segs.append((dl, k, v))
+            a += d.n
+        return segs
+
+    def _attend(self, attn, q, qpos, segs):
+        parts = []
+        for dl, k, v in segs:
+            qr = attn.rotary.rotate(q, torch.full((q.shape[0],), -dl, device=q.device))
+            parts.append(attn.attend(qr, k, v, qpos - dl, torch.arange(k.shape[0], device=q.device)))
+        return merge(parts)[0]
+
+    def _layer(self, i, layer, x, positions, docs, deltas, active, n_rc, state, led):
+        attn, dev = layer.self_attn, x.device
+        h = layer.input_layernorm(x)
+        if i not in state["segs"]:
+            state["segs"][i] = self._segments(i, attn, h, docs, deltas, active, n_rc, dev)
+        segs = state["segs"][i]
+        nrows = slice(n_rc, x.shape[0])
+        new_pos = positions[nrows] - state["delta_q"]
+        q_new, k_new, v_new = attn.qkv(h[nrows], positions[nrows])
+        k_new = attn.rotary.rotate(k_new, torch.full((k_new.shape[0],), -state["delta_q"], device=dev))
+        nk, nv = state["new"].get(i, (k_new[:0], v_new[:0]))
+        nk, nv = torch.cat([nk, k_new]), torch.cat([nv, v_new])
+        state["new"][i] = (nk, nv)
+        all_segs = segs + [(state["delta_q"], nk, nv)]
+        row_active = torch.cat([active[:n_rc], torch.ones(x.shape[0] - n_rc, dtype=torch.bool, device=dev)])
+        out = torch.zeros_like(x)
+        if row_active.any():
+            rows = torch.nonzero(row_active).flatten()
+            q, _, _ = attn.qkv(h[rows], positions[rows])
+            o = self._attend(attn, q, positions[rows], all_segs)
+            out[rows] = attn.project(o.to(x.dtype)).to(out.dtype)
+        rest = torch.nonzero(~row_active).flatten()
+        if rest.numel():
+            gm = self.gmask.to(dev)
+            q, _, _ = attn.qkv(h[rest], positions[rest])          # (the Global slice is what counts; see ledger)
+            o = self._attend(attn, q[:, gm], positions[rest], all_segs)
+            y = attn.project(o.to(x.dtype), heads=gm)
+            if attn.o_proj.bias is not None:
+                y = y + attn.o_proj.bias
+            local = torch.cat([d.local[i] for d in docs[1:]])
+            out[rest] = (y + local[rest].to(y.dtype)).to(out.dtype)
+        h2 = x + out
+        mlp_rows = row_active
+        if row_active.any():
+            rows = torch.nonzero(mlp_rows).flatten()
+            h2[rows] = h2[rows] + layer.mlp(layer.post_attention_layernorm(h2[rows]))
+        n_act = int(row_active[:n_rc].sum())
+        Hg = int(self.gmask.sum())
+        led.head_rows += n_act * self.H + (led.n_reloc - n_act) * (Hg if n_rc else 0)
+        led.token_rows_skipped += led.n_reloc - n_act
+        keys = positions.float().mean().item() + 1
+        led.flops += int(row_active.sum()) * self._flops_row(self.H, keys, True) + \
+            int(rest.numel()) * self._flops_row(Hg, keys, False, qkv_heads=Hg)
+        return h2
+
+    @torch.inference_mode()
+    def decode(self, state, token: int) -> torch.Tensor:
+        m = self.model
+        dev = next(m.parameters()).device
+        pos = torch.tensor([state["pos"]], device=dev)
+        x = m.embed(torch.tensor([token], device=dev))
+        none = torch.zeros(0, dtype=torch.bool, device=dev)
+        dummy = LlamaLedger(0, 0, 0, self.n_layers, self.H)
+        for i, layer in enumerate(m.layers):
+            if i in state["fence"]:
+                x = layer(x, pos, state["fence"][i])
+            else:
+                x = self._layer(i, layer, x, pos, None, None, none, 0, state, dummy)
+        state["pos"] += 1
+        return m.logits(x)[0]
+
+    def generate(self, docs, question, max_new_tokens: int, stop: set[int]):
+        logits, state, led = self.prefill(docs, question)
+        first = logits
+        out = []
+        for _ in range(max_new_tokens):
+            nxt = int(logits.argmax())
+            if nxt in stop:
+                break
+            out.append(nxt)
+            logits = self.decode(state, nxt)
+        return out, first, led
