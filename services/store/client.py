@@ -21,7 +21,7 @@ import grpc
 from . import wire
 from .core import BeginResult, CommitResult, DocumentSummary, GcResult, ManifestResult, PutResult, Verdict
 from .errors import DataLoss, NotFound, StoreError, Unavailable, error_from_status
-from .keys import CHUNK_BYTES, MAX_MESSAGE_BYTES, DocumentKey, Range, Reason, ShardSpec, digest_bytes
+from .keys import CHUNK_BYTES, MAX_MESSAGE_BYTES, DocumentKey, Range, Reason, ShardSpec, new_hasher
 from .pb import artifact_store_pb2 as pb
 from .pb import artifact_store_pb2_grpc as pb_grpc
 
@@ -154,8 +154,11 @@ class StoreClient:
         return ManifestResult(wire.manifest_from_pb(r.manifest), r.current_generation, tuple(r.generations))
 
     def fetch(self, key: DocumentKey, rank: int, *, generation: int = 0, layers: Range | None = None,
-              channels: Range | None = None, names: Sequence[str] = ()) -> Iterator[FetchedShard]:
-        """Shards of one rank of one generation (the current one by default, resolved once by the server)."""
+              channels: Range | None = None, names: Sequence[str] = (), verify: bool = True
+              ) -> Iterator[FetchedShard]:
+        """Shards of one rank of one generation (the current one by default, resolved once by the server).
+        The server verified every shard before its last chunk; `verify` hashes it again here (end to end), which
+        a caller that re-checks digests itself (load_artifact does) may turn off."""
         req = pb.FetchShardsRequest(key=wire.key_to_pb(key), generation=generation, rank=rank, names=list(names))
         if layers is not None:
             req.layers.CopyFrom(wire.range_to_pb(layers))
@@ -171,12 +174,18 @@ class StoreClient:
                     spec, parts, size = wire.shard_from_pb(m.shard), [], 0
                 if spec is None or m.offset != size:
                     raise DataLoss("fetch stream out of order")
-                parts.append(m.data)
-                size += len(m.data)
+                if m.data:
+                    parts.append(m.data)
+                    size += len(m.data)
                 if m.last:
-                    data = b"".join(parts)
-                    if len(data) != spec.size or digest_bytes(data) != spec.digest:
-                        raise DataLoss(f"shard {spec.name!r} arrived corrupt ({len(data)} bytes)")
+                    data = parts[0] if len(parts) == 1 else b"".join(parts)      # no copy for one chunk
+                    if len(data) != spec.size:
+                        raise DataLoss(f"shard {spec.name!r} arrived with {len(data)} of {spec.size} bytes")
+                    if verify:
+                        h = new_hasher()
+                        h.update(data)
+                        if h.hexdigest() != spec.digest:
+                            raise DataLoss(f"shard {spec.name!r} arrived corrupt")
                     yield FetchedShard(spec, m.generation, data)
                     spec, parts = None, []
         except grpc.RpcError as e:

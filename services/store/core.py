@@ -30,6 +30,7 @@ from .metrics import StoreMetrics
 
 log = logging.getLogger("redknot.store")
 _UPLOAD_ID = re.compile(r"^[0-9a-f]{32}\.[0-9a-f]{32}$")
+READ_AHEAD = 2                  # chunks a fetch stream reads ahead of what it has sent
 
 
 # ------------------------------------------------------------------------------------------ params, results
@@ -343,9 +344,28 @@ class ArtifactStore:
         absent = sorted(set(p.names) - {s.name for s in shards})
         if absent:
             raise NotFound(f"generation {m.generation} rank {p.rank} has no selected shard named {absent}")
-        for s in shards:
-            async for chunk in self._read_verified(tenant, key.doc_id, s, m.generation):
-                yield chunk
+        # Read ahead: a task reads and hashes the next chunks (at most READ_AHEAD of them, so memory stays
+        # bounded per stream) while the transport sends the current one.
+        queue: asyncio.Queue = asyncio.Queue(maxsize=READ_AHEAD)
+
+        async def produce():
+            try:
+                for s in shards:
+                    async for chunk in self._read_verified(tenant, key.doc_id, s, m.generation):
+                        await queue.put(chunk)
+                await queue.put(None)
+            except Exception as e:          # noqa: BLE001 - handed to the consumer, which raises it
+                await queue.put(e)
+
+        task = asyncio.create_task(produce())
+        try:
+            while (item := await queue.get()) is not None:
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
     async def _read_verified(self, tenant: str, doc_id: str, s: ShardSpec, generation: int, count: bool = True
                              ) -> AsyncIterator[FetchChunk]:

@@ -84,8 +84,7 @@ class StoreServicer:
         params = FetchParams(wire.key_from_pb(r.key), r.generation, r.rank, wire.optional_range(r, "layers"),
                              wire.optional_range(r, "channels"), tuple(r.names))
         async for c in self.store.fetch(TENANT.get(), params):
-            yield pb.FetchShardsResponse(shard=wire.shard_to_pb(c.shard) if c.shard else None,
-                                         generation=c.generation, offset=c.offset, data=c.data, last=c.last)
+            yield wire.fetch_response_bytes(c.shard, c.generation, c.offset, c.data, c.last)
 
     async def ValidateCertificate(self, request, context):
         r = _ok(request)
@@ -127,7 +126,9 @@ def generic_handler(servicer: StoreServicer) -> grpc.GenericRpcHandler:
                 (False, True): grpc.unary_stream_rpc_method_handler,
                 (True, False): grpc.stream_unary_rpc_method_handler,
                 (True, True): grpc.stream_stream_rpc_method_handler}[(method.client_streaming, method.server_streaming)]
-        handlers[method.name] = kind(fn, request_deserializer=_parser(req), response_serializer=resp.SerializeToString)
+        # FetchShards yields bytes it serialized itself (wire.fetch_response_bytes): no second serialization
+        serialize = None if method.name == "FetchShards" else resp.SerializeToString
+        handlers[method.name] = kind(fn, request_deserializer=_parser(req), response_serializer=serialize)
     return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
 

@@ -23,6 +23,7 @@ from .core import ArtifactStore
 from .grpc_service import SERVICE, ErrorInterceptor, StoreServicer, generic_handler
 from .index import RedisIndex
 from .keys import MAX_MESSAGE_BYTES, Limits
+from .memory import tune_malloc
 from .metrics import StoreMetrics
 from .settings import Settings
 
@@ -111,5 +112,6 @@ async def serve(s: Settings, *, ready: asyncio.Event | None = None, stop: asynci
 
 
 def main(s: Settings) -> int:
+    tune_malloc()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return asyncio.run(serve(s))

@@ -64,3 +64,16 @@ def test_health_and_reflection(store):
             list_services="")]), timeout=5)))
         names = {s.name for s in resp.list_services_response.service}
         assert "redknot.store.v1.ArtifactStoreService" in names and "grpc.health.v1.Health" in names
+
+
+def test_hand_serialized_fetch_response_equals_protobufs():
+    from services.store import wire
+    from services.store.keys import Range, ShardKind, ShardSpec
+    from services.store.pb import artifact_store_pb2 as pb
+    spec = ShardSpec("layer01.local.r1.c64-128.safetensors", 1, ShardKind.LOCAL, "ab" * 32, 300, Range(1, 2),
+                     Range(64, 128))
+    for shard, data, last in ((spec, b"x" * 300, True), (None, b"y" * 200_000, False), (spec, b"", True)):
+        raw = wire.fetch_response_bytes(shard, 7, 4096, data, last)
+        want = pb.FetchShardsResponse(shard=wire.shard_to_pb(shard) if shard else None, generation=7, offset=4096,
+                                      data=data, last=last)
+        assert pb.FetchShardsResponse.FromString(raw) == want

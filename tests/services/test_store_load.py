@@ -99,8 +99,9 @@ def test_sixteen_clients_for_a_bounded_time(store, redis_url):
         t = f"{store.prefix}:{{acme/{key.doc_id}}}"
         assert r.zcard(f"{t}:uploads") == 0 and r.hlen(f"{t}:pins") == 0 and r.scard(f"{t}:deleting") == 0
     # A per-operation leak of even one shard would be gigabytes after ~1000 rounds; the bound only allows the
-    # working set of 16 concurrent 4 MiB streams (a few copies each) that the allocator keeps.
-    assert rss_mib(pid) - rss0 < CLIENTS * SHARD_BYTES * 5 / 2**20, f"server RSS {rss0:.0f} -> {rss_mib(pid):.0f} MiB"
+    # working set of 16 concurrent 4 MiB streams (a few copies each) that the allocator keeps
+    # (the server keeps freed chunk buffers in its heap on purpose: services/store/memory.py).
+    assert rss_mib(pid) - rss0 < CLIENTS * SHARD_BYTES * 8 / 2**20, f"server RSS {rss0:.0f} -> {rss_mib(pid):.0f} MiB"
     # the index connection pool grows to the concurrency it saw (at most one per client here) and is reused
     settle = time.monotonic() + 15            # closed client connections are reaped asynchronously
     while fds(pid) > fds0 + CLIENTS + 4 and time.monotonic() < settle:

@@ -1,0 +1,178 @@
+"""Shard fetch throughput of the artifact store against a plain Redis GET of the same bytes and a direct read
+of the blob file, for 1, 4 and 64 MiB shards (a benchmark, not a test).
+
+    .venv/bin/python bench/store.py [--sizes 1,4,64] [--total-mib 256] [--repeat 5] [--json out.json]
+
+Starts `redknot store serve` (filesystem backend, blobs in a temp dir) on loopback against REDIS_URL or
+127.0.0.1:6379, commits one generation of `total-mib` per shard size, then times, per size, best of
+`repeat` passes over every shard:
+- store fetch: one FetchShards stream through the typed client (server verifies each digest before the
+  shard's last chunk, the client verifies it again), over gRPC on loopback; and the same with the client's
+  second check off (`verify=False`);
+- Redis GET: redis-py GET of the same bytes, stored under temporary keys;
+- direct read: open + read of the blob files (page cache warm), and the same plus a blake3 check.
+Everything runs on this machine; the table goes to stdout (and JSON with --json)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import redis  # noqa: E402
+
+from services.store.client import StoreClient  # noqa: E402
+from services.store.keys import DocumentKey, Range, ShardKind, ShardSpec, digest_bytes  # noqa: E402
+from services.store.memory import tune_malloc  # noqa: E402
+
+TOKEN = "bench-token-0123456789abcdef"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_store(tmp: Path, redis_url: str, prefix: str) -> tuple[subprocess.Popen, str]:
+    (tmp / "tokens").write_text(f"bench {TOKEN}\n")
+    port = free_port()
+    env = dict(os.environ, REDIS_URL=redis_url, REDKNOT_STORE_REDIS_PREFIX=prefix,
+               REDKNOT_STORE_BLOB_ROOT=str(tmp / "blobs"), REDKNOT_STORE_TOKENS_FILE=str(tmp / "tokens"),
+               REDKNOT_STORE_METRICS_LISTEN="", REDKNOT_STORE_MAX_SHARD_BYTES=str(1 << 30))
+    proc = subprocess.Popen([sys.executable, "-m", "runtime.cli", "store", "serve", "--listen", f"127.0.0.1:{port}"],
+                            cwd=ROOT, env=env, stdout=open(tmp / "store.log", "wb"), stderr=subprocess.STDOUT)
+    target = f"127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    with StoreClient(target, TOKEN, timeout_s=2) as c:
+        while True:
+            try:
+                c.list_documents()
+                return proc, target
+            except Exception:       # noqa: BLE001 - not up yet
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit("store did not start:\n" + (tmp / "store.log").read_text()[-2000:])
+                time.sleep(0.1)
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+def best_of(repeat: int, fn) -> float:
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="1,4,64", help="shard sizes in MiB")
+    ap.add_argument("--total-mib", type=int, default=256, help="bytes fetched per pass, per size")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    tune_malloc()           # the client side of the fetch does what a worker should do (services/store/memory.py)
+
+    tmp = Path(tempfile.mkdtemp(prefix="redknot-bench-store-"))
+    prefix = f"bench-{uuid.uuid4().hex[:8]}"
+    r = redis.Redis.from_url(args.redis_url)
+    proc, target = start_store(tmp, args.redis_url, prefix)
+    rows = []
+    try:
+        with StoreClient(target, TOKEN) as client:
+            for mib in (int(x) for x in args.sizes.split(",")):
+                size, n = mib << 20, max(1, args.total_mib // mib)
+                key = DocumentKey(digest_bytes(f"bench {mib}".encode()), digest_bytes(b"ckpt"), "bench", 1)
+                cert = b"certificate"
+                shards = [(ShardSpec("certificate.msgpack", 0, ShardKind.CERTIFICATE, digest_bytes(cert), len(cert)),
+                           cert)]
+                for i in range(n):
+                    data = os.urandom(size)
+                    shards.append((ShardSpec(f"layer{i:02d}.latent.safetensors", 0, ShardKind.LATENT,
+                                             digest_bytes(data), size, Range(i, i + 1)), data))
+                client.put_generation(key, shards)
+                names = [s.name for s, _ in shards[1:]]
+                total = n * size
+                paths = [next((tmp / "blobs" / "blobs").rglob(s.digest)) for s, _ in shards[1:]]
+                rkeys = [f"{prefix}:get:{i}" for i in range(n)]
+                for k, (_, data) in zip(rkeys, shards[1:]):
+                    r.set(k, data)
+                del shards
+
+                def fetch():
+                    got = sum(len(s.data) for s in client.fetch(key, 0, names=names))
+                    assert got == total, got
+
+                def fetch_server_verified():
+                    got = sum(len(s.data) for s in client.fetch(key, 0, names=names, verify=False))
+                    assert got == total, got
+
+                def redis_get():
+                    assert sum(len(r.get(k)) for k in rkeys) == total
+
+                def direct():
+                    for p in paths:
+                        with open(p, "rb") as f:
+                            f.read()
+
+                def direct_verified():
+                    for p in paths:
+                        with open(p, "rb") as f:
+                            assert digest_bytes(f.read()) == p.name
+
+                fetch()                     # warm: page cache, connections
+                row = {"shard_mib": mib, "shards": n, "total_mib": total >> 20,
+                       "store_fetch_gbps": gbps(total, best_of(args.repeat, fetch)),
+                       "store_fetch_server_verified_gbps": gbps(total, best_of(args.repeat, fetch_server_verified)),
+                       "redis_get_gbps": gbps(total, best_of(args.repeat, redis_get)),
+                       "direct_read_gbps": gbps(total, best_of(args.repeat, direct)),
+                       "direct_read_blake3_gbps": gbps(total, best_of(args.repeat, direct_verified))}
+                row["vs_redis"] = row["store_fetch_gbps"] / row["redis_get_gbps"]
+                row["vs_direct"] = row["store_fetch_gbps"] / row["direct_read_gbps"]
+                row["vs_direct_blake3"] = row["store_fetch_gbps"] / row["direct_read_blake3_gbps"]
+                rows.append(row)
+                r.delete(*rkeys)
+                client.retire(key, 1)
+                client.collect_garbage(key)
+                print(f"  {mib} MiB shards done", file=sys.stderr, flush=True)
+    finally:
+        proc.kill()
+        proc.wait(10)
+        keys = list(r.scan_iter(match=f"{prefix}:*", count=1000))
+        if keys:
+            r.delete(*keys)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    head = ("| shard | shards | store fetch GB/s | store fetch, server-verified only GB/s | Redis GET GB/s "
+            "| direct read GB/s | direct read + blake3 GB/s | fetch / Redis | fetch / direct | fetch / direct+blake3 |")
+    print(head)
+    print("| ---: " * 10 + "|")
+    for w in rows:
+        print(f"| {w['shard_mib']} MiB | {w['shards']} | {w['store_fetch_gbps']:.2f} "
+              f"| {w['store_fetch_server_verified_gbps']:.2f} | {w['redis_get_gbps']:.2f} "
+              f"| {w['direct_read_gbps']:.2f} | {w['direct_read_blake3_gbps']:.2f} | {w['vs_redis']:.2f}x "
+              f"| {w['vs_direct']:.0%} | {w['vs_direct_blake3']:.0%} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": platform.platform(), "cpus": os.cpu_count(),
+                                               "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
