@@ -214,3 +214,27 @@ def test_mtls(store_factory, tmp_path):
     with grpc.insecure_channel(store.target) as ch:
         with pytest.raises(grpc.FutureTimeoutError):
             grpc.channel_ready_future(ch).result(timeout=2)
+
+
+def test_a_blob_claimed_by_gc_is_neither_deduplicated_nor_written_nor_committed(store, client, redis_url):
+    """While GC holds a digest (between claiming and deleting its blob), Begin does not count it as stored,
+    a put of it and a commit naming it are refused with UNAVAILABLE; once released, all of them go through."""
+    import redis
+    key = doc_key("claimed", tp_size=1)
+    gen = make_generation(key, layers=1, size=256)
+    client.put_generation(key, gen)
+    victim, data = next((s, d) for s, d in gen if s.kind is ShardKind.LATENT)
+    claimed = f"{store.prefix}:{{acme/{key.doc_id}}}:deleting"
+    r = redis.Redis.from_url(redis_url)
+    r.sadd(claimed, victim.digest)                      # what GC's mark script does
+    b = client.begin(key, [s for s, _ in gen])
+    assert victim.ref not in b.already_stored and len(b.already_stored) == len(gen) - 1
+    with pytest.raises(Unavailable):
+        client.put(b.upload_id, [(victim, data)])
+    r.srem(claimed, victim.digest)
+    client.put(b.upload_id, [(victim, data)])
+    r.sadd(claimed, victim.digest)
+    with pytest.raises(Unavailable):
+        client.commit(b.upload_id)
+    r.srem(claimed, victim.digest)
+    assert client.commit(b.upload_id).manifest.generation == 2
