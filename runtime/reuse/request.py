@@ -4,7 +4,8 @@ collective, then run the reuse path, or fall back, explicitly and counted, to fu
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -32,6 +33,9 @@ class Outcome:
     arm: str                                  # "reuse" or "recompute": what really ran
     verdict: Verdict
     ledger: Ledger | None
+    # continues this request by one token in the arm that ran (reuse: ReuseEngine.decode over the kept request
+    # state; recompute: the native cache of the full prefill) and returns the next logits; no second prefill
+    step: Callable[[int], torch.Tensor] | None = field(default=None, repr=False)
 
     @property
     def fell_back(self) -> bool:
@@ -52,16 +56,19 @@ def build(model: Transformer, tokens: list[int], profile: ReuseProfile, ident: S
 
 @torch.inference_mode()
 def answer(model: Transformer, profile: ReuseProfile, docs: list[list[int]], artifact_dirs: list[str | os.PathLike],
-           question: list[int], ident: ServingIdentity, current_generation: int,
+           question: list[int], ident: ServingIdentity, current_generation: int | Sequence[int],
            counter: FallbackCounter | None = None) -> Outcome:
+    """`current_generation`: one for every document, or one per document (documents are rebuilt independently)."""
     cfg, par = model.cfg, model.par
     padded = [pad_document(d, profile.align, cfg.eos_token_id) for d in docs]
+    gens = [current_generation] * len(docs) if isinstance(current_generation, int) else list(current_generation)
+    assert len(gens) == len(docs), f"{len(gens)} current generations for {len(docs)} documents"
     expect = dict(fingerprint=ident.fingerprint, profile=profile.to_dict(), tp_size=par.size, tp_rank=par.rank,
-                  channel_range=channel_range(cfg, par.rank, par.size), layers_needed=list(range(cfg.n_layers)),
-                  current_generation=current_generation)
+                  channel_range=channel_range(cfg, par.rank, par.size), layers_needed=list(range(cfg.n_layers)))
     arts, bindings, verdict = [], [], Verdict.accept()
-    for toks, d in zip(padded, artifact_dirs):
-        art, v = load_artifact(d, dict(expect, tokens_hash=token_hash(toks, ident.tokenizer_fingerprint)))
+    for toks, d, gen in zip(padded, artifact_dirs, gens):
+        art, v = load_artifact(d, dict(expect, current_generation=gen,
+                                       tokens_hash=token_hash(toks, ident.tokenizer_fingerprint)))
         if not v.ok:
             verdict = v
             break
@@ -71,9 +78,13 @@ def answer(model: Transformer, profile: ReuseProfile, docs: list[list[int]], art
     # ranks that accept must have accepted the same artifacts (same binding digest)
     verdict = agree(verdict, par, binding=digest_bytes("|".join(bindings).encode()) if verdict.ok else None)
     if verdict.ok:
-        res = ReuseEngine(model, profile).prefill(arts, question)
-        return Outcome(res.logits, "reuse", verdict, res.ledger)
+        engine = ReuseEngine(model, profile)
+        res = engine.prefill(arts, question)
+        return Outcome(res.logits, "reuse", verdict, res.ledger, step=lambda t: engine.decode(res.state, t))
     if counter is not None:
         counter.observe(verdict)
-    full = torch.tensor([t for p in padded for t in p] + list(question), device=model.embed.weight.device)
-    return Outcome(model(full), "recompute", verdict, None)
+    dev = model.embed.weight.device
+    full = torch.tensor([t for p in padded for t in p] + list(question), device=dev)
+    cache = model.new_cache()
+    return Outcome(model(full, cache), "recompute", verdict, None,
+                   step=lambda t: model(torch.tensor([t], device=dev), cache))
