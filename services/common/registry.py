@@ -1,0 +1,205 @@
+"""The document registry in Redis: what each tenant uploaded, its tokens, its build status and generations.
+
+Keys under the prefix P (a document's keys carry its tenant, so no call can reach another tenant's):
+    P:doc:{tenant}:{id}      hash: the record below
+    P:tokens:{tenant}:{id}   string: the token ids, int32 little-endian
+    P:docs:{tenant}          sorted set: ids by creation time (listing, paging)
+An upload creates the record, stores the tokens and enqueues the build in ONE Lua script, so an upload that
+was acknowledged is always queued and a crash can never leave a record that no build will pick up."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import redis
+
+from .build_queue import stream_key
+
+STATUSES = ("queued", "building", "ready", "failed", "retired")
+
+# KEYS: doc, tokens, docs, stream. ARGV: id, tenant, tokens, n_tokens, source, now_ms.
+# New document: create, enqueue, return {1, "new"}. Retired or failed: build again (a retired one under a new
+# generation: retired numbers are never reused), return {1, old status}. Otherwise nothing changes: {0, status}.
+_CREATE = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if status then
+  if status ~= 'retired' and status ~= 'failed' then return {0, status} end
+  local target = tonumber(redis.call('HGET', KEYS[1], 'target_generation'))
+  if status == 'retired' then
+    for _, g in ipairs(cjson.decode(redis.call('HGET', KEYS[1], 'retired'))) do
+      if g >= target then target = g + 1 end
+    end
+  end
+  redis.call('HSET', KEYS[1], 'status', 'queued', 'stage', 'queued', 'progress', '0', 'attempts', '0',
+             'error', '', 'target_generation', tostring(target), 'updated_ms', ARGV[6])
+  redis.call('XADD', KEYS[4], '*', 'tenant', ARGV[2], 'doc', ARGV[1])
+  return {1, status}
+end
+redis.call('HSET', KEYS[1], 'id', ARGV[1], 'tenant', ARGV[2], 'status', 'queued', 'stage', 'queued',
+           'progress', '0', 'n_tokens', ARGV[4], 'source', ARGV[5], 'created_ms', ARGV[6], 'updated_ms', ARGV[6],
+           'attempts', '0', 'error', '', 'generation', '0', 'target_generation', '1', 'generations', '[]',
+           'retired', '[]', 'key', '', 'bytes', '0', 'shards', '0', 'build_s', '0')
+redis.call('SET', KEYS[2], ARGV[3])
+redis.call('ZADD', KEYS[3], ARGV[6], ARGV[1])
+redis.call('XADD', KEYS[4], '*', 'tenant', ARGV[2], 'doc', ARGV[1])
+return {1, 'new'}
+"""
+
+# KEYS: doc. ARGV: generation, key json, bytes, shards, build_s, now_ms. Only a record that exists and is not
+# retired becomes ready; the generation joins the committed list once.
+_READY = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status or status == 'retired' then return 0 end
+local gens = cjson.decode(redis.call('HGET', KEYS[1], 'generations'))
+local g = tonumber(ARGV[1])
+local seen = false
+for _, x in ipairs(gens) do if x == g then seen = true end end
+if not seen then table.insert(gens, g) end
+table.sort(gens)
+redis.call('HSET', KEYS[1], 'status', 'ready', 'stage', 'ready', 'progress', '1', 'error', '',
+           'generation', ARGV[1], 'generations', cjson.encode(gens), 'key', ARGV[2], 'bytes', ARGV[3],
+           'shards', ARGV[4], 'build_s', ARGV[5], 'updated_ms', ARGV[6])
+return 1
+"""
+
+# KEYS: doc. ARGV: generation, now_ms. The generation moves to the retired list; nothing is current after it.
+_RETIRED = """
+if not redis.call('HGET', KEYS[1], 'status') then return 0 end
+local gens = cjson.decode(redis.call('HGET', KEYS[1], 'generations'))
+local retired = cjson.decode(redis.call('HGET', KEYS[1], 'retired'))
+local g = tonumber(ARGV[1])
+local keep = {}
+for _, x in ipairs(gens) do if x ~= g then table.insert(keep, x) end end
+local seen = false
+for _, x in ipairs(retired) do if x == g then seen = true end end
+if not seen and g > 0 then table.insert(retired, g) end
+redis.call('HSET', KEYS[1], 'status', 'retired', 'stage', 'retired', 'generation', '0',
+           'generations', cjson.encode(keep), 'retired', cjson.encode(retired), 'updated_ms', ARGV[2])
+return 1
+"""
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+@dataclass
+class DocumentRecord:
+    id: str
+    tenant: str
+    status: str
+    stage: str
+    progress: float
+    n_tokens: int
+    source: str
+    created_ms: int
+    updated_ms: int
+    attempts: int
+    error: str
+    generation: int                 # current committed generation; 0: none (not built yet, failed or retired)
+    target_generation: int          # the generation the pending build commits
+    generations: list[int] = field(default_factory=list)
+    retired: list[int] = field(default_factory=list)
+    key: dict | None = None         # the store key (services.store.keys.DocumentKey.to_dict()) once built
+    bytes: int = 0                  # stored bytes over every rank's shards
+    shards: int = 0
+    build_s: float = 0.0
+
+    @staticmethod
+    def from_hash(h: dict[bytes, bytes]) -> "DocumentRecord":
+        d = {k.decode(): v.decode() for k, v in h.items()}
+        return DocumentRecord(
+            id=d["id"], tenant=d["tenant"], status=d["status"], stage=d["stage"], progress=float(d["progress"]),
+            n_tokens=int(d["n_tokens"]), source=d["source"], created_ms=int(d["created_ms"]),
+            updated_ms=int(d["updated_ms"]), attempts=int(d["attempts"]), error=d["error"],
+            generation=int(d["generation"]), target_generation=int(d["target_generation"]),
+            # Redis's cjson writes an empty Lua table as {}: read it as the empty list it is
+            generations=list(json.loads(d["generations"]) or []), retired=list(json.loads(d["retired"]) or []),
+            key=json.loads(d["key"]) if d["key"] else None, bytes=int(d["bytes"]), shards=int(d["shards"]),
+            build_s=float(d["build_s"]))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Registry:
+    def __init__(self, r: redis.Redis, prefix: str):
+        self.r, self.prefix = r, prefix
+        self.stream = stream_key(prefix)
+        self._create = r.register_script(_CREATE)
+        self._ready = r.register_script(_READY)
+        self._retired = r.register_script(_RETIRED)
+
+    def _doc(self, tenant: str, doc_id: str) -> str:
+        return f"{self.prefix}:doc:{tenant}:{doc_id}"
+
+    def _tokens(self, tenant: str, doc_id: str) -> str:
+        return f"{self.prefix}:tokens:{tenant}:{doc_id}"
+
+    def _docs(self, tenant: str) -> str:
+        return f"{self.prefix}:docs:{tenant}"
+
+    # ------------------------------------------------------------------------------------------------ api
+    def create(self, tenant: str, doc_id: str, tokens: list[int], source: str) -> tuple[DocumentRecord, bool]:
+        """Create and enqueue, or find. Returns (record, whether a build was enqueued)."""
+        raw = np.asarray(tokens, dtype="<i4").tobytes()
+        queued, _ = self._create(keys=[self._doc(tenant, doc_id), self._tokens(tenant, doc_id), self._docs(tenant),
+                                       self.stream],
+                                 args=[doc_id, tenant, raw, len(tokens), source, now_ms()])
+        rec = self.get(tenant, doc_id)
+        assert rec is not None, (tenant, doc_id)
+        return rec, bool(queued)
+
+    def get(self, tenant: str, doc_id: str) -> DocumentRecord | None:
+        h = self.r.hgetall(self._doc(tenant, doc_id))
+        return DocumentRecord.from_hash(h) if h else None
+
+    def tokens(self, tenant: str, doc_id: str) -> list[int]:
+        raw = self.r.get(self._tokens(tenant, doc_id))
+        assert raw is not None, f"document {tenant}/{doc_id} has a record but no tokens"
+        return np.frombuffer(raw, dtype="<i4").tolist()
+
+    def page(self, tenant: str, offset: int, limit: int) -> tuple[list[DocumentRecord], int | None]:
+        """Documents by creation time; the offset of the next page, or None at the end."""
+        ids = self.r.zrange(self._docs(tenant), offset, offset + limit)      # one extra: is there a next page?
+        more = len(ids) > limit
+        recs = [self.get(tenant, i.decode()) for i in ids[:limit]]
+        return [r for r in recs if r is not None], (offset + limit if more else None)
+
+    def count(self, tenant: str) -> int:
+        return int(self.r.zcard(self._docs(tenant)))
+
+    def mark_retired(self, tenant: str, doc_id: str, generation: int) -> None:
+        self._retired(keys=[self._doc(tenant, doc_id)], args=[generation, now_ms()])
+
+    # -------------------------------------------------------------------------------------------- builder
+    def update(self, tenant: str, doc_id: str, **fields) -> None:
+        """Progress fields of a record that exists (never creates one)."""
+        key = self._doc(tenant, doc_id)
+        with self.r.pipeline() as p:
+            p.watch(key)
+            if not p.exists(key):
+                return
+            p.multi()
+            p.hset(key, mapping={**{k: str(v) for k, v in fields.items()}, "updated_ms": now_ms()})
+            try:
+                p.execute()
+            except redis.WatchError:        # deleted meanwhile: nothing to update
+                pass
+
+    def start_attempt(self, tenant: str, doc_id: str) -> int:
+        key = self._doc(tenant, doc_id)
+        with self.r.pipeline(transaction=True) as p:
+            p.hincrby(key, "attempts", 1)
+            p.hset(key, mapping={"status": "building", "stage": "starting", "progress": "0", "error": "",
+                                 "updated_ms": now_ms()})
+            n, _ = p.execute()
+        return int(n)
+
+    def mark_ready(self, tenant: str, doc_id: str, generation: int, key: dict, nbytes: int, shards: int,
+                   build_s: float) -> bool:
+        return bool(self._ready(keys=[self._doc(tenant, doc_id)],
+                                args=[generation, json.dumps(key, sort_keys=True), nbytes, shards, f"{build_s:.3f}",
+                                      now_ms()]))

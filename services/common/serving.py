@@ -1,0 +1,76 @@
+"""What a document's artifacts are bound to, computed the same way by the API, the builder and the workers:
+the checkpoint identity, the reuse profile, the document id and the store key."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import blake3
+
+from runtime.model.config import ModelConfig, load_config
+from runtime.reuse.certificate import digest_bytes, token_hash
+from runtime.reuse.producer import pad_document
+from runtime.reuse.profile import PROFILES, ReuseProfile
+from runtime.reuse.request import ServingIdentity
+from services.store.keys import DocumentKey, profile_id
+
+# the demo model has 8 layers: two fences at each end leave four reusable layers
+DEMO_PROFILE = ReuseProfile(name="demo", first_fences=2, last_fences=2, budget=0.25)
+PRESETS = {"demo": DEMO_PROFILE, **PROFILES}
+
+
+def load_profile(spec: str) -> ReuseProfile:
+    """A preset name or a JSON object of ReuseProfile fields."""
+    spec = spec.strip()
+    if spec in PRESETS:
+        return PRESETS[spec]
+    if not spec.startswith("{"):
+        raise ValueError(f"profile {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a JSON object")
+    return ReuseProfile(**json.loads(spec))
+
+
+def tokenizer_fingerprint(path: str | Path) -> str:
+    return digest_bytes((Path(path) / "tokenizer.json").read_bytes())
+
+
+def checkpoint_identity(path: str | Path, fingerprint: str = "") -> ServingIdentity:
+    """Tokenizer fingerprint: blake3 of tokenizer.json. Checkpoint fingerprint (unless given): blake3 over
+    config.json, every safetensors file's name and bytes in name order, and the tokenizer fingerprint, so any
+    changed weight, config or tokenizer makes every artifact built before it stale."""
+    path = Path(path)
+    tok_fp = tokenizer_fingerprint(path)
+    if fingerprint:
+        return ServingIdentity(fingerprint, tok_fp)
+    h = blake3.blake3(b"redknot.checkpoint-files.v1\0", max_threads=blake3.blake3.AUTO)
+    h.update((path / "config.json").read_bytes())
+    for f in sorted(path.glob("*.safetensors")):
+        h.update(f"\0{f.name}\0{f.stat().st_size}\0".encode())
+        h.update_mmap(f)
+    h.update(tok_fp.encode())
+    return ServingIdentity(h.hexdigest(), tok_fp)
+
+
+def model_config(path: str | Path) -> ModelConfig:
+    return load_config(path)
+
+
+def document_id(tokens: list[int], tokenizer_fingerprint: str) -> str:
+    """A tenant's document is named by its content: the token hash of its (unpadded) ids."""
+    return token_hash(tokens, tokenizer_fingerprint)[:32]
+
+
+@dataclass(frozen=True)
+class Binding:
+    """Everything a store key depends on besides the tokens."""
+    ident: ServingIdentity
+    profile: ReuseProfile
+    tp: int
+    eos: int
+
+    def store_key(self, tokens: list[int]) -> DocumentKey:
+        """The key the store files this document's artifacts under (the same one `artifact_dir.document_key`
+        derives from their certificate)."""
+        padded = pad_document(tokens, self.profile.align, self.eos)
+        return DocumentKey(token_hash(padded, self.ident.tokenizer_fingerprint), self.ident.fingerprint,
+                           profile_id(self.profile.to_dict()), self.tp)

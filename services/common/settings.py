@@ -1,0 +1,63 @@
+"""Settings of the services, each defined once: type, default, environment variable, meaning (pydantic, at the
+process edge). Precedence: command-line flag, then environment variable, then default."""
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+def setting(default: Any, env: str, help: str):
+    return Field(default, description=help, json_schema_extra={"env": env})
+
+
+class Settings(BaseModel):
+    """Base of every service's settings; subclasses declare fields with `setting(...)`."""
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    @classmethod
+    def add_arguments(cls, p: argparse.ArgumentParser) -> None:
+        for name, f in cls.model_fields.items():
+            p.add_argument("--" + name.replace("_", "-"), default=None, dest=name,
+                           help=f"{f.description} (env {f.json_schema_extra['env']}, default {f.default!r})")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace | None = None, env: dict[str, str] | None = None, **override):
+        """Flags, then env, then defaults; pydantic converts and checks the strings (a bad value is an error that
+        names the setting)."""
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for name, f in cls.model_fields.items():
+            flag = getattr(args, name, None) if args is not None else None
+            if flag is not None:
+                values[name] = flag
+            elif f.json_schema_extra["env"] in env:
+                values[name] = env[f.json_schema_extra["env"]]
+        values.update(override)
+        return cls.model_validate(values)
+
+    def to_env(self) -> dict[str, str]:
+        """These settings as environment variables (to start a child process with them)."""
+        out = {}
+        for name, f in type(self).model_fields.items():
+            v = getattr(self, name)
+            out[f.json_schema_extra["env"]] = str(v).lower() if isinstance(v, bool) else str(v)
+        return out
+
+
+class CommonSettings(Settings):
+    """What the API, the builder and the workers must agree on."""
+    redis_url: str = setting("redis://127.0.0.1:6379/0", "REDIS_URL", "Redis holding the document registry and "
+                                                                       "the build queue")
+    redis_prefix: str = setting("redknot", "REDKNOT_REDIS_PREFIX", "prefix of the registry and queue keys")
+    tokens: str = setting("", "REDKNOT_TOKENS", "tenant=token,... (prefer --tokens-file); the store's tenants")
+    tokens_file: str = setting("", "REDKNOT_TOKENS_FILE", "file of 'tenant token' lines, shared with the store")
+    model: str = setting("", "REDKNOT_MODEL", "checkpoint directory (config.json, tokenizer.json, safetensors)")
+    profile: str = setting("demo", "REDKNOT_PROFILE", "reuse profile: a preset (demo, flash, pro) or a JSON object "
+                                                      "of ReuseProfile fields")
+    tp: int = setting(1, "REDKNOT_TP", "tensor-parallel size the artifacts are built and served for")
+    store: str = setting("127.0.0.1:50051", "REDKNOT_STORE_TARGET", "host:port of the artifact store")
+    fingerprint: str = setting("", "REDKNOT_CHECKPOINT_FINGERPRINT",
+                               "checkpoint fingerprint to use instead of hashing the checkpoint's bytes at start")

@@ -1,0 +1,104 @@
+"""A tensor-parallel rank group on one host, for `redknot worker --tp N` and `redknot builder --tp N`.
+
+`launch` spawns N processes (spawn start method; N=1 runs in-process); each joins a process group (gloo on CPU,
+NCCL on GPU) and runs `target(group, *args)`. Rank 0 leads: it takes work and broadcasts each job, the other
+ranks follow, so every collective of the model runs in the same order everywhere. The launching process only
+supervises: SIGTERM/SIGINT go to rank 0, which broadcasts a stop; when any rank dies the others are terminated
+and `launch` returns 1 (an orchestrator restarts the whole group: a TP group is not repaired rank by rank)."""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from runtime.model.parallel import Parallel
+
+log = logging.getLogger("redknot.tp")
+STOP = "__stop__"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class RankGroup:
+    rank: int
+    size: int
+    device: torch.device
+    par: Parallel
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def broadcast(self, obj=None):
+        """Rank 0's `obj` on every rank."""
+        if self.size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, device=self.device if self.device.type == "cuda" else None)
+        return box[0]
+
+    def gather(self, obj) -> list:
+        return self.par.all_gather_object(obj)
+
+
+def _die_with_parent() -> None:
+    try:                                    # Linux: a rank never outlives its supervisor (even after SIGKILL)
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)      # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _entry(rank: int, target, size: int, port: int, device: str, args: tuple) -> None:
+    _die_with_parent()
+    if rank != 0:                           # followers stop when rank 0 broadcasts the stop, never on their own
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(rank)
+        dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=size, timeout=timedelta(hours=1))
+    try:
+        target(RankGroup(rank, size, dev, Parallel(rank, size)), *args)
+        dist.barrier()                      # no rank tears the group down while another still talks to it
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(size: int, target, args: tuple = (), device: str = "cpu") -> int:
+    if size == 1:
+        dev = torch.device(device)
+        target(RankGroup(0, 1, dev, Parallel()), *args)
+        return 0
+    ctx = mp.start_processes(_entry, args=(target, size, free_port(), device, args), nprocs=size, join=False,
+                             start_method="spawn")
+    leader = ctx.processes[0]
+
+    def forward(signum, _frame):
+        if leader.is_alive():
+            os.kill(leader.pid, signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    try:
+        while not ctx.join(timeout=0.5):
+            pass
+    except mp.ProcessException as e:        # join() has terminated the other ranks
+        log.error("TP group stopped: %s", e)
+        return 1
+    return 0

@@ -1,0 +1,118 @@
+"""The build queue on a real Redis and the builder's job logic in-process (TP=1, a tiny checkpoint): at-least-once
+redelivery after a crash, retries with backoff, the dead-letter stream, idempotent commits by content hash."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import pytest
+import redis
+
+from runtime.model.checkpoint import build_demo_tokenizer, load_tokenizer, random_state, write_official_checkpoint
+from runtime.model.config import tiny
+from runtime.model.loader import load_model
+from services.builder.builder import Builder
+from services.builder.metrics import BuilderMetrics
+from services.builder.settings import BuilderSettings
+from services.common.build_queue import BuildQueue
+from services.common.registry import Registry
+from services.common.serving import checkpoint_identity, load_profile
+from services.common.tenants import Tenants
+from services.common.tp import RankGroup
+from services.store.keys import DocumentKey
+
+from .conftest import TOKENS
+
+PROFILE = json.dumps({"name": "q-test", "first_fences": 2, "last_fences": 2, "align": 16, "recent_rows": 16,
+                      "join_rows": 8})
+
+
+@pytest.fixture
+def r(redis_url, prefix):
+    return redis.Redis.from_url(redis_url)
+
+
+def test_queue_redelivers_a_crashed_job_and_counts_depth(r, prefix):
+    reg, q = Registry(r, prefix), BuildQueue(r, prefix, claim_idle_ms=60_000)
+    q.ensure_group()
+    rec, queued = reg.create("acme", "a" * 32, [5, 6, 7], "tokens")
+    assert queued and rec.status == "queued" and rec.target_generation == 1
+    assert reg.create("acme", "a" * 32, [5, 6, 7], "tokens")[1] is False      # idempotent: nothing enqueued
+    assert q.depth() == 1 and r.xlen(q.stream) == 1
+    job = q.claim("builder-a", block_ms=10)
+    assert (job.tenant, job.doc) == ("acme", "a" * 32) and q.depth() == 1       # pending until acknowledged
+    assert q.claim("builder-b", block_ms=10) is None                             # not idle long enough
+    assert q.claim("builder-a", block_ms=10) == job                              # a restarted a resumes its own
+    quick = BuildQueue(r, prefix, claim_idle_ms=50)
+    time.sleep(0.1)
+    assert quick.claim("builder-b", block_ms=10) == job                          # b takes over a dead a's job
+    q.done(job)
+    assert q.depth() == 0 and q.claim("builder-a", block_ms=10) is None
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    d, tok = tmp_path_factory.mktemp("ckpt"), tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    build_demo_tokenizer(512, tok)
+    cfg = tiny(vocab_size=load_tokenizer(tok).get_vocab_size())
+    write_official_checkpoint(d, cfg, random_state(cfg, seed=7), quantize=False, tokenizer_json=tok)
+    return d
+
+
+def make_builder(checkpoint, r, prefix, tmp_path, store_target: str, **kw) -> Builder:
+    s = BuilderSettings(model=str(checkpoint), profile=PROFILE, store=store_target, consumer="b0",
+                        workdir=str(tmp_path / f"work-{uuid.uuid4().hex[:6]}"), backoff_s=0.2, **kw)
+    from runtime.model.parallel import Parallel
+    import torch
+    b = Builder(RankGroup(0, 1, torch.device("cpu"), Parallel()), load_model(checkpoint), load_profile(PROFILE),
+                checkpoint_identity(checkpoint), s, BuildQueue(r, prefix), Registry(r, prefix), Tenants(TOKENS),
+                BuilderMetrics())
+    b.queue.ensure_group()
+    b.workdir.mkdir(parents=True)
+    return b
+
+
+def test_builder_retries_with_backoff_then_dead_letters_then_builds_idempotently(checkpoint, r, prefix, tmp_path,
+                                                                                   store):
+    tokens = load_tokenizer(checkpoint).encode("The river runs past the old mill. " * 3).ids
+    reg = Registry(r, prefix)
+    reg.create("acme", "d" * 32, tokens, "text")
+    # a store nobody listens on: every attempt fails with Unavailable
+    down = make_builder(checkpoint, r, prefix, tmp_path, "127.0.0.1:9", max_attempts=2)
+    job = down.queue.claim("b0", block_ms=10)
+    down.process(job)
+    rec = reg.get("acme", "d" * 32)
+    assert rec.status == "queued" and rec.stage.startswith("retry in 0.2") and "Unavailable" in rec.error
+    assert down.queue.depth() == 1 and down.queue.claim("b0", block_ms=10) is None       # waiting out the backoff
+    time.sleep(0.3)
+    job = down.queue.claim("b0", block_ms=10)
+    assert job is not None and job.doc == "d" * 32
+    down.process(job)
+    rec = reg.get("acme", "d" * 32)
+    assert rec.status == "failed" and rec.attempts == 2 and down.queue.depth() == 0
+    dead = down.queue.dead_letters()
+    assert len(dead) == 1 and dead[0]["doc"] == "d" * 32 and "Unavailable" in dead[0]["error"]
+    m = down.metrics.builds
+    assert [m.labels(x)._value.get() for x in ("ok", "retry", "dead_letter")] == [0, 1, 1]
+    assert not any(down.workdir.iterdir())                        # nothing half-built is left behind
+
+    # uploading it again queues it again; with the store up it builds
+    assert reg.create("acme", "d" * 32, tokens, "text")[1] is True
+    up = make_builder(checkpoint, r, prefix, tmp_path, store.target)
+    up.process(up.queue.claim("b0", block_ms=10))
+    rec = reg.get("acme", "d" * 32)
+    assert rec.status == "ready" and rec.generation == 1 and rec.shards > 0 and rec.attempts == 1
+    with store.client() as c:
+        assert c.manifest(DocumentKey.from_dict(rec.key)).current_generation == 1
+    # a duplicate delivery of a finished job only acknowledges it
+    r.xadd(up.queue.stream, {"tenant": "acme", "doc": "d" * 32})
+    up.process(up.queue.claim("b0", block_ms=10))
+    assert reg.get("acme", "d" * 32).attempts == 1 and up.queue.depth() == 0
+    # a crash after the commit but before the registry update: the rerun finds the generation committed
+    reg.update("acme", "d" * 32, status="building")
+    r.xadd(up.queue.stream, {"tenant": "acme", "doc": "d" * 32})
+    up.process(up.queue.claim("b0", block_ms=10))
+    rec = reg.get("acme", "d" * 32)
+    assert rec.status == "ready" and rec.generation == 1 and rec.attempts == 2
+    assert up.metrics.builds.labels("ok")._value.get() == 2
