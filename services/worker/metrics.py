@@ -1,0 +1,48 @@
+"""Every Prometheus metric of the workers (docs/metrics.md), on a registry rank 0 builds; the other ranks send
+their fetch and tier counts to rank 0 with every request."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from runtime.reuse.certificate import FallbackReason
+
+RATIO_BUCKETS = tuple(i / 20 for i in range(1, 21))
+TTFT_BUCKETS = (.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120)
+FETCH_BUCKETS = (.001, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30)
+FLOP_OPS = ("projections", "attention", "indexer", "moe", "total")
+
+
+class WorkerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.head_row = Histogram("redknot_head_row_saving_ratio", "Namespace 1: logical head-row saving per reuse "
+                                  "request", buckets=RATIO_BUCKETS, registry=r)
+        self.token_row = Histogram("redknot_token_row_saving_ratio", "Namespace 2: physical token-row saving per "
+                                   "reuse request", buckets=RATIO_BUCKETS, registry=r)
+        self.flop = Histogram("redknot_flop_saving_ratio", "Namespace 3: analytic FLOP saving per reuse request",
+                              ["op"], buckets=RATIO_BUCKETS, registry=r)
+        self.ttft = Histogram("redknot_ttft_seconds", "Namespace 4: model-forward entry to first token, by the arm "
+                              "that ran", ["arm"], buckets=TTFT_BUCKETS, registry=r)
+        self.fallbacks = Counter("redknot_fallbacks", "Explicit fallbacks to recomputation by root reason",
+                                 ["reason"], registry=r)
+        self.fetch_bytes = Counter("redknot_artifact_fetch_bytes", "Bytes fetched from the store by every rank",
+                                   registry=r)
+        self.fetch_seconds = Histogram("redknot_artifact_fetch_seconds", "Store fetch latency per document and rank",
+                                       buckets=FETCH_BUCKETS, registry=r)
+        self.tier = Counter("redknot_cache_tier_requests", "Host-memory tier look-ups", ["tier", "result"],
+                            registry=r)
+        for reason in FallbackReason:
+            self.fallbacks.labels(reason.value)
+        for op in FLOP_OPS:
+            self.flop.labels(op)
+        for arm in ("reuse", "recompute"):
+            self.ttft.labels(arm)
+        for result in ("hit", "miss"):
+            self.tier.labels("host", result)
+
+    def observe_ledger(self, summary: dict) -> None:
+        self.head_row.observe(summary["head_row_saving"])
+        self.token_row.observe(summary["token_row_saving"])
+        for op in FLOP_OPS:
+            self.flop.labels(op).observe(summary["flop_saving"][op])

@@ -1,0 +1,18 @@
+"""Settings of `redknot worker`: flags, then env, then defaults."""
+from __future__ import annotations
+
+from services.common.settings import CommonSettings, setting
+
+
+class WorkerSettings(CommonSettings):
+    listen: str = setting("127.0.0.1:8100", "REDKNOT_WORKER_LISTEN",
+                          "host:port of rank 0's HTTP endpoint (/v1/generate, /healthz, /readyz, /metrics)")
+    device: str = setting("cpu", "REDKNOT_DEVICE", "cpu (gloo) or cuda (NCCL, one GPU per rank)")
+    tier_dir: str = setting("", "REDKNOT_WORKER_TIER_DIR", "host-memory tier root (default: /dev/shm/redknot-"
+                                                          "worker-PORT, else the temp dir); wiped at start")
+    tier_bytes: int = setting(4 << 30, "REDKNOT_WORKER_TIER_BYTES", "host tier capacity per rank, bytes")
+    layer_group: int = setting(4, "REDKNOT_WORKER_LAYER_GROUP", "layers per fetch stream")
+    fetch_threads: int = setting(4, "REDKNOT_WORKER_FETCH_THREADS", "concurrent fetch streams per rank")
+    max_queue: int = setting(64, "REDKNOT_WORKER_MAX_QUEUE", "requests waiting beyond this are refused (503)")
+    request_timeout_s: float = setting(600.0, "REDKNOT_WORKER_REQUEST_TIMEOUT_S", "longest wait for one request")
+    failpoints: str = setting("", "REDKNOT_WORKER_FAILPOINTS", "testing only: name=seconds pauses (after_fetch)")
