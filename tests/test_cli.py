@@ -3,7 +3,7 @@ from runtime.cli import main
 
 
 def test_demo_runs(tmp_path, capsys):
-    assert main(["demo", "--tokens", "300", "--new-tokens", "2", "--chunk", "128", "--workdir", str(tmp_path)]) == 0
+    assert main(["model-demo", "--tokens", "300", "--new-tokens", "2", "--chunk", "128", "--workdir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "prefill 300 tokens" in out and "ms/token" in out
 

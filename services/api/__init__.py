@@ -1,0 +1,1 @@
+"""The artifact API: documents (upload, status, list, retire) and generation, over FastAPI."""

@@ -1,0 +1,185 @@
+"""FastAPI routes: thin. Each parses the body, authenticates the tenant, calls the core; errors go through one
+table (errors.HTTP_STATUS), so no handler holds a try/except. `create_app` builds every object from settings.
+(No `from __future__ import annotations` here: FastAPI reads the routes' annotations at run time, and the
+tenant dependency is a closure inside `create_app`.)"""
+
+import json
+from contextlib import asynccontextmanager
+from typing import Annotated
+
+import redis
+from fastapi import Depends, FastAPI, Path, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from runtime.model.checkpoint import load_tokenizer
+from services.common.registry import Registry
+from services.common.serving import model_config, tokenizer_fingerprint
+from services.common.tenants import Tenants
+
+from .core import ArtifactApi, Limits, UploadParams, store_client_factory
+from .errors import HTTP_STATUS, InvalidInput, PayloadTooLarge, Unauthenticated, UnsupportedMediaType, http_status
+from .metrics import ApiMetrics
+from .models import DOC_ID, Document, DocumentPage, DocumentUpload, GenerateRequest, GenerateResult, Health
+from .settings import ApiSettings
+from .worker_client import WorkerClient
+
+ERRORS = {code: {"description": "error", "content": {"application/json": {"schema": {
+    "type": "object", "properties": {"detail": {}}, "required": ["detail"]}}}}
+    for code in (401, 404, 409, 413, 415, 422, 502, 503)}
+
+UPLOAD_BODY = {"requestBody": {"required": True, "content": {
+    "application/json": {"schema": DocumentUpload.model_json_schema()},
+    "multipart/form-data": {"schema": {"type": "object", "additionalProperties": False, "properties": {
+        "file": {"type": "string", "format": "binary", "description": "the document, UTF-8 text"},
+        "text": {"type": "string"}}}},
+    "text/plain": {"schema": {"type": "string"}}}}}
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused (413) as soon as it passes `limit` bytes, declared or streamed."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"body of {declared} bytes exceeds the limit of {limit}")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise PayloadTooLarge(f"body exceeds the limit of {limit} bytes")
+    return bytes(body)
+
+
+def _utf8(data: bytes, what: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidInput(f"{what} is not UTF-8 text: {e.reason} at byte {e.start}") from None
+
+
+async def parse_upload(request: Request, limit: int) -> UploadParams:
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype == "application/json":
+        raw = await read_body(request, limit)
+        try:
+            body = DocumentUpload.model_validate_json(raw)
+        except ValidationError as e:        # the body is parsed here, not by FastAPI (several content types)
+            raise InvalidInput(e.errors(include_url=False, include_context=False, include_input=False)) from None
+        return UploadParams(text=body.text, tokens=body.tokens)
+    if ctype == "text/plain":
+        return UploadParams(text=_utf8(await read_body(request, limit), "the body"))
+    if ctype == "multipart/form-data":
+        declared = request.headers.get("content-length")
+        if declared is None or not declared.isdigit() or int(declared) > limit:
+            raise PayloadTooLarge(f"a multipart upload needs a Content-Length of at most {limit} bytes")
+        try:
+            form = await request.form(max_files=1, max_fields=2, max_part_size=limit)
+        except StarletteHTTPException as e:     # malformed multipart (starlette reports it as a 400)
+            raise InvalidInput(f"malformed multipart body: {e.detail}") from None
+        part = form.get("file")
+        if part is not None and not isinstance(part, str):
+            return UploadParams(text=_utf8(await part.read(), "the file"))
+        if isinstance(form.get("text"), str):
+            return UploadParams(text=form["text"])
+        raise InvalidInput("a multipart upload carries the document in a 'file' part or a 'text' field")
+    raise UnsupportedMediaType(f"content type {ctype or '(none)'!r}: use application/json, multipart/form-data "
+                               "or text/plain")
+
+
+def create_app(s: ApiSettings) -> FastAPI:
+    if not s.model:
+        raise SystemExit("redknot api: --model (REDKNOT_MODEL) is required (tokenizer and vocabulary)")
+    tenants = Tenants.load(s.tokens, s.tokens_file)
+    if not len(tenants):
+        raise SystemExit("redknot api: no tenants: give --tokens-file or REDKNOT_TOKENS")
+    r = redis.Redis.from_url(s.redis_url, socket_timeout=30, socket_connect_timeout=5)
+    metrics = ApiMetrics()
+    worker = WorkerClient(s.worker_url, s.generate_timeout_s)
+    core = ArtifactApi(Registry(r, s.redis_prefix), load_tokenizer(s.model), tokenizer_fingerprint(s.model),
+                       model_config(s.model).vocab_size, store_client_factory(s.store, tenants), worker,
+                       Limits(s.max_upload_bytes, s.max_document_tokens, s.max_documents, s.max_question_chars,
+                              s.max_new_tokens), metrics)
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        yield
+        worker.close()
+        r.close()
+
+    app = FastAPI(title="RedKnot-MLA artifact API", version="1", lifespan=lifespan,
+                  description="Upload documents, follow their builds, generate with certified artifact reuse "
+                              "(SPEC §6-8). Every /v1 route needs `Authorization: Bearer <tenant token>`.")
+    app.state.core = core
+
+    def error_response(_request: Request, exc: Exception) -> JSONResponse:
+        detail = exc.args[0] if len(exc.args) == 1 and isinstance(exc.args[0], (list, dict)) else str(exc)
+        return JSONResponse({"detail": detail, "error": type(exc).__name__}, status_code=http_status(exc))
+
+    def invalid_request(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse({"detail": json.loads(json.dumps(exc.errors(), default=str)), "error": "InvalidRequest"},
+                            status_code=422)
+
+    for cls in HTTP_STATUS:
+        app.add_exception_handler(cls, error_response)
+    app.add_exception_handler(RequestValidationError, invalid_request)
+
+    bearer = HTTPBearer(auto_error=False, description="a tenant token")
+
+    def tenant(cred: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> str:
+        who = tenants.tenant(cred.credentials) if cred is not None else None
+        if who is None:
+            raise Unauthenticated("missing or unknown bearer token")
+        return who
+
+    Tenant = Annotated[str, Depends(tenant)]
+    DocId = Annotated[str, Path(pattern=DOC_ID, description="document id")]
+
+    @app.post("/v1/documents", response_model=Document, status_code=202, openapi_extra=UPLOAD_BODY,
+              responses={200: {"model": Document, "description": "already uploaded: nothing was queued"}, **ERRORS},
+              summary="Upload a document (JSON text or tokens, multipart file, or text/plain); idempotent by "
+                      "content: 202 when a build was queued, 200 when it already existed")
+    async def upload(request: Request, response: Response, who: Tenant) -> Document:
+        params = await parse_upload(request, s.max_upload_bytes)
+        res = await run_in_threadpool(core.upload, who, params)
+        response.status_code = 202 if res.queued else 200
+        return res.document
+
+    @app.get("/v1/documents", response_model=DocumentPage, responses=ERRORS, summary="List documents, oldest first")
+    def list_documents(who: Tenant, page_size: Annotated[int, Query(ge=1, le=100)] = 20,
+                       page_token: Annotated[str | None, Query(max_length=20)] = None) -> DocumentPage:
+        return core.page(who, page_size, page_token)
+
+    @app.get("/v1/documents/{doc_id}", response_model=Document, responses=ERRORS,
+             summary="A document's build status, generations and sizes")
+    def get_document(doc_id: DocId, who: Tenant) -> Document:
+        return core.get(who, doc_id)
+
+    @app.delete("/v1/documents/{doc_id}", response_model=Document, responses=ERRORS,
+                summary="Retire the current generation (the store stops serving it; uploading again rebuilds)")
+    def retire_document(doc_id: DocId, who: Tenant) -> Document:
+        return core.retire(who, doc_id)
+
+    @app.post("/v1/generate", response_model=GenerateResult, responses=ERRORS,
+              summary="Answer a question over documents, in the reuse arm (certified artifacts, explicit "
+                      "fallback) or the recompute arm (the plain model)")
+    def generate(body: GenerateRequest, who: Tenant) -> GenerateResult:
+        return core.generate(who, body)
+
+    @app.get("/healthz", response_model=Health, summary="The process is up")
+    def healthz() -> Health:
+        return Health(status="ok")
+
+    @app.get("/readyz", response_model=Health, responses=ERRORS, summary="Redis and the worker are ready")
+    def readyz() -> Health:
+        core.ready()
+        return Health(status="ready")
+
+    @app.get("/metrics", summary="Prometheus metrics", response_class=Response)
+    def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,162 @@
+"""The API's operations, transport-agnostic: `*Params` in, pydantic views out, domain errors (errors.py) raised.
+FastAPI routes (app.py) only parse, authenticate and call these; the same core could sit behind gRPC.
+
+Invariants: every input is checked before anything is written, so a rejected request changes nothing; every
+operation is scoped by the caller's tenant; an upload is acknowledged only once its build is queued (one Lua
+script creates the record and enqueues the build)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis
+
+from services.common.registry import Registry
+from services.common.serving import document_id
+from services.store.client import StoreClient
+from services.store.errors import NotFound
+from services.store.keys import DocumentKey
+from services.worker.protocol import WorkerDocument, WorkerRequest
+
+from .errors import Conflict, DocumentNotFound, InvalidInput, NotReady, PayloadTooLarge
+from .metrics import ApiMetrics
+from .models import Document, DocumentPage, FallbackInfo, GeneratedDocument, GenerateRequest, GenerateResult, Ledger
+from .worker_client import WorkerClient
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_upload_bytes: int
+    max_document_tokens: int
+    max_documents: int
+    max_question_chars: int
+    max_new_tokens: int
+
+
+@dataclass(frozen=True)
+class UploadParams:
+    text: str | None = None
+    tokens: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class UploadResult:
+    document: Document
+    queued: bool                # a build was enqueued by this call (new, or rebuilt after retire/failure)
+
+
+class ArtifactApi:
+    def __init__(self, registry: Registry, tokenizer, tokenizer_fingerprint: str, vocab_size: int,
+                 store_client, worker: WorkerClient, limits: Limits, metrics: ApiMetrics):
+        """`store_client(tenant) -> StoreClient` (a context manager) for retiring generations."""
+        self.registry, self.tokenizer, self.tok_fp = registry, tokenizer, tokenizer_fingerprint
+        self.vocab_size, self.store_client, self.worker = vocab_size, store_client, worker
+        self.limits, self.metrics = limits, metrics
+
+    # ------------------------------------------------------------------------------------------ documents
+    def _tokens_of(self, p: UploadParams) -> tuple[list[int], str]:
+        if p.text is not None:
+            if len(p.text.encode("utf-8", "surrogatepass")) > self.limits.max_upload_bytes:
+                raise PayloadTooLarge(f"text over {self.limits.max_upload_bytes} bytes")
+            if not p.text.strip():
+                raise InvalidInput("the document is empty")
+            if any(0xD800 <= ord(c) <= 0xDFFF for c in p.text):
+                raise InvalidInput("the text is not valid Unicode (lone surrogates)")
+            return self.tokenizer.encode(p.text).ids, "text"
+        if not p.tokens:
+            raise InvalidInput("the document is empty")
+        return list(p.tokens), "tokens"
+
+    def upload(self, tenant: str, p: UploadParams) -> UploadResult:
+        tokens, source = self._tokens_of(p)
+        if not tokens:
+            raise InvalidInput("the text encodes to no tokens")
+        if len(tokens) > self.limits.max_document_tokens:
+            raise PayloadTooLarge(f"{len(tokens)} tokens exceed the limit of {self.limits.max_document_tokens}")
+        bad = sorted({t for t in tokens if not 0 <= t < self.vocab_size})
+        if bad:
+            raise InvalidInput(f"token ids {bad[:8]} are outside the vocabulary [0, {self.vocab_size})")
+        rec, queued = self.registry.create(tenant, document_id(tokens, self.tok_fp), tokens, source)
+        return UploadResult(Document.of(rec), queued)
+
+    def _record(self, tenant: str, doc_id: str):
+        rec = self.registry.get(tenant, doc_id)
+        if rec is None:
+            raise DocumentNotFound(f"no document {doc_id}")
+        return rec
+
+    def get(self, tenant: str, doc_id: str) -> Document:
+        return Document.of(self._record(tenant, doc_id))
+
+    def page(self, tenant: str, page_size: int, page_token: str | None) -> DocumentPage:
+        if page_token is not None and not page_token.isdigit():
+            raise InvalidInput(f"page_token {page_token!r} is not a token from this listing")
+        recs, nxt = self.registry.page(tenant, int(page_token or 0), page_size)
+        return DocumentPage(documents=[Document.of(r) for r in recs],
+                            next_page_token=str(nxt) if nxt is not None else None, total=self.registry.count(tenant))
+
+    def retire(self, tenant: str, doc_id: str) -> Document:
+        """Retire the current generation: the store stops serving it first, then the registry forgets it, so a
+        worker that still holds it in its tier finds it stale. Retiring a retired or failed document is a no-op."""
+        rec = self._record(tenant, doc_id)
+        if rec.status in ("queued", "building"):
+            raise Conflict(f"document {doc_id} is {rec.status}; retire it once it is ready")
+        if rec.status == "ready":
+            with self.store_client(tenant) as client:
+                try:
+                    client.retire(DocumentKey.from_dict(rec.key), rec.generation)
+                except NotFound:        # retired before, the registry update did not happen: finish it now
+                    pass
+            self.registry.mark_retired(tenant, doc_id, rec.generation)
+        elif rec.status == "failed":
+            self.registry.mark_retired(tenant, doc_id, 0)
+        return Document.of(self._record(tenant, doc_id))
+
+    # ----------------------------------------------------------------------------------------- generation
+    def generate(self, tenant: str, p: GenerateRequest) -> GenerateResult:
+        outcome = "error"
+        try:
+            result = self._generate(tenant, p)
+            outcome = "ok"
+            return result
+        finally:
+            self.metrics.requests.labels(p.arm, outcome).inc()
+
+    def _generate(self, tenant: str, p: GenerateRequest) -> GenerateResult:
+        L = self.limits
+        if len(p.documents) > L.max_documents:
+            raise InvalidInput(f"{len(p.documents)} documents exceed the limit of {L.max_documents}")
+        if len(p.question) > L.max_question_chars:
+            raise PayloadTooLarge(f"question over {L.max_question_chars} characters")
+        if p.max_new_tokens > L.max_new_tokens:
+            raise InvalidInput(f"max_new_tokens {p.max_new_tokens} exceeds the limit of {L.max_new_tokens}")
+        if not p.question.strip():
+            raise InvalidInput("the question is empty")
+        if any(0xD800 <= ord(c) <= 0xDFFF for c in p.question):
+            raise InvalidInput("the question is not valid Unicode (lone surrogates)")
+        question = self.tokenizer.encode(p.question).ids
+        if not question:
+            raise InvalidInput("the question encodes to no tokens")
+        recs = [self._record(tenant, d) for d in p.documents]
+        docs = [WorkerDocument(id=r.id, tokens=self.registry.tokens(tenant, r.id), generation=r.generation)
+                for r in recs]
+        resp = self.worker.generate(WorkerRequest(tenant=tenant, documents=docs, question=question,
+                                                  max_new_tokens=p.max_new_tokens, arm=p.arm))
+        return GenerateResult(
+            answer=self.tokenizer.decode(resp.tokens), tokens=resp.tokens, arm_requested=p.arm, arm=resp.arm,
+            ttft_s=resp.ttft_s, fetch_s=resp.fetch_s,
+            ledger=Ledger.model_validate(resp.ledger) if resp.ledger is not None else None,
+            fallback=FallbackInfo.model_validate(resp.fallback.model_dump()) if resp.fallback else None,
+            documents=[GeneratedDocument(id=r.id, generation=r.generation) for r in recs])
+
+    # ------------------------------------------------------------------------------------------- health
+    def ready(self) -> None:
+        try:
+            self.registry.r.ping()
+        except redis.RedisError as e:
+            raise NotReady(f"redis: {type(e).__name__}") from None
+        if not self.worker.ready():
+            raise NotReady("inference worker not ready")
+
+
+def store_client_factory(target: str, tenants):
+    return lambda tenant: StoreClient(target, tenants.token(tenant), timeout_s=30)

@@ -1,0 +1,15 @@
+"""Settings of `redknot api serve`: flags, then env, then defaults."""
+from __future__ import annotations
+
+from services.common.settings import CommonSettings, setting
+
+
+class ApiSettings(CommonSettings):
+    listen: str = setting("127.0.0.1:8000", "REDKNOT_API_LISTEN", "host:port of the HTTP API")
+    worker_url: str = setting("http://127.0.0.1:8100", "REDKNOT_WORKER_URL", "rank 0 of the inference worker")
+    max_upload_bytes: int = setting(4 << 20, "REDKNOT_API_MAX_UPLOAD_BYTES", "largest upload body")
+    max_document_tokens: int = setting(131072, "REDKNOT_API_MAX_DOCUMENT_TOKENS", "longest document, in tokens")
+    max_documents: int = setting(16, "REDKNOT_API_MAX_DOCUMENTS", "most documents in one generate request")
+    max_question_chars: int = setting(16384, "REDKNOT_API_MAX_QUESTION_CHARS", "longest question")
+    max_new_tokens: int = setting(512, "REDKNOT_API_MAX_NEW_TOKENS", "most tokens one request may generate")
+    generate_timeout_s: float = setting(600.0, "REDKNOT_API_GENERATE_TIMEOUT_S", "longest wait for the worker")

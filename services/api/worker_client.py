@@ -1,0 +1,36 @@
+"""The API's side of the loopback HTTP contract with rank 0 of the inference worker (services/worker/protocol.py)."""
+from __future__ import annotations
+
+import httpx
+
+from services.worker.protocol import WorkerRequest, WorkerResponse
+
+from .errors import InvalidInput, NotReady, WorkerFailed
+
+
+class WorkerClient:
+    def __init__(self, base_url: str, timeout_s: float):
+        self.http = httpx.Client(base_url=base_url, timeout=httpx.Timeout(timeout_s, connect=5.0))
+
+    def close(self) -> None:
+        self.http.close()
+
+    def generate(self, req: WorkerRequest) -> WorkerResponse:
+        try:
+            r = self.http.post("/v1/generate", content=req.model_dump_json(),
+                               headers={"Content-Type": "application/json"})
+        except httpx.TransportError as e:       # refused, reset, timed out: the worker is down or restarting
+            raise NotReady(f"inference worker unreachable: {type(e).__name__}") from None
+        if r.status_code == 422:
+            raise InvalidInput(str(r.json().get("detail")))
+        if r.status_code == 503:
+            raise NotReady(f"inference worker: {r.json().get('detail')}")
+        if r.status_code != 200:
+            raise WorkerFailed(f"inference worker answered {r.status_code}")
+        return WorkerResponse.model_validate_json(r.content)
+
+    def ready(self) -> bool:
+        try:
+            return self.http.get("/readyz", timeout=2.0).status_code == 200
+        except httpx.TransportError:
+            return False

@@ -1,0 +1,265 @@
+"""The embedded default: every service of RedKnot-MLA as a child process on loopback, for `redknot demo` and
+the service tests. Redis (a redis-server of our own unless a URL is given), the artifact store on filesystem
+blobs, the API, the builder and a TP worker; each with its own log file, each started in its own session so
+that stopping a service also stops its rank processes. Every wait is bounded."""
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+from services.api.settings import ApiSettings
+from services.builder.settings import BuilderSettings
+from services.worker.settings import WorkerSettings
+
+START_TIMEOUT_S = 240.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_ok(url: str, timeout: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def redis_ok(url: str) -> bool:
+    try:
+        return bool(redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=2).ping())
+    except redis.RedisError:
+        return False
+
+
+def grpc_serving(target: str) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    with grpc.insecure_channel(target) as ch:
+        try:
+            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
+            return r.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            return False
+
+
+def _die_with_parent() -> None:
+    # Linux: a service gets SIGTERM (and stops cleanly) if whoever started it dies without stopping it
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)          # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+class StackError(RuntimeError):
+    """A service did not start, or exited; the message carries the end of its log."""
+
+
+@dataclass
+class Service:
+    name: str
+    cmd: list[str]
+    env: dict[str, str]
+    log_path: Path
+    ready: object                               # () -> bool
+    proc: subprocess.Popen | None = None
+    log_offset: int = 0                         # where this run's output starts in the (appended) log
+
+    def start(self, cwd: Path) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.cmd, cwd=cwd, env={**os.environ, **self.env}, stdout=log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                                         preexec_fn=_die_with_parent)
+
+    def log(self, tail: int = 4000) -> str:
+        """The end of this run's output."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self.log_offset)
+                return f.read().decode(errors="replace")[-tail:]
+        except FileNotFoundError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.ready():
+            if not self.alive():
+                raise StackError(f"{self.name} exited with {self.proc.returncode}:\n{self.log()}")
+            if time.monotonic() > deadline:
+                raise StackError(f"{self.name} not ready after {timeout:.0f}s:\n{self.log()}")
+            time.sleep(0.1)
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            try:
+                os.killpg(self.proc.pid, sig)       # its own session: the service and its rank processes
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        """SIGKILL the service and its ranks: no cleanup runs."""
+        if self.proc is None:
+            return
+        self.signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM, then SIGKILL after `timeout`; the exit code (None if it had to be killed)."""
+        if self.proc is None:
+            return None
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+        return self.proc.returncode
+
+
+@dataclass
+class StackConfig:
+    workdir: Path
+    model: Path
+    tp: int = 1
+    profile: str = "demo"
+    device: str = "cpu"
+    redis_url: str = ""                          # empty: start a redis-server of our own
+    prefix: str = "redknot"
+    tenants: dict[str, str] = field(default_factory=lambda: {"demo": "demo-" + secrets.token_hex(16)})
+    api_env: dict[str, str] = field(default_factory=dict)
+    builder_env: dict[str, str] = field(default_factory=dict)
+    worker_env: dict[str, str] = field(default_factory=dict)
+
+
+class LocalStack:
+    def __init__(self, cfg: StackConfig):
+        self.cfg = cfg
+        self.workdir = Path(cfg.workdir).resolve()
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.tokens_file = self.workdir / "tokens"
+        self.tokens_file.write_text("".join(f"{t} {tok}\n" for t, tok in cfg.tenants.items()))
+        self.tokens_file.chmod(0o600)
+        self.ports = {n: free_port() for n in ("redis", "store", "store_metrics", "api", "worker", "builder_metrics")}
+        self.redis_url = cfg.redis_url or f"redis://127.0.0.1:{self.ports['redis']}/0"
+        self.services: dict[str, Service] = {}
+        self._define()
+
+    # ------------------------------------------------------------------------------------------- urls
+    @property
+    def api_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['api']}"
+
+    @property
+    def worker_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['worker']}"
+
+    @property
+    def store_target(self) -> str:
+        return f"127.0.0.1:{self.ports['store']}"
+
+    def metrics_targets(self) -> dict[str, str]:
+        """host:port of every /metrics endpoint, by service."""
+        p = self.ports
+        return {"api": f"127.0.0.1:{p['api']}", "worker": f"127.0.0.1:{p['worker']}",
+                "store": f"127.0.0.1:{p['store_metrics']}", "builder": f"127.0.0.1:{p['builder_metrics']}"}
+
+    # ------------------------------------------------------------------------------------------- define
+    def _define(self) -> None:
+        c, p, logs = self.cfg, self.ports, self.workdir / "logs"
+        py = [sys.executable, "-m", "runtime.cli"]
+        base = {"PYTHONUNBUFFERED": "1"}
+        if not c.redis_url:
+            exe = shutil.which("redis-server")
+            if exe is None:
+                raise StackError("no redis-server on PATH: install it (apt-get install redis-server) or give a "
+                                 "Redis URL (REDIS_URL)")
+            rdir = self.workdir / "redis"
+            rdir.mkdir(exist_ok=True)
+            self.services["redis"] = Service(
+                "redis", [exe, "--port", str(p["redis"]), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                          "--dir", str(rdir)], base, logs / "redis.log", lambda: redis_ok(self.redis_url))
+        common = dict(redis_url=self.redis_url, redis_prefix=c.prefix, tokens_file=str(self.tokens_file),
+                      model=str(Path(c.model).resolve()), profile=c.profile, tp=c.tp, store=self.store_target)
+        store_env = {"REDIS_URL": self.redis_url, "REDKNOT_STORE_REDIS_PREFIX": f"{c.prefix}-store",
+                     "REDKNOT_STORE_BLOB_ROOT": str(self.workdir / "store"),
+                     "REDKNOT_STORE_TOKENS_FILE": str(self.tokens_file)}
+        self.services["store"] = Service(
+            "store", py + ["store", "serve", "--listen", self.store_target, "--metrics-listen",
+                           f"127.0.0.1:{p['store_metrics']}"], {**base, **store_env}, logs / "store.log",
+            lambda: grpc_serving(self.store_target))
+        api = ApiSettings(**common, listen=f"127.0.0.1:{p['api']}", worker_url=self.worker_url)
+        self.services["api"] = Service("api", py + ["api", "serve"], {**base, **api.to_env(), **c.api_env},
+                                       logs / "api.log",
+                                       lambda: http_ok(self.api_url + "/healthz"))
+        builder = BuilderSettings(**common, metrics_listen=f"127.0.0.1:{p['builder_metrics']}", consumer="builder-0",
+                                  workdir=str(self.workdir / "builder"), device=c.device)
+        self.services["builder"] = Service(
+            "builder", py + ["builder"], {**base, **builder.to_env(), **c.builder_env}, logs / "builder.log",
+            lambda: "redknot builder: consuming" in self.services["builder"].log(100_000))
+        worker = WorkerSettings(**common, listen=f"127.0.0.1:{p['worker']}", device=c.device,
+                                tier_dir=str(self.workdir / "tier"))
+        self.services["worker"] = Service(
+            "worker", py + ["worker"], {**base, **worker.to_env(), **c.worker_env}, logs / "worker.log",
+            lambda: http_ok(self.worker_url + "/readyz"))
+
+    # ------------------------------------------------------------------------------------------- control
+    def start(self, progress=None) -> "LocalStack":
+        """Redis and the store first (the others need them), then the API, builder and worker together."""
+        try:
+            for group in (("redis", "store"), ("api", "builder", "worker")):
+                names = [n for n in group if n in self.services]
+                for n in names:
+                    self.services[n].start(self.workdir)
+                for n in names:
+                    self.services[n].wait_ready()
+                    if progress is not None:
+                        progress(n)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def restart(self, name: str, env: dict[str, str] | None = None) -> None:
+        svc = self.services[name]
+        if svc.alive():
+            svc.stop()
+        if env is not None:
+            svc.env = {**svc.env, **env}
+        svc.start(self.workdir)
+        svc.wait_ready()
+
+    def stop(self) -> dict[str, int | None]:
+        """Stop every service, callers of others first; exit codes by service."""
+        codes = {}
+        for n in ("api", "worker", "builder", "store", "redis"):
+            if n in self.services:
+                codes[n] = self.services[n].stop()
+        return codes
+
+    def __enter__(self) -> "LocalStack":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,484 @@
+"""The whole service over loopback: real Redis, the store, the API, the builder and a TP=2 worker (gloo) as
+separate processes on a tiny checkpoint; a real Prometheus scraping them; schemathesis against the OpenAPI
+document. Tests run in file order and share one stack; the crash tests restart what they kill."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import threading
+import time
+import urllib.parse
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from runtime.model.checkpoint import build_demo_tokenizer, load_tokenizer, random_state, write_official_checkpoint
+from runtime.model.config import tiny
+from services.common.serving import Binding, checkpoint_identity, load_profile
+from services.common.stack import LocalStack, StackConfig, free_port
+from services.store.client import StoreClient
+from services.store.errors import NotFound
+from services.store.keys import DocumentKey, ShardKind
+
+TENANTS = {"acme": "acme-token-0123456789abcdef", "globex": "globex-token-0123456789abcdef",
+           "fuzz": "fuzz-token-0123456789abcdef"}
+PROFILE = json.dumps({"name": "svc-test", "first_fences": 2, "last_fences": 2, "align": 16, "budget": 0.25,
+                      "recent_rows": 16, "join_rows": 8})
+MAX_UPLOAD = 64 << 10
+MAX_TOKENS = 2048
+WAIT_S = 90.0
+TEXTS = [
+    "The river runs past the old mill and under the stone bridge before it reaches the sea. ",
+    "In the morning the fishermen check their nets, the baker opens her shop, and the children walk to school. ",
+    "Nobody in the town remembers when the bridge was built, but it has survived every flood for three hundred "
+    "years. ",
+    "Travelers often ask where the river begins, how deep it is, and why the water is so clear. ",
+]
+QUESTION = "Where does the river begin?"
+
+
+# ------------------------------------------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    d, tok = tmp_path_factory.mktemp("ckpt"), tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    build_demo_tokenizer(512, tok)
+    cfg = tiny(vocab_size=load_tokenizer(tok).get_vocab_size())
+    write_official_checkpoint(d, cfg, random_state(cfg, seed=5), quantize=False, tokenizer_json=tok)
+    return d
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, checkpoint, redis_url):
+    prefix = f"rksvc-{uuid.uuid4().hex[:8]}"
+    cfg = StackConfig(workdir=tmp_path_factory.mktemp("stack"), model=checkpoint, tp=2, profile=PROFILE,
+                      redis_url=redis_url, prefix=prefix, tenants=TENANTS,
+                      api_env={"REDKNOT_API_MAX_UPLOAD_BYTES": str(MAX_UPLOAD),
+                               "REDKNOT_API_MAX_DOCUMENT_TOKENS": str(MAX_TOKENS)},
+                      builder_env={"REDKNOT_BUILDER_BACKOFF_S": "0.2", "REDKNOT_BUILDER_CLAIM_IDLE_S": "5"})
+    st = LocalStack(cfg).start()
+    yield st
+    codes = st.stop()
+    r = redis.Redis.from_url(redis_url)
+    for pat in (f"{prefix}:*", f"{prefix}-store:*"):
+        keys = list(r.scan_iter(match=pat, count=1000))
+        for i in range(0, len(keys), 500):
+            r.delete(*keys[i:i + 500])
+    assert all(c == 0 for c in codes.values()), codes        # every service stops cleanly on SIGTERM
+
+
+def api(stack, tenant: str = "acme") -> httpx.Client:
+    return httpx.Client(base_url=stack.api_url, headers={"Authorization": f"Bearer {TENANTS[tenant]}"}, timeout=120)
+
+
+def upload(c: httpx.Client, text: str) -> str:
+    r = c.post("/v1/documents", json={"text": text})
+    assert r.status_code in (200, 202), r.text
+    return r.json()["id"]
+
+
+def wait_status(c: httpx.Client, doc_id: str, want: set[str], timeout: float = WAIT_S, **match) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        d = c.get(f"/v1/documents/{doc_id}").json()
+        if d["status"] in want and all(d.get(k) == v for k, v in match.items()):
+            return d
+        assert time.monotonic() < deadline, f"document {doc_id} still {d} after {timeout}s"
+        time.sleep(0.1)
+
+
+def generate(c: httpx.Client, ids: list[str], arm: str = "reuse", n: int = 4, question: str = QUESTION) -> dict:
+    r = c.post("/v1/generate", json={"documents": ids, "question": question, "max_new_tokens": n, "arm": arm})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def scrape(target: str) -> dict[str, float]:
+    """name{labels} -> value of one /metrics endpoint (comments dropped)."""
+    out = {}
+    for line in httpx.get(f"http://{target}/metrics", timeout=10).text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def fallbacks(stack) -> dict[str, float]:
+    m = scrape(stack.metrics_targets()["worker"])
+    return {k.split('"')[1]: v for k, v in m.items() if k.startswith("redknot_fallbacks_total{")}
+
+
+def binding(checkpoint) -> Binding:
+    return Binding(checkpoint_identity(checkpoint), load_profile(PROFILE), 2, 1)
+
+
+def doc_tokens(checkpoint, text: str) -> list[int]:
+    return load_tokenizer(checkpoint).encode(text).ids
+
+
+@pytest.fixture(scope="module")
+def built(stack):
+    """Two documents of acme, built."""
+    with api(stack) as c:
+        ids = [upload(c, TEXTS[0] * 3), upload(c, TEXTS[1] * 3)]
+        for i in ids:
+            wait_status(c, i, {"ready"})
+    return ids
+
+
+# ------------------------------------------------------------------------------------------------- the flow
+
+def test_upload_build_generate_with_reuse(stack, built):
+    with api(stack) as c:
+        for i in built:
+            d = c.get(f"/v1/documents/{i}").json()
+            assert d["status"] == "ready" and d["generation"] == 1 and d["generations"] == [1]
+            assert d["progress"] == 1.0 and d["attempts"] == 1 and d["bytes"] > 0 and d["shards"] > 0
+        # idempotent by content: the same text again is the same document, nothing is rebuilt
+        r = c.post("/v1/documents", json={"text": TEXTS[0] * 3})
+        assert r.status_code == 200 and r.json()["id"] == built[0] and r.json()["attempts"] == 1
+        # the same content as token ids (multipart and text/plain bodies reach the same document too)
+        toks = doc_tokens(stack.cfg.model, TEXTS[1] * 3)
+        assert c.post("/v1/documents", json={"tokens": toks}).json()["id"] == built[1]
+        assert c.post("/v1/documents", files={"file": ("d.txt", (TEXTS[0] * 3).encode())}).json()["id"] == built[0]
+        assert c.post("/v1/documents", content=(TEXTS[1] * 3).encode(),
+                      headers={"Content-Type": "text/plain"}).json()["id"] == built[1]
+        page = c.get("/v1/documents", params={"page_size": 1}).json()
+        assert page["total"] == 2 and len(page["documents"]) == 1 and page["next_page_token"] == "1"
+        page2 = c.get("/v1/documents", params={"page_size": 1, "page_token": "1"}).json()
+        assert page2["next_page_token"] is None and page2["documents"][0]["id"] != page["documents"][0]["id"]
+
+        before = fallbacks(stack)
+        out = generate(c, built, "reuse")
+        assert out["arm"] == "reuse" and out["fallback"] is None
+        assert len(out["tokens"]) >= 1 and isinstance(out["answer"], str)
+        led = out["ledger"]
+        assert 0 < led["token_row_saving"] <= 1 and 0 < led["flop_saving"]["total"] < 1
+        assert set(led["flop_saving"]) == {"projections", "attention", "indexer", "moe", "total", "ratio"}
+        assert led["rows"]["relocated"] > 0 and led["rows"]["active"] > 0
+        assert led["ttft_s"] == {"reuse": out["ttft_s"]} and out["ttft_s"] > 0
+        again = generate(c, built, "reuse")               # hot: served from the host tier
+        assert again["tokens"] == out["tokens"] and again["fetch_s"] < 1.0
+        rec = generate(c, built, "recompute")
+        assert rec["arm"] == "recompute" and rec["ledger"] is None and rec["fallback"] is None
+        assert fallbacks(stack) == before and sum(before.values()) == 0
+    m = scrape(stack.metrics_targets()["worker"])
+    assert m['redknot_cache_tier_requests_total{result="hit",tier="host"}'] >= 4      # 2 ranks x 2 documents
+    assert m["redknot_artifact_fetch_bytes_total"] > 0
+    assert m['redknot_ttft_seconds_count{arm="reuse"}'] >= 2
+
+
+def corrupt_local_shard(stack, checkpoint, tenant: str, tokens: list[int], rank: int) -> None:
+    """Flip one byte of a LOCAL shard of `rank` in the store's blob directory (fs backend)."""
+    key = binding(checkpoint).store_key(tokens)
+    with StoreClient(stack.store_target, TENANTS[tenant]) as client:
+        shards = client.manifest(key).manifest.select(rank)
+    spec = next(s for s in shards if s.kind is ShardKind.LOCAL)
+    path = stack.workdir / "store" / "blobs" / tenant / key.doc_id / spec.digest[:2] / spec.digest
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x5A
+    path.write_bytes(bytes(data))
+
+
+def test_corrupted_shard_is_a_counted_fallback_with_the_recompute_answer(stack, checkpoint):
+    with api(stack) as c:
+        ids = [upload(c, TEXTS[2] * 2), upload(c, TEXTS[3] * 2)]
+        for i in ids:
+            wait_status(c, i, {"ready"})
+        corrupt_local_shard(stack, checkpoint, "acme", doc_tokens(checkpoint, TEXTS[3] * 2), rank=1)
+        before = fallbacks(stack)
+        out = generate(c, ids, "reuse")
+        rec = generate(c, ids, "recompute")
+    assert out["arm"] == "recompute" and out["ledger"] is None
+    assert out["fallback"]["reason"] == "digest_mismatch"
+    assert out["fallback"]["ranks"] == ["rank_disagreement", "digest_mismatch"]
+    assert out["tokens"] == rec["tokens"] and out["answer"] == rec["answer"]
+    after = fallbacks(stack)
+    assert after["digest_mismatch"] == before["digest_mismatch"] + 1
+    assert sum(after.values()) == sum(before.values()) + 1
+
+
+def test_retired_generation_is_a_counted_fallback_with_the_recompute_answer(stack, checkpoint, built):
+    text = TEXTS[2] + TEXTS[0]
+    with api(stack) as c:
+        doc = upload(c, text)
+        wait_status(c, doc, {"ready"})
+        ids = [built[0], doc]
+        assert generate(c, ids, "reuse")["arm"] == "reuse"           # every rank now holds generation 1
+        r = c.delete(f"/v1/documents/{doc}")
+        assert r.status_code == 200 and r.json()["status"] == "retired"
+        assert r.json()["retired_generations"] == [1] and r.json()["generation"] == 0
+        assert c.delete(f"/v1/documents/{doc}").status_code == 200   # retiring again changes nothing
+        with StoreClient(stack.store_target, TENANTS["acme"]) as client, pytest.raises(NotFound):
+            client.manifest(binding(checkpoint).store_key(doc_tokens(checkpoint, text)), 1)
+        before = fallbacks(stack)
+        out = generate(c, ids, "reuse")
+        rec = generate(c, ids, "recompute")
+        assert out["arm"] == "recompute" and out["fallback"]["reason"] == "stale_generation"
+        assert out["tokens"] == rec["tokens"]
+        assert fallbacks(stack)["stale_generation"] == before["stale_generation"] + 1
+        # uploading it again builds a new generation (retired numbers are never reused), served with reuse
+        r = c.post("/v1/documents", json={"text": text})
+        assert r.status_code == 202
+        d = wait_status(c, doc, {"ready"})
+        assert d["generation"] == 2 and d["retired_generations"] == [1]
+        again = generate(c, ids, "reuse")
+        assert again["arm"] == "reuse" and again["documents"][1]["generation"] == 2
+
+
+# --------------------------------------------------------------------------------------------- bad inputs
+
+def _state(stack) -> dict:
+    r = redis.Redis.from_url(stack.redis_url)
+    keys = sorted(k.decode() for k in r.scan_iter(match=f"{stack.cfg.prefix}:*", count=1000))
+    return {"keys": keys, "stream": r.xlen(f"{stack.cfg.prefix}:builds"),
+            "docs": {k: r.hgetall(k) for k in keys if ":doc:" in k},
+            "requests": {k: v for k, v in scrape(stack.metrics_targets()["worker"]).items()
+                         if k.startswith("redknot_ttft_seconds_count")}}
+
+
+def test_bad_inputs_get_clear_4xx_and_change_nothing(stack, built, checkpoint):
+    vocab = load_tokenizer(checkpoint).get_vocab_size()
+    other = built[0]
+    before = _state(stack)
+    acme, globex = api(stack), api(stack, "globex")
+    anon = httpx.Client(base_url=stack.api_url, timeout=30)
+    cases = [
+        ("empty text", acme.post("/v1/documents", json={"text": ""}), 422),
+        ("blank text", acme.post("/v1/documents", json={"text": "  \n\t "}), 422),
+        ("empty tokens", acme.post("/v1/documents", json={"tokens": []}), 422),
+        ("oversized body", acme.post("/v1/documents", json={"text": "x" * (MAX_UPLOAD + 10)}), 413),
+        ("oversized multipart", acme.post("/v1/documents", files={"file": ("d.txt", b"y" * (MAX_UPLOAD + 10))}), 413),
+        ("too many tokens", acme.post("/v1/documents", json={"tokens": [5] * (MAX_TOKENS + 1)}), 413),
+        ("invalid UTF-8 text/plain", acme.post("/v1/documents", content=b"ok \xff\xfe bad",
+                                               headers={"Content-Type": "text/plain"}), 422),
+        ("invalid UTF-8 file", acme.post("/v1/documents", files={"file": ("d.txt", b"\xc3\x28 bad")}), 422),
+        ("invalid UTF-8 JSON", acme.post("/v1/documents", content=b'{"text": "a\xffb"}',
+                                         headers={"Content-Type": "application/json"}), 422),
+        ("lone surrogate", acme.post("/v1/documents", content=b'{"text": "a\\ud800b"}',
+                                     headers={"Content-Type": "application/json"}), 422),
+        ("out-of-vocabulary id", acme.post("/v1/documents", json={"tokens": [3, vocab + 5]}), 422),
+        ("negative id", acme.post("/v1/documents", json={"tokens": [3, -1]}), 422),
+        ("text and tokens", acme.post("/v1/documents", json={"text": "a", "tokens": [3]}), 422),
+        ("malformed JSON", acme.post("/v1/documents", content=b"{not json",
+                                     headers={"Content-Type": "application/json"}), 422),
+        ("unknown field", acme.post("/v1/documents", json={"text": "a", "owner": "x"}), 422),
+        ("unsupported type", acme.post("/v1/documents", content=b"<doc/>",
+                                       headers={"Content-Type": "application/xml"}), 415),
+        ("multipart without file", acme.post("/v1/documents", files={"other": ("d.txt", b"abc")}), 422),
+        ("unknown id", acme.get(f"/v1/documents/{'0' * 32}"), 404),
+        ("malformed id", acme.get("/v1/documents/not-an-id"), 422),
+        ("unknown id retire", acme.delete(f"/v1/documents/{'0' * 32}"), 404),
+        ("unknown id generate", acme.post("/v1/generate", json={"documents": ["0" * 32], "question": "q"}), 404),
+        ("another tenant's document", globex.get(f"/v1/documents/{other}"), 404),
+        ("another tenant's retire", globex.delete(f"/v1/documents/{other}"), 404),
+        ("another tenant's generate", globex.post("/v1/generate", json={"documents": [other], "question": "q"}), 404),
+        ("no token", anon.get("/v1/documents"), 401),
+        ("wrong token", anon.get("/v1/documents", headers={"Authorization": "Bearer nope-nope-nope-nope"}), 401),
+        ("generate without question", acme.post("/v1/generate", json={"documents": [other]}), 422),
+        ("generate empty question", acme.post("/v1/generate", json={"documents": [other], "question": " "}), 422),
+        ("generate no documents", acme.post("/v1/generate", json={"documents": [], "question": "q"}), 422),
+        ("generate bad arm", acme.post("/v1/generate", json={"documents": [other], "question": "q", "arm": "x"}), 422),
+        ("generate zero tokens", acme.post("/v1/generate", json={"documents": [other], "question": "q",
+                                                                  "max_new_tokens": 0}), 422),
+        ("generate too many tokens", acme.post("/v1/generate", json={"documents": [other], "question": "q",
+                                                                      "max_new_tokens": 100_000}), 422),
+        ("generate malformed body", acme.post("/v1/generate", content=b"[1,2", headers={
+            "Content-Type": "application/json"}), 422),
+        ("bad page token", acme.get("/v1/documents", params={"page_token": "abc"}), 422),
+        ("bad page size", acme.get("/v1/documents", params={"page_size": 0}), 422),
+    ]
+    for name, r, code in cases:
+        assert r.status_code == code, f"{name}: {r.status_code} {r.text}"
+        body = r.json()
+        assert body["detail"], f"{name}: no detail in {body}"
+    for c in (acme, globex, anon):
+        c.close()
+    assert _state(stack) == before
+
+
+# ----------------------------------------------------------------------------------------------- prometheus
+
+PROMETHEUS_CONFIG = """global:
+  scrape_interval: 1s
+  evaluation_interval: 1s
+scrape_configs:
+{jobs}"""
+
+
+def prometheus_query(url: str, q: str) -> dict[str, float]:
+    r = httpx.get(f"{url}/api/v1/query", params={"query": q}, timeout=10).json()
+    assert r["status"] == "success", r
+    return {json.dumps(s["metric"], sort_keys=True): float(s["value"][1]) for s in r["data"]["result"]}
+
+
+@pytest.fixture
+def prometheus(stack, tmp_path):
+    exe = shutil.which("prometheus")
+    if exe is None:
+        pytest.fail("no prometheus binary: .ci/run installs Debian's 'prometheus' package")
+    jobs = "".join(f"  - job_name: {name}\n    static_configs:\n      - targets: ['{target}']\n"
+                   for name, target in stack.metrics_targets().items())
+    (tmp_path / "prometheus.yml").write_text(PROMETHEUS_CONFIG.format(jobs=jobs))
+    port = free_port()
+    log = open(tmp_path / "prometheus.log", "wb")
+    proc = subprocess.Popen([exe, f"--config.file={tmp_path / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, (tmp_path / "prometheus.log").read_text()[-3000:]
+            try:
+                if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "prometheus not ready in 60s"
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
+def wait_query(url: str, q: str, check, timeout: float = 60.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = prometheus_query(url, q)
+        if check(got):
+            return got
+        assert time.monotonic() < deadline, f"{q}: {got}"
+        time.sleep(0.5)
+
+
+def test_prometheus_scrapes_api_store_worker_and_finds_savings_and_fallbacks(stack, built, prometheus):
+    with api(stack) as c:
+        out = generate(c, built, "reuse")
+        assert out["arm"] == "reuse"
+    ups = wait_query(prometheus, "up", lambda g: len(g) == 4 and all(v == 1 for v in g.values()))
+    assert {json.loads(k)["job"] for k in ups} == {"api", "worker", "store", "builder"}
+    worker = scrape(stack.metrics_targets()["worker"])
+    api_m = scrape(stack.metrics_targets()["api"])
+    expect = {
+        'redknot_flop_saving_ratio_sum{op="total"}': worker['redknot_flop_saving_ratio_sum{op="total"}'],
+        "redknot_flop_saving_ratio_count{op=\"total\"}": worker['redknot_flop_saving_ratio_count{op="total"}'],
+        "redknot_head_row_saving_ratio_sum": worker["redknot_head_row_saving_ratio_sum"],
+        "redknot_token_row_saving_ratio_sum": worker["redknot_token_row_saving_ratio_sum"],
+        'redknot_ttft_seconds_count{arm="reuse"}': worker['redknot_ttft_seconds_count{arm="reuse"}'],
+        'redknot_fallbacks_total{reason="digest_mismatch"}': worker['redknot_fallbacks_total{reason="digest_mismatch"}'],
+        'redknot_fallbacks_total{reason="stale_generation"}': worker['redknot_fallbacks_total{reason="stale_generation"}'],
+        'redknot_requests_total{arm="reuse",outcome="ok"}': api_m['redknot_requests_total{arm="reuse",outcome="ok"}'],
+    }
+    # the savings of the request just made are in the series (namespace 3, total)
+    assert worker['redknot_flop_saving_ratio_count{op="total"}'] >= 1
+    for q, want in expect.items():
+        got = wait_query(prometheus, q, lambda g, w=want: len(g) == 1 and abs(next(iter(g.values())) - w) < 1e-9)
+        assert abs(next(iter(got.values())) - want) < 1e-9, q
+    # one series per fallback reason, every one present (zero or counted)
+    reasons = prometheus_query(prometheus, "redknot_fallbacks_total")
+    assert len(reasons) == 10
+    assert prometheus_query(prometheus, 'sum(redknot_fallbacks_total{job="worker"})')
+    assert prometheus_query(prometheus, "redknot_store_shards_served_total")
+    assert prometheus_query(prometheus, "redknot_build_queue_depth")
+    assert prometheus_query(prometheus, 'redknot_builds_total{result="ok"}')
+
+
+# ---------------------------------------------------------------------------------------------- crashes
+
+def test_killing_the_builder_mid_job_loses_no_upload_and_shows_no_half_built_artifact(stack, checkpoint, built):
+    b = stack.services["builder"]
+    stack.restart("builder", env={"REDKNOT_BUILDER_FAILPOINTS": "before_commit=60"})
+    text = TEXTS[3] + TEXTS[1]
+    with api(stack) as c:
+        doc = upload(c, text)
+        wait_status(c, doc, {"building"}, stage="committing")      # every shard uploaded, not committed
+        b.kill()
+        d = c.get(f"/v1/documents/{doc}").json()
+        assert d["status"] == "building" and d["generation"] == 0
+        key: DocumentKey = binding(checkpoint).store_key(doc_tokens(checkpoint, text))
+        with StoreClient(stack.store_target, TENANTS["acme"]) as client, pytest.raises(NotFound):
+            client.manifest(key)                                    # nothing of it is readable
+        out = generate(c, [built[0], doc], "reuse")
+        assert out["arm"] == "recompute" and out["fallback"]["reason"] == "missing_shard"
+        stack.restart("builder", env={"REDKNOT_BUILDER_FAILPOINTS": ""})
+        d = wait_status(c, doc, {"ready"})
+        assert d["generation"] == 1 and d["attempts"] == 2
+        with StoreClient(stack.store_target, TENANTS["acme"]) as client:
+            assert client.manifest(key).current_generation == 1
+        out = generate(c, [built[0], doc], "reuse")
+        assert out["arm"] == "reuse" and out["fallback"] is None
+
+
+def test_killing_the_worker_mid_request_then_restarting_serves_with_reuse(stack, built):
+    w = stack.services["worker"]
+    with api(stack) as c:
+        expected = generate(c, built, "reuse")
+        assert expected["arm"] == "reuse"
+    stack.restart("worker", env={"REDKNOT_WORKER_FAILPOINTS": "after_fetch=60"})
+    result = {}
+
+    def call():
+        with api(stack) as c:
+            result["r"] = c.post("/v1/generate", json={"documents": built, "question": QUESTION,
+                                                         "max_new_tokens": 4})
+
+    t = threading.Thread(target=call)
+    t.start()
+    deadline = time.monotonic() + WAIT_S
+    while "FAILPOINT after_fetch reached" not in w.log(100_000):
+        assert time.monotonic() < deadline and w.alive(), w.log()
+        time.sleep(0.1)
+    tier = stack.workdir / "tier"
+    assert any(tier.rglob("certificate.msgpack"))                 # it fetched into its tier, then stopped
+    w.kill()
+    t.join(timeout=60)
+    assert result["r"].status_code == 503 and "unreachable" in result["r"].json()["detail"]
+    with api(stack) as c:
+        doc = upload(c, TEXTS[0] + TEXTS[3])                        # uploads go on while the worker is down
+        stack.restart("worker", env={"REDKNOT_WORKER_FAILPOINTS": ""})
+        assert not any(p.name.endswith(".partial") for p in tier.rglob("*"))
+        out = generate(c, built, "reuse")
+        assert out["arm"] == "reuse" and out["fallback"] is None and out["tokens"] == expected["tokens"]
+        assert wait_status(c, doc, {"ready"})["generation"] == 1
+    assert sum(fallbacks(stack).values()) == 0                      # a fresh worker process counts from zero
+
+
+# ------------------------------------------------------------------------------------------- schemathesis
+
+def test_openapi_document_holds_under_schemathesis(stack):
+    import hypothesis
+    import schemathesis
+    from schemathesis.checks import not_a_server_error
+    from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,
+                                                   status_code_conformance)
+
+    schema = schemathesis.openapi.from_url(f"{stack.api_url}/openapi.json")
+    headers = {"Authorization": f"Bearer {TENANTS['fuzz']}"}
+    checks = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
+    deadline = time.monotonic() + 60.0                       # bounded in time, whatever hypothesis would do
+    tested = []
+    for result in schema.get_all_operations():
+        op = result.ok()
+        if op.path == "/metrics":
+            continue
+
+        @hypothesis.settings(max_examples=15, deadline=None, database=None, derandomize=True,
+                             suppress_health_check=list(hypothesis.HealthCheck), phases=[hypothesis.Phase.generate])
+        @hypothesis.given(case=op.as_strategy())
+        def run(case):
+            if time.monotonic() > deadline:
+                return
+            case.call_and_validate(headers=headers, checks=checks, timeout=60)
+
+        run()
+        tested.append(f"{op.method.upper()} {op.path}")
+    assert {"POST /v1/documents", "GET /v1/documents", "GET /v1/documents/{doc_id}", "DELETE /v1/documents/{doc_id}",
+            "POST /v1/generate", "GET /healthz", "GET /readyz"} <= set(tested)
+    assert urllib.parse.urlparse(stack.api_url).hostname == "127.0.0.1"
