@@ -416,7 +416,8 @@ class ReuseEngine:
         if ledger is not None:
             online_idx = int(row_active.sum()) if (fence or self.profile.global_picks == "artifact") else M
             ledger.reusable_layer(i, active_rows=int(row_active.sum()), restored_rows=0 if fence else int(restore.sum()),
-                                  global_heads=0 if fence else int(self.gmask.sum()), pairs=int(pairs),
+                                  global_heads=(0 if fence else int(self.gmask.sum())) * self.model.par.size,
+                                  pairs=int(pairs) * self.model.par.size,   # every rank holds its own heads
                                   indexer_rows=online_idx)
 
         h2, post2, comb2 = block.hc_pre(x_attn, "ffn")

@@ -58,7 +58,8 @@ def _rank(rank, size, port, ckpt, root, corrupt):
         torch.save(out.logits, os.path.join(root, f"logits{rank}.pt"))
         with open(os.path.join(root, f"result{rank}.json"), "w") as fh:
             json.dump({"arm": out.arm, "reason": out.verdict.reason and out.verdict.reason.value,
-                       "counts": counter.snapshot()}, fh)
+                       "counts": counter.snapshot(),
+                       "ledger": out.ledger.summary() if out.ledger else None}, fh)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -74,8 +75,9 @@ def setup(tmp_path_factory):
     dirs = [build(model, d, PROF, IDENT, root / f"doc{i}") for i, d in enumerate(docs)]
     reuse = answer(model, PROF, docs, dirs, question, IDENT, current_generation=1)
     assert reuse.arm == "reuse"
+    setup_ledger = reuse.ledger.summary()
     full = model(torch.tensor([t for d in docs for t in pad_document(d, 16, CFG.eos_token_id)] + question))
-    return str(path), reuse.logits, full
+    return str(path), reuse.logits, full, setup_ledger
 
 
 def _run(setup, tmp_path, corrupt):
@@ -94,6 +96,10 @@ def test_tp2_reuse_equals_tp1_reuse(setup, tmp_path):
     results, logits = _run(setup, tmp_path, corrupt=False)
     assert [r["arm"] for r in results] == ["reuse", "reuse"]
     assert rel(logits, setup[1]) <= 1e-5
+    # the ledger counts every rank's heads: the same namespaces as one rank holding them all
+    tp1, tp2 = setup[3], results[0]["ledger"]
+    assert tp2["head_row_saving"] == pytest.approx(tp1["head_row_saving"])
+    assert tp2["flop_saving"]["attention"] == pytest.approx(tp1["flop_saving"]["attention"])
 
 
 def test_one_corrupted_shard_makes_every_rank_fall_back(setup, tmp_path):
