@@ -1,0 +1,271 @@
+"""The Helm chart: lint, template for the default, GPU and S3 values, every manifest valid against the
+Kubernetes schemas (--strict), the generated values schema current, must-set values failing with a message
+that says what to set, and the wiring between objects (selectors, ports, secrets, GPU requests)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import yaml
+
+from .conftest import CHART, NAMESPACE, RELEASE, ROOT, VALUES_FILES, find, objects, promtool, render, run, tool, values
+
+KUBE_VERSIONS = ("1.27.0", "1.33.0")      # the chart's kubeVersion floor and a current release
+WORKLOADS = ("Deployment", "StatefulSet")
+
+
+def _schema_module():
+    spec = importlib.util.spec_from_file_location("values_schema", ROOT / "helm" / "values_schema.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _pod_spec(obj: dict) -> dict:
+    return obj["spec"]["template"]["spec"]
+
+
+def _container(obj: dict) -> dict:
+    (c,) = _pod_spec(obj)["containers"]
+    return c
+
+
+def _env(container: dict) -> dict[str, object]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+# ------------------------------------------------------------------------------------------------ values
+def test_values_schema_is_generated_from_documented_values():
+    """values.schema.json is what helm/values_schema.py makes of values.yaml today, and generating it found a
+    `# --` description for every value."""
+    text = _schema_module().generate(CHART)
+    assert (CHART / "values.schema.json").read_text() == text, \
+        "helm/redknot/values.schema.json is stale: run `python helm/values_schema.py helm/redknot`"
+    schema = json.loads(text)
+
+    def leaves(node, path=""):
+        if node.get("type") == "object" and "properties" in node:
+            for k, v in node["properties"].items():
+                yield from leaves(v, f"{path}.{k}".lstrip("."))
+        else:
+            yield path, node
+
+    for path, node in leaves(schema):
+        if path != "global":
+            assert node.get("description"), f"{path} is not documented"
+    assert schema["properties"]["gpuResourceName"]["default"] == "nvidia.com/gpu"
+    from services.store import keys                  # tenant names: the store's own rule
+    item = schema["properties"]["tenants"]["properties"]["tokens"]["items"]["properties"]
+    assert item["tenant"]["pattern"] == keys._TENANT.pattern and item["token"]["minLength"] == 16
+
+
+def test_schema_generator_rejects_an_undocumented_value(tmp_path):
+    mod = _schema_module()
+    (tmp_path / "Chart.yaml").write_text("name: x\nversion: 0.1.0\n")
+    (tmp_path / "values.yaml").write_text("a:\n  # -- documented\n  b: 1\n  c: 2\n")
+    with pytest.raises(mod.UndocumentedValue, match="a.c"):
+        mod.generate(tmp_path)
+
+
+@pytest.mark.parametrize("bad, where", [
+    ({"worker": {"gpu": 8}}, "gpu"),                                   # a misspelt key
+    ({"store": {"backend": "gcs"}}, "backend"),                         # not an enum value
+    ({"worker": {"tp": 0}}, "tp"),                                      # below the minimum
+    ({"tenants": {"tokens": [{"tenant": "acme", "token": "short"}]}}, "token"),
+])
+def test_schema_rejects_bad_values(bad, where):
+    import helm_python as helm
+    vals = {**values("default"), **bad}
+    with pytest.raises(helm.HelmValuesError, match=where):
+        render(vals)
+
+
+@pytest.mark.parametrize("vals, message", [
+    ({"tenants": {"existingSecret": "t"}}, "model.path is required"),
+    ({"model": {"path": "/models/m"}}, "tenant tokens are required: set tenants.existingSecret"),
+    ({"model": {"path": "/models/m"}, "tenants": {"existingSecret": "t"}, "redis": {"enabled": False}},
+     "set redis.externalUrl"),
+    ({**values("default"), "store": {"replicas": 2}}, "store.replicas > 1 needs store.backend=s3"),
+    ({**values("default"), "worker": {"tp": 4}}, r"worker.gpus \(8\) must equal worker.tp \(4\)"),
+    ({**values("default"), "worker": {"tp": 4, "gpus": 4}}, r"builder.gpus \(8\) must be worker.tp \(4\) or 0"),
+])
+def test_must_set_values_fail_with_what_to_set(vals, message):
+    import helm_python as helm
+    with pytest.raises(helm.HelmRenderError, match=message):
+        render(vals)
+
+
+# ------------------------------------------------------------------------------------------- lint, validate
+@pytest.mark.parametrize("name", VALUES_FILES)
+def test_helm_lint(name):
+    import helm_python as helm
+    report = helm.lint(str(CHART), values(name), strict=True, namespace=NAMESPACE)
+    problems = [m for m in report["messages"] if m["severity"] >= 2] + report["errors"]
+    assert not problems, problems
+
+
+@pytest.mark.parametrize("name", VALUES_FILES)
+def test_rendered_manifests_are_valid_kubernetes(name, rendered, tmp_path):
+    """`kubernetes-validate --strict` over every rendered file: unknown fields are errors. The Prometheus
+    Operator kinds have no schema there; their content is checked by the monitoring tests below."""
+    files = []
+    for path, text in rendered[name].items():
+        if path.endswith(".yaml") and text.strip():
+            f = tmp_path / path.replace("/", "_")
+            f.write_text(text)
+            files.append(str(f))
+    exe = tool("kubernetes-validate", "pip install kubernetes-validate")
+    for version in KUBE_VERSIONS:
+        r = run([exe, "--strict", "--kubernetes-version", version, *files])
+        assert r.returncode == 0, r.stdout + r.stderr
+        unvalidated = {line.split("kind ")[1].split()[0] for line in (r.stdout + r.stderr).splitlines()
+                       if "Couldn't find schema" in line}
+        assert unvalidated <= {"ServiceMonitor", "PrometheusRule"}, unvalidated
+    kinds = {o["kind"] for o in objects(rendered[name])}
+    assert {"StatefulSet", "Deployment", "Service", "PodDisruptionBudget", "ConfigMap", "ServiceAccount"} <= kinds
+
+
+# ------------------------------------------------------------------------------------------------- wiring
+@pytest.mark.parametrize("name", VALUES_FILES)
+def test_services_select_pods_and_ports_exist(name, rendered):
+    objs = objects(rendered[name])
+    pods = [o for o in objs if o["kind"] in WORKLOADS]
+    for svc in (o for o in objs if o["kind"] == "Service"):
+        sel = svc["spec"]["selector"]
+        targets = [p for p in pods if sel.items() <= p["spec"]["template"]["metadata"]["labels"].items()]
+        assert len(targets) == 1, f"Service {svc['metadata']['name']} selects {len(targets)} workloads"
+        ports = {p["name"] for c in _pod_spec(targets[0])["containers"] for p in c.get("ports", [])}
+        for port in svc["spec"]["ports"]:
+            assert port["targetPort"] in ports, (svc["metadata"]["name"], port)
+    for pdb in (o for o in objs if o["kind"] == "PodDisruptionBudget"):
+        sel = pdb["spec"]["selector"]["matchLabels"]
+        assert any(sel.items() <= p["spec"]["template"]["metadata"]["labels"].items() for p in pods), pdb
+    for w in pods:                                    # selectors match their own template
+        assert w["spec"]["selector"]["matchLabels"].items() <= w["spec"]["template"]["metadata"]["labels"].items()
+        if w["kind"] == "StatefulSet":
+            assert any(s["kind"] == "Service" and s["metadata"]["name"] == w["spec"]["serviceName"] for s in objs)
+
+
+@pytest.mark.parametrize("name", VALUES_FILES)
+def test_pods_run_unprivileged_with_tenant_tokens(name, rendered):
+    objs = objects(rendered[name])
+    secrets = {o["metadata"]["name"] for o in objs if o["kind"] == "Secret"}
+    for w in (o for o in objs if o["kind"] in WORKLOADS):
+        spec, c = _pod_spec(w), _container(w)
+        assert spec["securityContext"]["runAsNonRoot"] is True, w["metadata"]["name"]
+        assert c["securityContext"]["allowPrivilegeEscalation"] is False
+        assert c.get("resources", {}).get("requests"), f"{w['metadata']['name']} has no resource requests"
+        if w["metadata"]["name"].endswith("-redis"):
+            continue
+        vols = {v["name"]: v for v in spec["volumes"]}
+        secret = vols["tenants"]["secret"]["secretName"]
+        assert secret in secrets or secret == values(name)["tenants"].get("existingSecret"), secret
+        assert "REDIS_URL" in _env(c) and any(k.endswith("TOKENS_FILE") for k in _env(c))
+
+
+def test_default_values_run_tp8_workers_on_8_gpus(rendered):
+    objs = objects(rendered["default"])
+    worker = find(objs, "StatefulSet", "-worker")
+    c = _container(worker)
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert c["image"].endswith("-cuda")
+    assert c["command"] == ["redknot", "worker"] and "--tp=8" in c["args"]
+    assert any(v["name"] == "dshm" and v["emptyDir"]["medium"] == "Memory" for v in _pod_spec(worker)["volumes"])
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in _pod_spec(worker)["tolerations"]
+    store = find(objs, "StatefulSet", "-store")
+    assert store["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "500Gi"
+    assert not _container(store)["image"].endswith("-cuda")
+    redis = find(objs, "StatefulSet", "-redis")
+    assert _env(_container(worker))["REDIS_URL"] == f"redis://{redis['metadata']['name']}:6379/0"
+    assert not [o for o in objs if o["kind"] in ("ServiceMonitor", "PrometheusRule", "Ingress")]
+
+
+def test_gpu_values_pin_workers_to_the_gpu_pool(rendered):
+    objs = objects(rendered["gpu"])
+    worker = find(objs, "StatefulSet", "-worker")
+    spec, c = _pod_spec(worker), _container(worker)
+    gv = values("gpu")
+    assert worker["spec"]["replicas"] == 2
+    assert spec["nodeSelector"] == gv["worker"]["nodeSelector"]
+    assert spec["tolerations"] == gv["worker"]["tolerations"]
+    assert spec["runtimeClassName"] == "nvidia"
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert c["image"] == "registry.example.com/redknot/redknot-mla:0.1.0-cuda"
+    assert spec["imagePullSecrets"] == [{"name": "registry-credentials"}]
+    builder = find(objs, "Deployment", "-builder")
+    assert _container(builder)["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert _container(builder)["image"].endswith("-cuda")
+    ingress = find(objs, "Ingress", "-api")
+    assert ingress["spec"]["tls"][0]["hosts"] == ["redknot.example.com"]
+    secret = find(objs, "Secret", "-tenants")
+    lines = secret["stringData"]["tokens"].splitlines()
+    assert lines == [f"{t['tenant']} {t['token']}" for t in gv["tenants"]["tokens"]]
+
+
+def test_gpu_resource_name_is_a_value():
+    vals = {**values("default"), "gpuResourceName": "nvidia.com/mig-7g.141gb"}
+    worker = find(objects(render(vals)), "StatefulSet", "-worker")
+    limits = _container(worker)["resources"]["limits"]
+    assert limits["nvidia.com/mig-7g.141gb"] == 8 and "nvidia.com/gpu" not in limits
+
+
+def test_cpu_workers_need_no_gpus():
+    vals = {**values("default"), "worker": {"gpus": 0, "tp": 2, "tolerations": []}, "builder": {"gpus": 0}}
+    objs = objects(render(vals))
+    for w in (find(objs, "StatefulSet", "-worker"), find(objs, "Deployment", "-builder")):
+        c = _container(w)
+        assert "nvidia.com/gpu" not in c["resources"].get("limits", {})
+        assert not c["image"].endswith("-cuda")
+        assert _env(c)["REDKNOT_DEVICE"] == "cpu" and _env(c)["REDKNOT_TP"] == "2"
+
+
+def test_s3_values_run_stateless_store_replicas_on_external_redis(rendered):
+    objs = objects(rendered["s3"])
+    store = find(objs, "StatefulSet", "-store")
+    c = _container(store)
+    env = _env(c)
+    assert store["spec"]["replicas"] == 3 and "volumeClaimTemplates" not in store["spec"]
+    assert env["REDKNOT_STORE_BACKEND"] == "s3"
+    assert env["REDKNOT_STORE_S3_ENDPOINT"] == "http://minio.storage.svc:9000"
+    assert c["envFrom"] == [{"secretRef": {"name": "redknot-s3"}}]
+    assert env["REDIS_URL"] == {"secretKeyRef": {"name": "redknot-redis", "key": "url"}}
+    assert not [o for o in objs if o["metadata"]["name"].endswith("-redis")]
+    assert find(objs, "PodDisruptionBudget", "-store")["spec"]["maxUnavailable"] == 1
+
+
+# --------------------------------------------------------------------------------------------- monitoring
+def test_chart_ships_the_deploy_rules_and_dashboard_unchanged(rendered, tmp_path):
+    assert (CHART / "files" / "alerts.rules.yml").read_bytes() == \
+        (ROOT / "deploy" / "prometheus" / "alerts.rules.yml").read_bytes(), \
+        "copy deploy/prometheus/alerts.rules.yml to helm/redknot/files/alerts.rules.yml"
+    assert (CHART / "files" / "redknot-dashboard.json").read_bytes() == \
+        (ROOT / "deploy" / "grafana" / "dashboards" / "redknot.json").read_bytes(), \
+        "copy deploy/grafana/dashboards/redknot.json to helm/redknot/files/redknot-dashboard.json"
+    objs = objects(rendered["gpu"])
+    rule = find(objs, "PrometheusRule", "redknot")
+    assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert rule["spec"] == yaml.safe_load((ROOT / "deploy" / "prometheus" / "alerts.rules.yml").read_text())
+    f = tmp_path / "rule.yml"                       # what the operator will load is valid Prometheus rules
+    f.write_text(yaml.safe_dump(rule["spec"]))
+    r = run([promtool(), "check", "rules", str(f)])
+    assert r.returncode == 0, r.stdout + r.stderr
+    dash = find(objs, "ConfigMap", "-dashboard")
+    assert dash["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(dash["data"]["redknot.json"]) == \
+        json.loads((ROOT / "deploy" / "grafana" / "dashboards" / "redknot.json").read_text())
+
+
+def test_servicemonitor_scrapes_every_metrics_port(rendered):
+    objs = objects(rendered["gpu"])
+    sm = find(objs, "ServiceMonitor", "redknot")
+    assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert sm["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    sel = sm["spec"]["selector"]["matchLabels"]
+    scraped = [o for o in objs if o["kind"] == "Service" and sel.items() <= o["metadata"]["labels"].items()]
+    components = {s["metadata"]["labels"]["app.kubernetes.io/component"] for s in scraped}
+    assert components == {"store", "api", "builder", "worker"}
+    (endpoint,) = sm["spec"]["endpoints"]
+    for s in scraped:
+        assert endpoint["port"] in {p["name"] for p in s["spec"]["ports"]}, s["metadata"]["name"]
+    assert all(o["metadata"]["labels"]["app.kubernetes.io/instance"] == RELEASE for o in scraped)
