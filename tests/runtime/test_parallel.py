@@ -40,6 +40,7 @@ def _run(rank: int, size: int, port: int, ckpt: str, tokens: torch.Tensor, out: 
             torch.save(torch.cat(rows), out)
         # no rank tears gloo down while another still uses it (an early teardown aborts the peer)
         dist.barrier()
+        open(f"{out}.done{rank}", "w").close()
     finally:
         dist.destroy_process_group()
 
@@ -57,8 +58,14 @@ def setup(tmp_path_factory):
 def test_tensor_parallel_equals_single_rank(setup, size, tmp_path):
     ckpt, tokens, ref = setup
     out = str(tmp_path / "logits.pt")
-    mp.start_processes(_run, args=(size, _free_port(), ckpt, tokens, out), nprocs=size, join=True,
-                       start_method="spawn")
+    try:
+        mp.start_processes(_run, args=(size, _free_port(), ckpt, tokens, out), nprocs=size, join=True,
+                           start_method="spawn")
+    except mp.ProcessExitedException:
+        # gloo can abort a process while tearing down after every rank finished its work (seen under heavy
+        # load); the result stands only if every rank got past the final barrier
+        if not all(os.path.exists(f"{out}.done{r}") for r in range(size)):
+            raise
     got = torch.load(out)
     assert ((got - ref).abs().max() / ref.abs().max()).item() <= 1e-5
 
