@@ -126,23 +126,12 @@ def _greedy(model: Llama, tokens: list[int], cap: int, stop: set[int]):
     dev = next(model.parameters()).device
     cache = model.new_cache()
     logits = model.prefill(torch.tensor(tokens, device=dev), cache)
-    first, out = logits, []
-    for _ in range(cap):
-        nxt = int(logits.argmax())
-        if nxt in stop:
-            break
-        out.append(nxt)
-        logits = model(torch.tensor([nxt], device=dev), cache)
-    return (out, first), cache
+    return _continue(model, cache, logits, cap, stop), cache
 
 
-def _prefix_only(model: Llama, lay: Layout, cap: int, stop: set[int]):
-    """Document 1's K/V come from its own run (exact prefix reuse); everything after it is recomputed."""
+def _continue(model: Llama, cache, logits: torch.Tensor, cap: int, stop: set[int]):
+    """Greedy decoding from the first token's logits: (new ids, first-token logits)."""
     dev = next(model.parameters()).device
-    cache = model.new_cache()
-    model.prefill(torch.tensor(lay.segments[0], device=dev), cache)          # the cached prefix
-    rest = [t for s in lay.segments[1:] for t in s] + lay.question
-    logits = model.prefill(torch.tensor(rest, device=dev), cache)
     first, out = logits, []
     for _ in range(cap):
         nxt = int(logits.argmax())
@@ -151,6 +140,15 @@ def _prefix_only(model: Llama, lay: Layout, cap: int, stop: set[int]):
         out.append(nxt)
         logits = model(torch.tensor([nxt], device=dev), cache)
     return out, first
+
+
+def _prefix_only(model: Llama, lay: Layout, cap: int, stop: set[int]):
+    """Document 1's K/V come from its own run (exact prefix reuse); everything after it is recomputed."""
+    dev = next(model.parameters()).device
+    cache = model.new_cache()
+    model.prefill(torch.tensor(lay.segments[0], device=dev), cache)          # the cached prefix
+    rest = [t for s in lay.segments[1:] for t in s] + lay.question
+    return _continue(model, cache, model.prefill(torch.tensor(rest, device=dev), cache), cap, stop)
 
 
 def summarize(res: dict[str, ArmResult], n: int) -> dict:
