@@ -58,13 +58,18 @@ def grpc_serving(target: str) -> bool:
             return False
 
 
+try:   # loaded here, in the parent: the forked child must not import or dlopen (locks held by other threads)
+    import ctypes
+    _PRCTL = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+except (OSError, AttributeError):
+    _PRCTL = None
+
+
 def _die_with_parent() -> None:
-    # Linux: a service gets SIGTERM (and stops cleanly) if whoever started it dies without stopping it
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)          # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    # Linux: a service gets SIGTERM (and stops cleanly) if whoever started it dies without stopping it.
+    # Runs in the child between fork and exec, so it only makes the one prepared call.
+    if _PRCTL is not None:
+        _PRCTL(1, 15)                                                  # PR_SET_PDEATHSIG, SIGTERM
 
 
 class StackError(RuntimeError):
