@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from pathlib import Path
 
-from services.store.auth import TokenTable
+from services.store.auth import TokenTable, parse_token_pairs
 
 
 class Tenants:
@@ -19,21 +18,7 @@ class Tenants:
 
     @staticmethod
     def load(spec: str = "", file: str = "") -> "Tenants":
-        pairs: dict[str, str] = {}
-        for item in filter(None, (s.strip() for s in spec.split(","))):
-            tenant, sep, token = item.partition("=")
-            if not sep:
-                raise ValueError("tokens must be written tenant=token,tenant=token")
-            pairs[tenant.strip()] = token.strip()
-        if file:
-            for n, line in enumerate(Path(file).read_text().splitlines(), 1):
-                line = line.split("#", 1)[0].strip()
-                if line:
-                    parts = line.split()
-                    if len(parts) != 2:
-                        raise ValueError(f"{file}:{n}: expected 'tenant token'")
-                    pairs[parts[0]] = parts[1]
-        return Tenants(pairs)
+        return Tenants(parse_token_pairs(spec, file))
 
     def __len__(self) -> int:
         return len(self._tokens)

@@ -22,6 +22,25 @@ def _h(token: str) -> bytes:
     return hashlib.sha256(token.encode()).digest()
 
 
+def parse_token_pairs(spec: str = "", file: str = "") -> dict[str, str]:
+    """tenant -> token from `tenant=token,...` and/or a file of `tenant token` lines (# comments)."""
+    pairs: dict[str, str] = {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        tenant, sep, token = item.partition("=")
+        if not sep:
+            raise ValueError("tokens must be written tenant=token,tenant=token")
+        pairs[tenant.strip()] = token.strip()
+    if file:
+        for n, line in enumerate(Path(file).read_text().splitlines(), 1):
+            line = line.split("#", 1)[0].strip()
+            if line:
+                parts = line.split()
+                if len(parts) != 2:
+                    raise ValueError(f"{file}:{n}: expected 'tenant token'")
+                pairs[parts[0]] = parts[1]
+    return pairs
+
+
 class TokenTable:
     def __init__(self, pairs: dict[str, str]):
         """`pairs`: tenant -> token."""
@@ -39,21 +58,7 @@ class TokenTable:
 
     @staticmethod
     def parse(spec: str = "", file: str = "") -> "TokenTable":
-        pairs: dict[str, str] = {}
-        for item in filter(None, (s.strip() for s in spec.split(","))):
-            tenant, sep, token = item.partition("=")
-            if not sep:
-                raise ValueError("tokens must be written tenant=token,tenant=token")
-            pairs[tenant.strip()] = token.strip()
-        if file:
-            for n, line in enumerate(Path(file).read_text().splitlines(), 1):
-                line = line.split("#", 1)[0].strip()
-                if line:
-                    parts = line.split()
-                    if len(parts) != 2:
-                        raise ValueError(f"{file}:{n}: expected 'tenant token'")
-                    pairs[parts[0]] = parts[1]
-        return TokenTable(pairs)
+        return TokenTable(parse_token_pairs(spec, file))
 
     def tenant(self, token: str) -> str | None:
         # the lookup compares sha256 digests, never the secret itself
