@@ -18,6 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
 
 from runtime.model.parallel import Parallel
 
@@ -98,7 +99,7 @@ def launch(size: int, target, args: tuple = (), device: str = "cpu") -> int:
     try:
         while not ctx.join(timeout=0.5):
             pass
-    except mp.ProcessException as e:        # join() has terminated the other ranks
+    except ProcessException as e:           # join() has terminated the other ranks
         log.error("TP group stopped: %s", e)
         return 1
     return 0
