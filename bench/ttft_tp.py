@@ -1,0 +1,285 @@
+"""TTFT under tensor parallelism (NCCL, one process per GPU): the Flash-shaped model of bench/ttft.py sharded over
+--tp ranks, the recompute arm and the reuse arm on the same tokens and offsets. Not a test.
+
+Each rank builds its own artifact (its rank's shards: the latent and compressed state, and the Local W_a·O state
+of its channel range). With `--store local` (the default when redis-server is on PATH) rank 0 uploads every
+rank's directory as one generation to a real `redknot store serve` process on loopback (Redis index, filesystem
+blobs), and each rank then fetches ONLY its own shards through the store client (`StoreClient.fetch_rank`) and
+loads them; `--store none` loads the rank directories as written. Before timing, the certified request path
+(`runtime.reuse.request.answer`: certificate checks, the one cross-rank agreement) must accept on every rank;
+the reuse arm's ledger must show reuse. TTFT = model-forward entry to the first token's logits after a warm-up,
+the slowest rank's CUDA-event time, median of --reps, both arms interleaved.
+
+    python3 bench/ttft_tp.py --tp 2 --lengths 65536,131072 --experts 16 --reps 3 --json ttft_tp2.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import zlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.ttft import request  # noqa: E402
+from runtime.model.config import FLASH  # noqa: E402
+from runtime.model.deepseek_v4 import Transformer  # noqa: E402
+from runtime.reuse.consumer import ReuseEngine  # noqa: E402
+from runtime.reuse.prefetch import LayerPrefetcher, pin  # noqa: E402
+from runtime.reuse.profile import FLASH_PROFILE  # noqa: E402
+from runtime.reuse.request import ServingIdentity, answer, build  # noqa: E402
+from runtime.reuse.certificate import token_hash  # noqa: E402
+from runtime.reuse.producer import pad_document  # noqa: E402
+from runtime.reuse.roles import channel_range  # noqa: E402
+from runtime.reuse.store import load_artifact  # noqa: E402
+
+IDENT = ServingIdentity("f" * 64, "bench-tokenizer")
+TENANT = "bench"
+
+
+def init_model(model: Transformer, seed: int) -> None:
+    """Random weights seeded by parameter name, so that every rank holds the same replicated tensors."""
+    cfg = model.cfg
+    dev = model.embed.weight.device
+    for name, p in model.named_parameters():
+        gen = torch.Generator(device=dev).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        if name.endswith("norm.weight"):
+            p.data.fill_(1.0)
+        elif "hc_" in name and name.endswith("_fn"):
+            p.data.normal_(0, 0.02, generator=gen)
+        elif name == "embed.weight":
+            p.data.normal_(0, 1.0, generator=gen)
+        elif p.dim() == 2:
+            fan_in = p.shape[1] * (model.par.size if ".wo_b." in name else 1)
+            p.data.normal_(0, fan_in ** -0.5, generator=gen)
+        else:
+            p.data.normal_(0, 0.1, generator=gen)
+    g = torch.Generator().manual_seed(seed)
+    for block in model.layers:
+        if block.ffn.gate.hash:
+            tid = torch.stack([torch.randperm(cfg.n_routed_experts, generator=g)[:cfg.n_activated_experts]
+                               for _ in range(cfg.vocab_size)])
+            block.ffn.gate.tid2eid.copy_(tid)
+
+
+class LocalStore:
+    """redis-server and `redknot store serve` as child processes on loopback, for the benchmark's ranks."""
+
+    def __init__(self, workdir: Path, redis_url: str = ""):
+        from services.common.stack import Service, free_port, grpc_serving, redis_ok
+        self.token = "bench-" + secrets.token_hex(16)
+        tokens = workdir / "tokens"
+        tokens.write_text(f"{TENANT} {self.token}\n")
+        tokens.chmod(0o600)
+        self.target = f"127.0.0.1:{free_port()}"
+        self.services = []
+        if not redis_url:
+            exe = shutil.which("redis-server")
+            if exe is None:
+                raise SystemExit("--store local needs redis-server on PATH or --redis-url")
+            port = free_port()
+            redis_url = f"redis://127.0.0.1:{port}/0"
+            (workdir / "redis").mkdir()
+            self.services.append(Service("redis", [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                                   "--appendonly", "no", "--dir", str(workdir / "redis")],
+                                         {}, workdir / "redis.log", lambda: redis_ok(redis_url)))
+        env = {"PYTHONUNBUFFERED": "1", "REDIS_URL": redis_url, "REDKNOT_STORE_REDIS_PREFIX": "bench-store",
+               "REDKNOT_STORE_BLOB_ROOT": str(workdir / "blobs"), "REDKNOT_STORE_TOKENS_FILE": str(tokens)}
+        self.services.append(Service(
+            "store", [sys.executable, "-m", "runtime.cli", "store", "serve", "--listen", self.target,
+                      "--metrics-listen", f"127.0.0.1:{free_port()}"], env, workdir / "store.log",
+            lambda: grpc_serving(self.target)))
+        root = Path(__file__).resolve().parent.parent
+        for s in self.services:
+            s.start(root)
+            s.wait_ready()
+
+    def stop(self) -> None:
+        for s in reversed(self.services):
+            s.stop()
+
+
+def _timed(fn, group) -> tuple[float, object]:
+    """The slowest rank's time of fn() (CUDA events on GPU), every rank starting together."""
+    cuda = group.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    dist.barrier()
+    if cuda:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        out = fn()
+        b.record()
+        torch.cuda.synchronize()
+        secs = a.elapsed_time(b) / 1000
+    else:
+        t0 = time.perf_counter()
+        out = fn()
+        secs = time.perf_counter() - t0
+    t = torch.tensor([secs], dtype=torch.float64, device=group.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item()), out
+
+
+def rank_main(group, args, store_target: str, token: str, workdir: str) -> None:
+    from services.store.client import StoreClient
+    from services.store.artifact_dir import document_key, read_rank_dir
+    torch.manual_seed(0)
+    dev = group.device
+    cfg = FLASH.replace(n_routed_experts=args.experts, n_layers=args.layers,
+                        compress_ratios=FLASH.compress_ratios[:args.layers])
+    prof = FLASH_PROFILE.replace(budget=args.budget, global_picks=args.global_picks)
+    if args.small:          # tiny dims: a CPU smoke run of this script's logic (gloo), not a measurement
+        cfg = cfg.replace(dim=256, n_heads=16, head_dim=128, rope_head_dim=32, q_lora_rank=128, o_lora_rank=128,
+                          index_n_heads=8, index_head_dim=32, index_topk=64, moe_inter_dim=128, vocab_size=1024)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    with torch.device(dev):
+        model = Transformer(cfg, group.par, dtype, q_chunk=args.q_chunk)
+    init_model(model, 0)
+    model.eval()
+    lead = group.rank == 0
+    if lead:
+        name = f"{torch.cuda.get_device_name()} | NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}" \
+            if dev.type == "cuda" else "cpu (gloo)"
+        print(f"# {group.size} x {name} | torch {torch.__version__} | Flash dims x {cfg.n_layers} layers, {dtype}, routed "
+              f"experts {args.experts} of 256 ({args.experts // group.size} per rank) | profile "
+              f"{prof.first_fences}F-{len(prof.reusable_layers(cfg))}R-{prof.last_fences}F, budget "
+              f"{prof.budget:.0%} | store: {'gRPC ' + store_target if store_target else 'none (rank dirs)'}",
+              flush=True)
+    rows = []
+    root = Path(workdir)
+    client = StoreClient(store_target, token, timeout_s=600) if store_target else None
+    for L in [int(v) for v in args.lengths.split(",")]:
+        docs, question = request(cfg, L, args.docs, args.question, seed=L)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            built = [build(model, d, prof, IDENT, root / f"L{L}" / f"doc{i}" / f"rank{group.rank}")
+                     for i, d in enumerate(docs)]
+        build_s = time.perf_counter() - t0
+        dist.barrier()
+        fetched_bytes, dirs = 0, built
+        via_store = client is not None and L <= args.store_max
+        if via_store:
+            if lead:                                     # one generation per document: every rank's shards
+                for i in range(len(docs)):
+                    client.put_artifact(sorted((root / f"L{L}" / f"doc{i}").iterdir()))
+            dist.barrier()
+            dirs = []
+            for i, d in enumerate(built):                # this rank's shards only, through the store client
+                key = document_key(read_rank_dir(d).certificate)
+                r = client.fetch_rank(key, group.rank, root / f"L{L}" / f"fetched{i}" / f"rank{group.rank}")
+                assert all(f".local.r{group.rank}." in n for n in r.files if ".local." in n), r.files
+                fetched_bytes += r.bytes
+                dirs.append(r.directory)
+        # the certified path must accept on every rank (certificates, binding digests, one agreement)
+        with torch.inference_mode():
+            out = answer(model, prof, docs, dirs, question, IDENT, current_generation=1)
+        arms = group.gather(out.arm)
+        if lead:
+            assert arms == ["reuse"] * group.size, f"the reuse arm fell back: {arms}, {out.verdict}"
+        # the same verified artifacts, kept in pinned host memory for the timed runs (hot)
+        expect = dict(fingerprint=IDENT.fingerprint, profile=prof.to_dict(), tp_size=group.size,
+                      tp_rank=group.rank, channel_range=channel_range(cfg, group.rank, group.size),
+                      layers_needed=list(range(cfg.n_layers)), current_generation=1)
+        arts = []
+        for d, toks in zip(dirs, docs):
+            art, v = load_artifact(d, dict(expect, tokens_hash=token_hash(
+                pad_document(toks, prof.align, cfg.eos_token_id), IDENT.tokenizer_fingerprint)))
+            assert v.ok, v
+            arts.append(pin(art))
+        full = torch.tensor([t for a in arts for t in a.tokens] + question, device=dev)
+        engine = ReuseEngine(model, prof)
+
+        def reuse():
+            return engine.prefill(LayerPrefetcher(arts, dev).documents(), question)
+
+        with torch.inference_mode():
+            _timed(lambda: model(full), group)          # warm-up, both arms
+            _timed(reuse, group)
+            rec_t, reu_t = [], []
+            for _ in range(args.reps):
+                rec_t.append(_timed(lambda: model(full), group)[0])
+                t, res = _timed(reuse, group)
+                reu_t.append(t)
+        led = res.ledger.summary()
+        assert 0 < led["rows"]["active"] < led["rows"]["relocated"] and led["head_row_saving"] > 0, led
+        rec, reu = statistics.median(rec_t), statistics.median(reu_t)
+        nbytes = group.gather(fetched_bytes)
+        row = dict(tokens=int(full.numel()), recompute_s=rec, reuse_s=reu, speedup=rec / reu,
+                   flop_ratio=led["flop_saving"]["ratio"], head_row_saving=led["head_row_saving"],
+                   structural_ceiling=led["structural_ceiling"], token_row_saving=led["token_row_saving"],
+                   flop_saving=led["flop_saving"], build_s=build_s, active=led["rows"]["active"],
+                   relocated=led["rows"]["relocated"], recompute_all=rec_t, reuse_all=reu_t,
+                   fetched_bytes_per_rank=nbytes, via_store=via_store)
+        rows.append(row)
+        if lead:
+            print(f"T={row['tokens']:7d}  recompute {rec:7.3f} s  reuse {reu:7.3f} s  speedup {rec / reu:5.2f}x  "
+                  f"(analytic FLOP ratio {row['flop_ratio']:.2f}x; head-row {row['head_row_saving']:.1%} of ceiling "
+                  f"{row['structural_ceiling']:.1%}; token-row {row['token_row_saving']:.1%}; active "
+                  f"{row['active']}/{row['relocated']}; fetched per rank "
+                  f"{', '.join(f'{b / 2**30:.2f}' for b in nbytes)} GiB "
+                  f"{'through the store client' if via_store else '(rank dirs read directly)'})", flush=True)
+        del arts, out, res
+        dist.barrier()
+        if lead:
+            shutil.rmtree(root / f"L{L}", ignore_errors=True)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    if lead and args.json:
+        with open(args.json, "w") as fh:
+            json.dump(dict(device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", tp=group.size, torch=torch.__version__,
+                           experts=args.experts, layers=cfg.n_layers, profile=prof.to_dict(),
+                           store=bool(store_target), rows=rows), fh, indent=1)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--lengths", default="65536,131072")
+    ap.add_argument("--experts", type=int, default=16, help="routed experts kept (Flash has 256)")
+    ap.add_argument("--layers", type=int, default=43)
+    ap.add_argument("--docs", type=int, default=8)
+    ap.add_argument("--question", type=int, default=64)
+    ap.add_argument("--budget", type=float, default=0.25)
+    ap.add_argument("--global-picks", default="artifact", choices=["online", "artifact"])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--q-chunk", type=int, default=4096)
+    ap.add_argument("--store", default="auto", choices=["auto", "local", "none"],
+                    help="local: a redis-server + store process on loopback; auto: local if redis-server is on PATH")
+    ap.add_argument("--redis-url", default="")
+    ap.add_argument("--store-max", type=int, default=32768,
+                    help="lengths above this load the rank directories directly (gRPC moves ~1 GB/s; a 128K "
+                         "request's artifacts are ~80 GB)")
+    ap.add_argument("--workdir", default="")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--small", action="store_true", help="tiny dims, for a CPU smoke run of the script")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if args.tp < 2:
+        raise SystemExit("--tp must be at least 2 (bench/ttft.py is the one-GPU benchmark)")
+    if args.device == "cuda" and torch.cuda.device_count() < args.tp:
+        raise SystemExit(f"--tp {args.tp} needs {args.tp} CUDA devices; {torch.cuda.device_count()} visible")
+    from services.common.tp import launch
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="redknot-ttft-tp-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    use_store = args.store == "local" or (args.store == "auto" and (args.redis_url or shutil.which("redis-server")))
+    store = LocalStore(workdir, args.redis_url) if use_store else None
+    try:
+        return launch(args.tp, rank_main, (args, store.target if store else "", store.token if store else "",
+                                           str(workdir / "ranks")), device=args.device)
+    finally:
+        if store is not None:
+            store.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
