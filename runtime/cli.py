@@ -5,14 +5,6 @@ import argparse
 import sys
 
 
-def _cuda() -> bool:
-    try:
-        import torch
-        return torch.cuda.is_available()
-    except Exception:
-        return False
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="redknot", description="RedKnot-MLA: certified document reuse for DeepSeek-V4")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -78,17 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--force", action="store_true", help="convert again even when --out already holds this file's conversion")
 
     e = sub.add_parser("eval", help="multi-document QA: recompute vs reuse arms (and baselines) on a Llama-family model")
-    e.add_argument("--task", default="hotpotqa", choices=["hotpotqa", "squad", "longbench"])
-    e.add_argument("--data", default=None, help="data file (LongBench JSONL; default: the bundled HotpotQA / SQuAD)")
-    e.add_argument("--model", default=None, help="checkpoint dir; default: SmolLM2-135M-Instruct converted from GGUF")
-    e.add_argument("--offset", type=int, default=0, help="skip this many examples (run a task in chunks)")
-    e.add_argument("--limit", type=int, default=20)
-    e.add_argument("--budgets", default="0.1,0.2,0.25")
-    e.add_argument("--fences", default="3,3", help="first,last fence layers")
-    e.add_argument("--max-new-tokens", type=int, default=32)
-    e.add_argument("--device", default="cuda" if _cuda() else "cpu")
-    e.add_argument("--out", default=None, help="write the per-example results and summary (JSON)")
-    e.add_argument("--merge", nargs="*", default=None, help="merge these chunk JSONs instead of running")
+    from runtime.eval.cli import add_arguments as eval_arguments        # argparse only: no torch at parse time
+    eval_arguments(e)
 
     args = p.parse_args(argv)
     if args.cmd == "eval":

