@@ -1,15 +1,31 @@
-"""Hot artifacts in pinned host memory, staged to the GPU one layer ahead on a dedicated CUDA stream.
+"""Staging artifacts to the device one layer group ahead of the forward.
 
-The consumer asks for layer i; the copy of layer i (issued while layer i-1 ran) is ordered before its use by
-a CUDA event that the compute stream waits on (a device-side wait, never a host poll), and layer i+1's copy is
-issued at once. Staged tensors are recorded on the compute stream so their memory is not reused early."""
+`LayerPrefetcher` (benchmarks): hot artifacts already in pinned host memory, staged one layer ahead on a
+dedicated CUDA stream. The consumer asks for layer i; the copy of layer i (issued while layer i-1 ran) is ordered
+before its use by a CUDA event that the compute stream waits on (a device-side wait, never a host poll), and layer
+i+1's copy is issued at once. Staged tensors are recorded on the compute stream so their memory is not reused early.
+
+`GroupStager` (the worker): one request's documents arriving layer group by layer group (from the store or the
+host tier, `StagedSource`). A staging thread takes each group as soon as its bytes are there, verifies every shard
+against the already validated certificate (`read_layers`), and on CUDA pins it and issues its host->device copies
+on a side stream, then records the group's CUDA event; on CPU the same pipeline runs with threads and no copies.
+The forward asks for layer i; the stager waits (host side) only until group(i) was staged, lets the TP ranks agree
+on that group's verdict (one small collective on the control group, the same point on every rank), then makes the
+compute stream wait on the group's event. A group any rank rejected raises `StagingRejected` on every rank at the
+same layer: the caller restarts the request in the recompute arm (docs/services.md)."""
 from __future__ import annotations
 
-from dataclasses import fields
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, fields
 
 import torch
 
+from runtime.model.parallel import Parallel
 from .artifact import DocumentArtifact, LayerArtifact
+from .certificate import FallbackReason, Verdict, agree
+from .store import ArtifactHead, read_layers
 
 
 def _map(la: LayerArtifact, fn) -> LayerArtifact:
@@ -86,3 +102,170 @@ class _StagedLayers:
 
     def __len__(self) -> int:
         return self.pf.n_layers
+
+
+# ============================================================================ layer groups as they arrive
+
+class SourceError(Exception):
+    """A shard source could not deliver (store error, unreadable tier file): the rank's fallback reason."""
+
+    def __init__(self, reason: FallbackReason, detail: str):
+        super().__init__(detail)
+        self.reason, self.detail = reason, detail
+
+
+@dataclass(frozen=True)
+class StagedSource:
+    """One document's rank artifact as it arrives: `head` gives the certificate and manifest bytes, each of
+    `groups` the shard bytes of its layers (file name -> bytes); a failed future raises SourceError."""
+    head: Future
+    groups: tuple[tuple[range, Future], ...]
+
+
+def source_verdict(fut: Future) -> tuple[dict[str, bytes] | None, Verdict]:
+    """Wait for one future of a source; its failure as a reject (a non-SourceError is the store's fault)."""
+    try:
+        return fut.result(), Verdict.accept()
+    except SourceError as e:
+        return None, Verdict.reject(e.reason, e.detail)
+    except Exception as e:      # an unexpected source failure degrades to recompute, never to a crash
+        return None, Verdict.reject(FallbackReason.STORE_UNAVAILABLE, f"{type(e).__name__}: {e}")
+
+
+class StagingRejected(Exception):
+    """A layer group that some rank could not verify, raised on every rank at the same layer. `verdict` is the
+    agreed one (this rank's own reason when it rejected, rank_disagreement otherwise)."""
+
+    def __init__(self, group: int, verdict: Verdict):
+        super().__init__(f"layer group {group}: {verdict.reason.value}: {verdict.detail}")
+        self.group, self.verdict = group, verdict
+
+
+class Trace:
+    """What happened when, as an ordered list of (event, group): `fetch_start`/`fetch_done` (a source),
+    `staged` (verified, copies issued, event recorded), `ready` (the forward waited on the event), `consume`
+    (the forward got the group). Only for proving the pipeline's order in tests; `wait` lets a test hold a
+    source back until the forward reached some point."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self.events: list[tuple[str, int]] = []
+
+    def add(self, event: str, group: int) -> None:
+        with self._cond:
+            self.events.append((event, group))
+            self._cond.notify_all()
+
+    def index(self, event: str, group: int) -> int:
+        with self._cond:
+            return self.events.index((event, group))
+
+    def wait(self, event: str, group: int, timeout: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: (event, group) in self.events, timeout)
+
+
+@dataclass
+class _Staged:
+    verdict: Verdict
+    layers: list[list[LayerArtifact]] | None = None      # per document, the group's layers (on the device)
+    event: object = None                                 # torch.cuda.Event on CUDA
+
+
+class GroupStager:
+    def __init__(self, heads: Sequence[ArtifactHead], sources: Sequence[StagedSource], device: torch.device,
+                 control: Parallel, trace: Trace | None = None):
+        assert len(heads) == len(sources) and heads, (len(heads), len(sources))
+        self.heads, self.sources, self.control, self.trace = list(heads), list(sources), control, trace
+        self.groups = [g for g, _ in sources[0].groups]
+        assert all([g for g, _ in s.groups] == self.groups for s in sources), "every document uses one grouping"
+        self.n_layers = self.groups[-1].stop
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(device=self.device) if self.cuda else None
+        self._futures: list[Future] = []
+        self._agreed = -1                               # groups 0.._agreed passed the cross-rank agreement
+        self._waited: set[int] = set()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="stage")
+        self.bytes_copied = 0
+
+    def start(self) -> "GroupStager":
+        """Stage every group in order, each as soon as its bytes arrived; never waits."""
+        self._futures = [self._pool.submit(self._stage, g) for g in range(len(self.groups))]
+        self._pool.shutdown(wait=False)
+        return self
+
+    def _note(self, event: str, group: int) -> None:
+        if self.trace is not None:
+            self.trace.add(event, group)
+
+    def _stage(self, g: int) -> _Staged:
+        layers = self.groups[g]
+        per_doc = []
+        for head, src in zip(self.heads, self.sources):
+            files, v = source_verdict(src.groups[g][1])
+            if v.ok:
+                arts, v = read_layers(head, layers, files)
+            if not v.ok:
+                self._note("staged", g)
+                return _Staged(v)
+            per_doc.append(arts)
+        if not self.cuda:
+            self._note("staged", g)
+            return _Staged(Verdict.accept(), per_doc)
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            def copy(t: torch.Tensor) -> torch.Tensor:
+                self.bytes_copied += t.numel() * t.element_size()
+                return t.pin_memory().to(self.device, non_blocking=True)
+            staged = [[_map(la, copy) for la in arts] for arts in per_doc]
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        self._note("staged", g)
+        return _Staged(Verdict.accept(), staged, ev)
+
+    def group_of(self, layer: int) -> int:
+        return next(g for g, r in enumerate(self.groups) if layer in r)
+
+    def get(self, layer: int) -> list[LayerArtifact]:
+        """Every document's layer `layer`, ready for the compute stream; raises StagingRejected."""
+        g = self.group_of(layer)
+        while self._agreed < g:                 # groups are agreed in order, each once, on every rank alike
+            h = self._agreed + 1
+            verdict = agree(self._futures[h].result().verdict, self.control)
+            if not verdict.ok:
+                raise StagingRejected(h, verdict)
+            self._agreed = h
+        st = self._futures[g].result()
+        if g not in self._waited:
+            self._waited.add(g)
+            if st.event is not None:
+                cur = torch.cuda.current_stream(self.device)
+                cur.wait_event(st.event)        # a device-side wait: the host does not block on the copy
+                for arts in st.layers:
+                    for la in arts:
+                        _map(la, lambda t: (t.record_stream(cur), t)[1])
+            self._note("ready", g)
+            self._note("consume", g)
+        i = layer - self.groups[g].start
+        return [arts[i] for arts in st.layers]
+
+    def documents(self) -> list[DocumentArtifact]:
+        """The documents whose `layers[i]` comes through `get(i)`."""
+        return [h.document(_GroupLayers(self, j)) for j, h in enumerate(self.heads)]
+
+
+class _GroupLayers(Sequence):
+    def __init__(self, stager: GroupStager, j: int):
+        self.stager, self.j = stager, j
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self.stager.get(i)[self.j]
+
+    def __len__(self) -> int:
+        return self.stager.n_layers

@@ -1,6 +1,11 @@
 """One request end to end on one TP rank: load and verify each document's artifact, agree across ranks with one
 collective, then run the reuse path, or fall back, explicitly and counted, to full recomputation of the same
-(padded) tokens. A reuse-arm result always says which arm really ran."""
+(padded) tokens. A reuse-arm result always says which arm really ran.
+
+`answer` reads whole artifact directories before the forward; `answer_staged` (the worker) validates the
+certificates and manifests, agrees, and then runs the forward while later layer groups are still arriving
+(`prefetch.GroupStager`); a late group that fails verification on any rank restarts the request, on every rank,
+in the recompute arm."""
 from __future__ import annotations
 
 import os
@@ -11,13 +16,15 @@ from pathlib import Path
 import torch
 
 from runtime.model.deepseek_v4 import Transformer
-from .certificate import Certificate, FallbackCounter, FallbackReason, Verdict, agree, digest_bytes, token_hash
+from .certificate import Certificate, FallbackCounter, Verdict, agree, digest_bytes, token_hash
 from .consumer import ReuseEngine
+from runtime.model.parallel import Parallel
 from .ledger import Ledger
+from .prefetch import GroupStager, StagedSource, StagingRejected, Trace, source_verdict
 from .producer import PRODUCER_VERSION, pad_document, produce
 from .profile import ReuseProfile
 from .roles import channel_range
-from .store import CERTIFICATE_FILE, load_artifact, save_artifact
+from .store import CERTIFICATE_FILE, load_artifact, read_head, save_artifact
 
 
 @dataclass(frozen=True)
@@ -54,33 +61,32 @@ def build(model: Transformer, tokens: list[int], profile: ReuseProfile, ident: S
     return Path(directory)
 
 
-@torch.inference_mode()
-def answer(model: Transformer, profile: ReuseProfile, docs: list[list[int]], artifact_dirs: list[str | os.PathLike],
-           question: list[int], ident: ServingIdentity, current_generation: int | Sequence[int],
-           counter: FallbackCounter | None = None) -> Outcome:
-    """`current_generation`: one for every document, or one per document (documents are rebuilt independently)."""
+def _expect(model: Transformer, profile: ReuseProfile, ident: ServingIdentity) -> dict:
     cfg, par = model.cfg, model.par
-    padded = [pad_document(d, profile.align, cfg.eos_token_id) for d in docs]
-    gens = [current_generation] * len(docs) if isinstance(current_generation, int) else list(current_generation)
-    assert len(gens) == len(docs), f"{len(gens)} current generations for {len(docs)} documents"
-    expect = dict(fingerprint=ident.fingerprint, profile=profile.to_dict(), tp_size=par.size, tp_rank=par.rank,
-                  channel_range=channel_range(cfg, par.rank, par.size), layers_needed=list(range(cfg.n_layers)))
-    arts, bindings, verdict = [], [], Verdict.accept()
-    for toks, d, gen in zip(padded, artifact_dirs, gens):
-        art, v = load_artifact(d, dict(expect, current_generation=gen,
+    return dict(fingerprint=ident.fingerprint, profile=profile.to_dict(), tp_size=par.size, tp_rank=par.rank,
+                channel_range=channel_range(cfg, par.rank, par.size), layers_needed=list(range(cfg.n_layers)))
+
+
+def _validate(model: Transformer, profile: ReuseProfile, ident: ServingIdentity, padded: list[list[int]], items,
+              current_generation: int | Sequence[int], read) -> tuple[list, list[str], Verdict]:
+    """This rank's verdict on every document (`read(item, expect)` -> (artifact, certificate, verdict)), stopping
+    at the first reject: the artifacts and binding digests of those accepted, and the verdict."""
+    gens = [current_generation] * len(padded) if isinstance(current_generation, int) else list(current_generation)
+    assert len(gens) == len(padded), f"{len(gens)} current generations for {len(padded)} documents"
+    expect = _expect(model, profile, ident)
+    arts, bindings = [], []
+    for toks, item, gen in zip(padded, items, gens):
+        art, cert, v = read(item, dict(expect, current_generation=gen,
                                        tokens_hash=token_hash(toks, ident.tokenizer_fingerprint)))
         if not v.ok:
-            verdict = v
-            break
+            return arts, bindings, v
         arts.append(art)
-        bindings.append(Certificate.from_bytes((Path(d) / CERTIFICATE_FILE).read_bytes()).binding_digest())
-    # the one agreement collective, before any reuse-specific collective: all ranks reuse or none does, and
-    # ranks that accept must have accepted the same artifacts (same binding digest)
-    verdict = agree(verdict, par, binding=digest_bytes("|".join(bindings).encode()) if verdict.ok else None)
-    if verdict.ok:
-        engine = ReuseEngine(model, profile)
-        res = engine.prefill(arts, question)
-        return Outcome(res.logits, "reuse", verdict, res.ledger, step=lambda t: engine.decode(res.state, t))
+        bindings.append(cert.binding_digest())
+    return arts, bindings, Verdict.accept()
+
+
+def _recompute(model: Transformer, padded: list[list[int]], question: list[int], verdict: Verdict,
+               counter: FallbackCounter | None) -> Outcome:
     if counter is not None:
         counter.observe(verdict)
     dev = model.embed.weight.device
@@ -88,3 +94,59 @@ def answer(model: Transformer, profile: ReuseProfile, docs: list[list[int]], art
     cache = model.new_cache()
     return Outcome(model(full, cache), "recompute", verdict, None,
                    step=lambda t: model(torch.tensor([t], device=dev), cache))
+
+
+def _reuse(model: Transformer, profile: ReuseProfile, arts: list, question: list[int], verdict: Verdict) -> Outcome:
+    engine = ReuseEngine(model, profile)
+    res = engine.prefill(arts, question)
+    return Outcome(res.logits, "reuse", verdict, res.ledger, step=lambda t: engine.decode(res.state, t))
+
+
+@torch.inference_mode()
+def answer(model: Transformer, profile: ReuseProfile, docs: list[list[int]], artifact_dirs: list[str | os.PathLike],
+           question: list[int], ident: ServingIdentity, current_generation: int | Sequence[int],
+           counter: FallbackCounter | None = None) -> Outcome:
+    """`current_generation`: one for every document, or one per document (documents are rebuilt independently)."""
+    padded = [pad_document(d, profile.align, model.cfg.eos_token_id) for d in docs]
+
+    def read(d, expect):
+        art, v = load_artifact(d, expect)
+        cert = Certificate.from_bytes((Path(d) / CERTIFICATE_FILE).read_bytes()) if v.ok else None
+        return art, cert, v
+    arts, bindings, verdict = _validate(model, profile, ident, padded, artifact_dirs, current_generation, read)
+    # the one agreement collective, before any reuse-specific collective: all ranks reuse or none does, and
+    # ranks that accept must have accepted the same artifacts (same binding digest)
+    verdict = agree(verdict, model.par, binding=digest_bytes("|".join(bindings).encode()) if verdict.ok else None)
+    if verdict.ok:
+        return _reuse(model, profile, arts, question, verdict)
+    return _recompute(model, padded, question, verdict, counter)
+
+
+@torch.inference_mode()
+def answer_staged(model: Transformer, profile: ReuseProfile, docs: list[list[int]], sources: list[StagedSource],
+                  question: list[int], ident: ServingIdentity, current_generation: int | Sequence[int],
+                  control: Parallel | None = None, counter: FallbackCounter | None = None,
+                  trace: Trace | None = None) -> Outcome:
+    """`answer` over documents that arrive layer group by layer group. Each rank validates its certificates and
+    manifests (everything but the layer shards), the ranks agree once (with the binding digest) before any
+    reuse-specific collective, then the forward consumes group g as soon as group g is verified and staged on
+    every rank (`control`: the group the per-group agreements run on, default the model's). A group rejected
+    by any rank (digest, missing shard, source failure) stops the reuse forward on every rank at the same
+    layer, and the request runs again, whole, in the recompute arm: the counted fallback, same answer."""
+    padded = [pad_document(d, profile.align, model.cfg.eos_token_id) for d in docs]
+
+    def read(src: StagedSource, expect):
+        files, v = source_verdict(src.head)
+        head, v = read_head(files, expect) if v.ok else (None, v)
+        return head, head.certificate if v.ok else None, v
+    heads, bindings, verdict = _validate(model, profile, ident, padded, sources, current_generation, read)
+    # staging starts before the agreement (it only reads); nothing is consumed before every rank accepted
+    stager = GroupStager(heads, sources, model.embed.weight.device, control or model.par, trace).start() \
+        if verdict.ok else None
+    verdict = agree(verdict, model.par, binding=digest_bytes("|".join(bindings).encode()) if verdict.ok else None)
+    if verdict.ok:
+        try:
+            return _reuse(model, profile, stager.documents(), question, verdict)
+        except StagingRejected as r:
+            verdict = r.verdict
+    return _recompute(model, padded, question, verdict, counter)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import re
 import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgpack
@@ -235,46 +237,59 @@ def _parse_shard(name: str, raw: bytes, entry: dict) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _layer(m: dict, layer: int, parsed: dict[str, dict[str, torch.Tensor]]) -> LayerArtifact:
+    lat = parsed[latent_shard(layer)]
+    if "latent" not in lat:
+        raise _reject(FallbackReason.DIGEST_MISMATCH, f"layer {layer} latent shard has no latent")
+
+    def pair(p: str):
+        return (lat[f"{p}.kv"], lat[f"{p}.gate"]) if f"{p}.kv" in lat else None
+
+    local = [s["name"] for s in m["shards"] if s["layer"] == layer and s["kind"] == "local"]
+    assert len(local) <= 1, local
+    return LayerArtifact(latent=lat["latent"], entries=lat.get("entries"), index_keys=lat.get("index_keys"),
+                         comp_prev=pair("comp_prev"), index_prev=pair("index_prev"), picks=lat.get("picks"),
+                         local_p=parsed[local[0]]["local_p"] if local else None)
+
+
 def _build(m: dict, parsed: dict[str, dict[str, torch.Tensor]]) -> DocumentArtifact:
-    layers = []
-    for layer in range(m["n_layers"]):
-        lat = parsed[latent_shard(layer)]
-        if "latent" not in lat:
-            raise _reject(FallbackReason.DIGEST_MISMATCH, f"layer {layer} latent shard has no latent")
-
-        def pair(p: str):
-            return (lat[f"{p}.kv"], lat[f"{p}.gate"]) if f"{p}.kv" in lat else None
-
-        local = [s["name"] for s in m["shards"] if s["layer"] == layer and s["kind"] == "local"]
-        assert len(local) <= 1, local
-        layers.append(LayerArtifact(latent=lat["latent"], entries=lat.get("entries"),
-                                    index_keys=lat.get("index_keys"), comp_prev=pair("comp_prev"),
-                                    index_prev=pair("index_prev"), picks=lat.get("picks"),
-                                    local_p=parsed[local[0]]["local_p"] if local else None))
-    return DocumentArtifact(tokens=list(m["tokens"]), n_content=m["n_content"], layers=layers,
+    return DocumentArtifact(tokens=list(m["tokens"]), n_content=m["n_content"],
+                            layers=[_layer(m, i, parsed) for i in range(m["n_layers"])],
                             tp_rank=m["tp_rank"], tp_size=m["tp_size"], meta=m["meta"])
+
+
+def _checks(expect: dict) -> dict:
+    missing = [k for k in EXPECT_FIELDS if k not in expect]
+    if missing:
+        raise ValueError(f"expect lacks {missing}")
+    return dict(fingerprint=expect["fingerprint"], tokens_hash=expect["tokens_hash"], profile=expect["profile"],
+                tp_size=expect["tp_size"], tp_rank=expect["tp_rank"], channel_range=tuple(expect["channel_range"]),
+                layers_needed=set(expect["layers_needed"]), current_generation=expect["current_generation"])
+
+
+def _validate_head(cert: Certificate, checks: dict) -> Verdict:
+    """Everything a certificate says about itself and its binding, before any shard is read."""
+    verdict = validate(cert, **checks)
+    if not verdict.ok:
+        return verdict
+    odd = [n for n in cert.shard_digests if n != MANIFEST and not _SHARD_NAME.match(n)]
+    if odd or MANIFEST not in cert.shard_digests:
+        return Verdict.reject(FallbackReason.MISSING_SHARD,
+                              f"certificate names shards outside format {FORMAT_VERSION}: {odd or 'no manifest'}")
+    return verdict
 
 
 def load_artifact(directory: str | os.PathLike, expect: dict) -> tuple[DocumentArtifact | None, Verdict]:
     """The artifact in `directory` if its certificate validates against `expect` (fingerprint, tokens_hash,
     profile, tp_size, tp_rank, channel_range, layers_needed, current_generation) and every shard's bytes
     match their certified digest; otherwise (None, reject). Store content never raises; a bad `expect` does."""
-    missing = [k for k in EXPECT_FIELDS if k not in expect]
-    if missing:
-        raise ValueError(f"expect lacks {missing}")
     directory = Path(directory)
-    checks = dict(fingerprint=expect["fingerprint"], tokens_hash=expect["tokens_hash"], profile=expect["profile"],
-                  tp_size=expect["tp_size"], tp_rank=expect["tp_rank"], channel_range=tuple(expect["channel_range"]),
-                  layers_needed=set(expect["layers_needed"]), current_generation=expect["current_generation"])
+    checks = _checks(expect)
     try:
         cert = _read_certificate(directory)
-        verdict = validate(cert, **checks)      # cheap reject before reading any shard
+        verdict = _validate_head(cert, checks)      # cheap reject before reading any shard
         if not verdict.ok:
             return None, verdict
-        odd = [n for n in cert.shard_digests if n != MANIFEST and not _SHARD_NAME.match(n)]
-        if odd or MANIFEST not in cert.shard_digests:
-            return None, Verdict.reject(FallbackReason.MISSING_SHARD,
-                                        f"certificate names shards outside format {FORMAT_VERSION}: {odd or 'no manifest'}")
 
         # digest every shard in validate's order; stop at the first missing or altered one
         seen, raw = {}, {}
@@ -294,5 +309,72 @@ def load_artifact(directory: str | os.PathLike, expect: dict) -> tuple[DocumentA
         entries = {s["name"]: s for s in m["shards"]}
         parsed = {name: _parse_shard(name, data, entries[name]) for name, data in raw.items()}
         return _build(m, parsed), verdict
+    except _Reject as r:
+        return None, r.verdict
+
+
+# ------------------------------------------------------------------------------------ reading layer by layer
+
+@dataclass(frozen=True)
+class ArtifactHead:
+    """A rank artifact's certificate and manifest, both verified: what `read_layers` checks each layer
+    group's shard bytes against, so that layers can be consumed as they arrive."""
+    certificate: Certificate
+    manifest: dict
+
+    def files(self, layers: Iterable[int]) -> list[str]:
+        """File names of the shards of `layers` (the latent shard, and the local one of reusable layers)."""
+        want = set(layers)
+        return sorted(shard_file(s["name"]) for s in self.manifest["shards"] if s["layer"] in want)
+
+    def document(self, layers: Sequence[LayerArtifact]) -> DocumentArtifact:
+        m = self.manifest
+        return DocumentArtifact(tokens=list(m["tokens"]), n_content=m["n_content"], layers=layers,
+                                tp_rank=m["tp_rank"], tp_size=m["tp_size"], meta=m["meta"])
+
+
+def read_head(files: Mapping[str, bytes], expect: dict) -> tuple[ArtifactHead | None, Verdict]:
+    """`load_artifact`'s checks of the certificate and manifest, on their bytes (`files` maps file names to
+    bytes): (head, accept) or (None, reject). No layer shard is read: `read_layers` checks those."""
+    checks = _checks(expect)
+    try:
+        raw = files.get(CERTIFICATE_FILE)
+        if raw is None:
+            raise _reject(FallbackReason.MISSING_SHARD, "no certificate")
+        try:
+            cert = Certificate.from_bytes(raw)
+        except CertificateError as e:
+            raise _reject(FallbackReason.MISSING_SHARD, f"certificate unreadable: {e}") from None
+        verdict = _validate_head(cert, checks)
+        if not verdict.ok:
+            return None, verdict
+        raw = files.get(MANIFEST_FILE)
+        if raw is None:
+            raise _reject(FallbackReason.MISSING_SHARD, f"shard {MANIFEST} not found")
+        seen = digest_bytes(raw)
+        if seen != cert.shard_digests[MANIFEST]:
+            raise _reject(FallbackReason.DIGEST_MISMATCH,
+                          f"shard {MANIFEST} digest {seen[:16]} != certified {cert.shard_digests[MANIFEST][:16]}")
+        return ArtifactHead(cert, _check_manifest(raw, cert)), verdict
+    except _Reject as r:
+        return None, r.verdict
+
+
+def read_layers(head: ArtifactHead, layers: Sequence[int], files: Mapping[str, bytes]
+                ) -> tuple[list[LayerArtifact] | None, Verdict]:
+    """The LayerArtifacts of `layers` from their shards' bytes, each verified against the head's certificate
+    (missing -> missing_shard, altered -> digest_mismatch, in sorted order); never raises on content."""
+    entries = {s["name"]: s for s in head.manifest["shards"] if s["layer"] in set(layers)}
+    try:
+        parsed = {}
+        for name in sorted(entries):
+            data = files.get(shard_file(name))
+            if data is None:
+                raise _reject(FallbackReason.MISSING_SHARD, f"shard {name} not found")
+            seen, want = digest_bytes(data), head.certificate.shard_digests[name]
+            if seen != want:
+                raise _reject(FallbackReason.DIGEST_MISMATCH, f"shard {name} digest {seen[:16]} != certified {want[:16]}")
+            parsed[name] = _parse_shard(name, data, entries[name])
+        return [_layer(head.manifest, i, parsed) for i in layers], Verdict.accept()
     except _Reject as r:
         return None, r.verdict

@@ -38,6 +38,9 @@ class RankGroup:
     size: int
     device: torch.device
     par: Parallel
+    # control-plane collectives between layers (per-layer-group agreements): gloo, so that on GPUs they never
+    # queue behind the model's NCCL kernels on the compute stream
+    control: Parallel = Parallel()
 
     @property
     def leader(self) -> bool:
@@ -75,7 +78,8 @@ def _entry(rank: int, target, size: int, port: int, device: str, args: tuple) ->
     dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=size, timeout=timedelta(hours=1))
     try:
-        target(RankGroup(rank, size, dev, Parallel(rank, size)), *args)
+        control = Parallel(rank, size, dist.new_group(backend="gloo")) if dev.type == "cuda" else Parallel(rank, size)
+        target(RankGroup(rank, size, dev, Parallel(rank, size), control), *args)
         dist.barrier()                      # no rank tears the group down while another still talks to it
     finally:
         dist.destroy_process_group()

@@ -1,12 +1,14 @@
 """One generate request on one TP rank. Every rank runs this in lockstep (rank 0 broadcast the job):
 
-1. reuse arm: make sure this rank's shards of every document are in the host tier (fetching only its own rank
-   and channel range); a store failure is this rank's fallback verdict (client.fallback_reason);
-2. agreement on those verdicts (one all_gather_object): a rank without its shards makes every rank fall back;
-3. `runtime.reuse.request.answer`: each rank validates its certificates (fingerprint, tokens, profile, TP
-   geometry, layers, the document's current generation, every digest) and the ranks agree once more before
-   any reuse-specific collective; then reuse, or the counted fallback to full recomputation;
-4. greedy decoding continues in the arm that ran; the recompute arm runs the plain model on the same padded
+1. reuse arm: open this rank's shards of every document (`Prefetcher.open`: the host tier, or a fetch from the
+   store of only its own rank and channel range), which hands over a source whose head (certificate, manifest)
+   and layer groups arrive independently;
+2. `runtime.reuse.request.answer_staged`: each rank validates its certificates (fingerprint, tokens, profile,
+   TP geometry, layers, the document's current generation, the manifest's digest); a store failure is this
+   rank's reason (client.fallback_reason); the ranks agree once before any reuse-specific collective; then the
+   reuse forward consumes layer group g as soon as it is verified and staged (and agreed) on every rank, while
+   later groups are still arriving; a late group that fails anywhere restarts the request in the recompute arm;
+3. greedy decoding continues in the arm that ran; the recompute arm runs the plain model on the same padded
    tokens, so a fallback's answer equals the recompute arm's.
 Rank 0 then gathers every rank's verdict and fetch statistics, names the root cause of a fallback and
 records the metrics."""
@@ -15,20 +17,19 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from runtime.model.deepseek_v4 import Transformer
-from runtime.reuse.certificate import FallbackReason, Verdict, agree
+from runtime.reuse.certificate import FallbackReason, Verdict
+from runtime.reuse.prefetch import StagedSource, Trace
 from runtime.reuse.producer import pad_document
-from runtime.reuse.request import answer
+from runtime.reuse.request import answer_staged
 from services.common.failpoints import Failpoints
 from services.common.serving import Binding
 from services.common.tp import RankGroup
-from services.store.client import fallback_reason
-from services.store.errors import StoreError
 from services.store.keys import DocumentKey
 
 from .prefetch import FetchStats, Prefetcher
@@ -76,11 +77,25 @@ def greedy(logits: torch.Tensor, step: Callable[[int], torch.Tensor], n: int, eo
     return out
 
 
+def _stamp(sources: list[StagedSource]) -> list[float]:
+    """The perf_counter time at which each future of `sources` completes (now, for those already done)."""
+    stamps: list[float] = []
+    for src in sources:
+        for fut in [src.head] + [f for _, f in src.groups]:
+            fut.add_done_callback(lambda _f: stamps.append(time.perf_counter()))
+    return stamps
+
+
+def _wait_all(sources: list[StagedSource]) -> None:
+    """Until every future of `sources` completed (a failure is the request's verdict already)."""
+    wait([f for src in sources for f in [src.head] + [g for _, g in src.groups]])
+
+
 class RankEngine:
     def __init__(self, group: RankGroup, model: Transformer, binding: Binding, prefetcher: Prefetcher,
-                 failpoints: Failpoints):
+                 failpoints: Failpoints, trace: Trace | None = None):
         self.group, self.model, self.binding, self.prefetcher = group, model, binding, prefetcher
-        self.failpoints = failpoints
+        self.failpoints, self.trace = failpoints, trace
         self.tier = prefetcher.tier
         self.eos = model.cfg.eos_token_id
 
@@ -95,26 +110,22 @@ class RankEngine:
         logits = self.model(torch.tensor(padded + list(question), device=dev), cache)
         return logits, lambda t: self.model(torch.tensor([t], device=dev), cache)
 
-    def _gather_dirs(self, req: WorkerRequest) -> tuple[list[Path], list[TierKey], Verdict]:
-        dirs, pinned = [], []
+    def _open(self, req: WorkerRequest) -> tuple[list[StagedSource], list[TierKey], list[Future]]:
+        sources, pinned, published = [], [], []
         for d in req.documents:
             key = self.key(d.tokens)
-            if d.generation == 0:
-                older = self.tier.older(req.tenant, key.doc_id)
-                if older is None:
-                    return dirs, pinned, Verdict.reject(FallbackReason.MISSING_SHARD,
-                                                        f"document {d.id} has no current generation")
-                pinned.append(older[0])
-                dirs.append(older[1])
+            opened = self.prefetcher.open(req.tenant, key, d.generation) if d.generation else \
+                self.prefetcher.open_older(req.tenant, key)
+            if opened is None:
+                sources.append(self.prefetcher.failed(FallbackReason.MISSING_SHARD,
+                                                      f"document {d.id} has no current generation"))
                 continue
-            try:
-                tkey, path = self.prefetcher.ensure(req.tenant, key, d.generation)
-            except StoreError as e:
-                return dirs, pinned, Verdict.reject(FallbackReason(fallback_reason(e).value),
-                                                    f"document {d.id}: {type(e).__name__}: {e}")
-            pinned.append(tkey)
-            dirs.append(path)
-        return dirs, pinned, Verdict.accept()
+            sources.append(opened.source)
+            if opened.pinned is not None:
+                pinned.append(opened.pinned)
+            if opened.published is not None:
+                published.append(opened.published)
+        return sources, pinned, published
 
     def run(self, job: Job) -> tuple[WorkerResponse | None, list[RankReport]]:
         """Every rank returns; rank 0 gets the response and every rank's report."""
@@ -122,36 +133,34 @@ class RankEngine:
         if job.prefetch:
             self.prefetcher.warm(job.prefetch)
         docs = [d.tokens for d in req.documents]
-        fetch_s, pinned, local = 0.0, [], Verdict.accept()
+        fetch_s, published = 0.0, []
+        t0 = time.perf_counter()
         if req.arm == "recompute":
-            t0 = time.perf_counter()
             logits, step = self._recompute(docs, req.question)
             arm, ledger, verdict = "recompute", None, Verdict.accept()
         else:
-            t_fetch = time.perf_counter()
-            dirs, pinned, local = self._gather_dirs(req)
-            fetch_s = time.perf_counter() - t_fetch
-            self.failpoints.hit("after_fetch")
+            sources, pinned, published = self._open(req)
+            stamps = _stamp(sources)
+            t0 = time.perf_counter()
             try:
-                verdict = agree(local, self.group.par)      # did every rank get its shards?
-                t0 = time.perf_counter()
-                if verdict.ok:
-                    out = answer(self.model, self.binding.profile, docs, dirs, req.question, self.binding.ident,
-                                 current_generation=[d.generation for d in req.documents])
-                    logits, step, arm, verdict = out.logits, out.step, out.arm, out.verdict
-                    ledger = out.ledger.summary() if out.ledger is not None else None
-                else:
-                    logits, step = self._recompute(docs, req.question)
-                    arm, ledger = "recompute", None
-                if verdict.reason in _DROP_ON and local.ok:
+                out = answer_staged(self.model, self.binding.profile, docs, sources, req.question,
+                                    self.binding.ident, [d.generation for d in req.documents],
+                                    control=self.group.control, trace=self.trace)
+                logits, step, arm, verdict = out.logits, out.step, out.arm, out.verdict
+                ledger = out.ledger.summary() if out.ledger is not None else None
+                if verdict.reason in _DROP_ON:      # this rank's own copy failed (others say rank_disagreement)
                     for k in pinned:
                         self.tier.drop(k)
             finally:
                 for k in pinned:
                     self.tier.release(k)
+            _wait_all(sources)                      # the fetch time: until the last shard arrived (overlapped)
+            fetch_s = max(0.0, max(stamps, default=t0) - t0)
         first = time.perf_counter()
         tokens = greedy(logits, step, req.max_new_tokens, self.eos)
         ttft = first - t0
+        wait(published)         # what this request fetched is in the tier before the next request looks
+        self.failpoints.hit("after_fetch")
         hits, misses = self.tier.take_counts()
         reports = self.group.gather(RankReport(self.group.rank, verdict.reason.value if verdict.reason else None,
                                                verdict.detail, self.prefetcher.take_stats(), hits, misses))

@@ -1,28 +1,37 @@
-"""Fetching this rank's shards from the store into the host tier, ahead of need.
+"""This rank's shards, from the host tier or the store, layer group by layer group, ahead of need.
 
-A rank asks only for its own shards: its rank's certificate and manifest, then every layer group's latent
-shards and the LOCAL shards inside its channel range, each layer group on its own stream so that the next
-groups load while earlier ones are still arriving. Rank 0 broadcasts the documents of the requests queued
-behind the current one; every rank starts fetching those in the background while the current request runs
-(`warm`), and a request waits only for what is still missing (`ensure`)."""
+A rank asks only for its own shards: its rank's certificate and manifest (the head), then every layer group's
+latent shards and the LOCAL shards inside its channel range, each layer group on its own stream. `open` hands
+the request a `StagedSource` at once: futures for the head and for each group, which the forward consumes as they
+complete (`runtime.reuse.prefetch.GroupStager`), so layer group g runs while g+1 is still arriving. A document
+fetched whole is published into the tier (one directory, certificate last); a tier hit reads the same files
+group by group. Rank 0 broadcasts the documents of the requests queued behind the current one; every rank starts
+fetching those in the background while the current request runs (`warm`), and a request joins a fetch already
+in flight instead of starting another."""
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from runtime.reuse.certificate import FallbackReason
+from runtime.reuse.prefetch import SourceError, StagedSource, Trace
 from runtime.reuse.store import CERTIFICATE_FILE, MANIFEST_FILE
 from services.common.tenants import Tenants
 from services.store.artifact_dir import write_rank_dir
-from services.store.client import StoreClient
-from services.store.errors import DataLoss, Unavailable
+from services.store.client import StoreClient, fallback_reason
+from services.store.errors import StoreError
 from services.store.keys import DocumentKey, Range
 
 from .tier import HostTier, TierKey
 
 log = logging.getLogger("redknot.worker")
+HEAD_FILES = (CERTIFICATE_FILE, MANIFEST_FILE)
+_LAYER_FILE = re.compile(r"^layer(\d+)\.")
 
 
 @dataclass
@@ -31,16 +40,30 @@ class FetchStats:
     seconds: list[float] = field(default_factory=list)      # one per document fetched
 
 
+@dataclass(frozen=True)
+class Opened:
+    """A request's handle on one document: its source, and the tier entry it pinned (None: from the store,
+    then `published` completes once the fetch is in the tier, or failed)."""
+    source: StagedSource
+    pinned: TierKey | None
+    published: Future | None = None
+
+
+def _layer_of(name: str) -> int | None:
+    m = _LAYER_FILE.match(name)
+    return int(m.group(1)) if m else None
+
+
 class Prefetcher:
     def __init__(self, tier: HostTier, tenants: Tenants, store: str, rank: int, channels: tuple[int, int],
-                 n_layers: int, layer_group: int, threads: int):
-        self.tier, self.tenants, self.store, self.rank = tier, tenants, store, rank
+                 n_layers: int, layer_group: int, threads: int, trace: Trace | None = None):
+        self.tier, self.tenants, self.store, self.rank, self.trace = tier, tenants, store, rank, trace
         self.channels = Range(*channels)
         self.groups = [Range(a, min(a + layer_group, n_layers)) for a in range(0, n_layers, layer_group)]
-        self._docs = ThreadPoolExecutor(max(1, threads // 2), thread_name_prefix="fetch-doc")
+        self._publish = ThreadPoolExecutor(max(1, threads // 2), thread_name_prefix="fetch-doc")
         self._streams = ThreadPoolExecutor(threads, thread_name_prefix="fetch-group")
         self._lock = threading.Lock()
-        self._inflight: dict[TierKey, Future] = {}
+        self._inflight: dict[TierKey, tuple[StagedSource, Future]] = {}
         self._clients: dict[str, StoreClient] = {}
         self.stats = FetchStats()
 
@@ -50,42 +73,81 @@ class Prefetcher:
                 self._clients[tenant] = StoreClient(self.store, self.tenants.token(tenant), timeout_s=120)
             return self._clients[tenant]
 
-    def _fetch(self, tenant: str, key: DocumentKey, generation: int) -> None:
-        """One document's shards of this rank into the tier (published whole, or not at all)."""
-        t0 = time.perf_counter()
-        client = self._client(tenant)
+    def _note(self, event: str, group: int) -> None:
+        if self.trace is not None:
+            self.trace.add(event, group)
 
-        def stream(**sel) -> list[tuple[str, bytes]]:
-            return [(s.spec.name, s.data) for s in client.fetch(key, self.rank, generation=generation, **sel)]
+    # ------------------------------------------------------------------------------------------- the store
+    def _stream(self, tenant: str, key: DocumentKey, generation: int, group: int | None) -> dict[str, bytes]:
+        """One stream of shards (the head when `group` is None); a store error becomes the SourceError that
+        names this rank's fallback reason."""
+        self._note("fetch_start", -1 if group is None else group)
+        sel = dict(names=list(HEAD_FILES)) if group is None else dict(layers=self.groups[group], channels=self.channels)
+        try:
+            files = {s.spec.name: s.data for s in self._client(tenant).fetch(key, self.rank, generation=generation,
+                                                                              **sel)}
+        except StoreError as e:
+            raise SourceError(FallbackReason(fallback_reason(e).value),
+                              f"{key.doc_id} generation {generation}: {type(e).__name__}: {e}") from None
+        self._note("fetch_done", -1 if group is None else group)
+        return files
 
-        head = self._streams.submit(stream, names=[CERTIFICATE_FILE, MANIFEST_FILE])
-        groups = [self._streams.submit(stream, layers=g, channels=self.channels) for g in self.groups]
-        files = head.result() + [f for g in groups for f in g.result()]
-        if not any(name == CERTIFICATE_FILE for name, _ in files):
-            raise DataLoss(f"rank {self.rank} of generation {generation} has no certificate")
+    def _fetch(self, tenant: str, key: DocumentKey, generation: int) -> StagedSource:
+        head = self._streams.submit(self._stream, tenant, key, generation, None)
+        groups = tuple((range(g.lo, g.hi), self._streams.submit(self._stream, tenant, key, generation, i))
+                       for i, g in enumerate(self.groups))
+        return StagedSource(head, groups)
+
+    def _publish_when_done(self, tkey: TierKey, src: StagedSource, t0: float) -> None:
+        """Once every stream of a fetch arrived: the whole directory into the tier (a failed fetch publishes
+        nothing; the request that needed it has its reason from the source)."""
+        try:
+            files = {**src.head.result()}
+            for _, g in src.groups:
+                files.update(g.result())
+            if CERTIFICATE_FILE not in files:
+                log.warning("rank %d: %s has no certificate; not kept", self.rank, tkey)
+                return
+            nbytes = sum(len(d) for d in files.values())
+            self.tier.insert(tkey, write_rank_dir(self.tier.staging_dir(tkey), sorted(files.items())), nbytes)
+            with self._lock:
+                self.stats.bytes += nbytes
+                self.stats.seconds.append(time.perf_counter() - t0)
+            log.info("rank %d fetched %s generation %d: %d files", self.rank, tkey[1], tkey[2], len(files))
+        except SourceError as e:
+            log.info("rank %d: fetch of %s failed: %s", self.rank, tkey, e)
+        finally:
+            with self._lock:
+                self._inflight.pop(tkey, None)
+
+    def _start(self, tenant: str, key: DocumentKey, generation: int) -> tuple[StagedSource, Future]:
         tkey = (tenant, key.doc_id, generation)
-        path = self.tier.insert(tkey, write_rank_dir(self.tier.staging_dir(tkey), files),
-                                sum(len(d) for _, d in files))
         with self._lock:
-            self.stats.bytes += sum(len(d) for _, d in files)
-            self.stats.seconds.append(time.perf_counter() - t0)
-        log.info("rank %d fetched %s generation %d: %d files into %s", self.rank, key.doc_id, generation,
-                 len(files), path)
+            if tkey not in self._inflight:
+                src = self._fetch(tenant, key, generation)
+                self._inflight[tkey] = src, self._publish.submit(self._publish_when_done, tkey, src,
+                                                                 time.perf_counter())
+            return self._inflight[tkey]
 
-    def _start(self, tenant: str, key: DocumentKey, generation: int) -> Future:
-        tkey = (tenant, key.doc_id, generation)
-        with self._lock:
-            fut = self._inflight.get(tkey)
-            if fut is None:
-                fut = self._docs.submit(self._fetch, tenant, key, generation)
-                self._inflight[tkey] = fut
-                fut.add_done_callback(lambda _f: self._forget(tkey))
-            return fut
+    # ------------------------------------------------------------------------------------------- the tier
+    def _read(self, path: Path, names: list[str], group: int) -> dict[str, bytes]:
+        self._note("fetch_start", group)
+        try:
+            files = {p: (path / p).read_bytes() for p in names}
+        except OSError as e:
+            raise SourceError(FallbackReason.MISSING_SHARD, f"tier file unreadable: {type(e).__name__}: {e}") from None
+        self._note("fetch_done", group)
+        return files
 
-    def _forget(self, tkey: TierKey) -> None:
-        with self._lock:
-            self._inflight.pop(tkey, None)
+    def _from_tier(self, path: Path) -> StagedSource:
+        names = sorted(p.name for p in path.iterdir())
+        head = self._streams.submit(self._read, path, [n for n in names if n in HEAD_FILES], -1)
+        groups = tuple((range(g.lo, g.hi),
+                        self._streams.submit(self._read, path, [n for n in names if _layer_of(n) in range(g.lo, g.hi)], i))
+                       for i, g in enumerate(self.groups))
+        return StagedSource(head, groups)
 
+    # ------------------------------------------------------------------------------------------- requests
     def warm(self, docs: list[tuple[str, DocumentKey, int]]) -> None:
         """Start fetching what the tier lacks of (tenant, key, generation); never waits, never raises (a failed
         warm-up is fetched again, and then counted, by the request that needs it)."""
@@ -95,18 +157,28 @@ class Prefetcher:
             elif gen > 0:
                 self.tier.release((tenant, key.doc_id, gen))
 
-    def ensure(self, tenant: str, key: DocumentKey, generation: int):
-        """The document's directory in the tier, pinned (release it with `tier.release(key)`); raises the
-        store's error when it cannot be fetched."""
+    def open(self, tenant: str, key: DocumentKey, generation: int) -> Opened:
+        """The document's source: its tier entry (pinned: `tier.release(opened.pinned)` when done) or a fetch
+        from the store (joined when already in flight). Never waits and never raises: failures arrive through
+        the source's futures."""
         tkey = (tenant, key.doc_id, generation)
         path = self.tier.lookup(tkey)
-        for _ in range(3):
-            if path is not None:
-                return tkey, path
-            self._start(tenant, key, generation).result()
-            path = self.tier.lookup(tkey, count=False)        # gone again only if concurrent fetches evicted it
-        raise Unavailable(f"the host tier ({self.tier.capacity} bytes) cannot keep {key.doc_id} generation "
-                          f"{generation} while the request needs it")
+        if path is not None:
+            return Opened(self._from_tier(path), tkey)
+        src, published = self._start(tenant, key, generation)
+        return Opened(src, None, published)
+
+    def open_older(self, tenant: str, key: DocumentKey) -> Opened | None:
+        """The newest tier entry of a document that has no current generation (the certificate check names it
+        stale), pinned; None when the tier has none."""
+        older = self.tier.older(tenant, key.doc_id)
+        return None if older is None else Opened(self._from_tier(older[1]), older[0])
+
+    def failed(self, reason: FallbackReason, detail: str) -> StagedSource:
+        """A source that delivers nothing: the request meets `reason` when it reads the head."""
+        fut: Future = Future()
+        fut.set_exception(SourceError(reason, detail))
+        return StagedSource(fut, tuple((range(g.lo, g.hi), fut) for g in self.groups))
 
     def take_stats(self) -> FetchStats:
         with self._lock:
@@ -114,7 +186,7 @@ class Prefetcher:
             return out
 
     def close(self) -> None:
-        self._docs.shutdown(wait=False, cancel_futures=True)
+        self._publish.shutdown(wait=False, cancel_futures=True)
         self._streams.shutdown(wait=False, cancel_futures=True)
         for c in self._clients.values():
             c.close()

@@ -167,6 +167,8 @@ def rank_main(group: RankGroup, s: WorkerSettings) -> None:
             signal.signal(sig, lambda *_: stop.set())
         print(f"redknot worker: rank 0 listening on {host}:{http.server_address[1]} (tp {group.size})", flush=True)
 
+    log.info("rank %d on %s (%s)", group.rank, group.device,
+             torch.distributed.get_backend() if group.size > 1 else "single process")
     profile = load_profile(s.profile)
     ident = group.broadcast(checkpoint_identity(s.model, s.fingerprint) if group.leader else None)
     model = load_model(s.model, par=group.par, device=group.device)

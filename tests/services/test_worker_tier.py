@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from runtime.reuse.prefetch import SourceError
 from services.common.tenants import Tenants
-from services.store.client import fallback_reason
-from services.store.errors import NotFound
 from services.worker.engine import RankReport, root_cause
 from services.worker.prefetch import FetchStats, Prefetcher
 from services.worker.tier import HostTier
@@ -49,18 +48,32 @@ def test_prefetcher_fetches_only_its_rank_and_channel_range(tmp_path, store, cli
                     threads=2)
     try:
         pf.warm([("acme", key, 1)])
-        tkey, path = pf.ensure("acme", key, 1)
+        opened = pf.open("acme", key, 1)                   # joins the warm-up's fetch: one fetch, not two
+        assert opened.pinned is None
+        got_groups = [(r, f.result()) for r, f in opened.source.groups]
+        assert [r for r, _ in got_groups] == [range(0, 2), range(2, 3)]
+        head = opened.source.head.result()
+        assert set(head) == {"certificate.msgpack", "manifest.msgpack"}
+        opened.published.result()
         want = {s.name: data for s, data in gen if s.rank == 1}
-        got = {p.name: p.read_bytes() for p in path.iterdir()}
-        assert got == want                                 # every shard of rank 1, none of rank 0
-        assert all(".r0." not in n for n in got)
+        streamed = {**head, **{n: d for _, files in got_groups for n, d in files.items()}}
+        assert streamed == want                            # every shard of rank 1, none of rank 0
+        assert all(".r0." not in n for n in streamed)
+        path = tier.lookup(("acme", key.doc_id, 1))
+        assert {p.name: p.read_bytes() for p in path.iterdir()} == want       # published whole into the tier
+        tier.release(("acme", key.doc_id, 1))
         stats = pf.take_stats()
         assert stats.bytes == sum(len(d) for d in want.values()) and len(stats.seconds) == 1   # fetched once
-        tier.release(tkey)
-        assert pf.ensure("acme", key, 1)[1] == path and pf.take_stats() == FetchStats()       # a tier hit
-        with pytest.raises(NotFound) as e:
-            pf.ensure("acme", key, 2)
-        assert fallback_reason(e.value).value == "missing_shard"
+        hit = pf.open("acme", key, 1)                      # a tier hit: the same bytes, group by group
+        assert hit.pinned == ("acme", key.doc_id, 1) and hit.published is None
+        assert [f.result() for _, f in hit.source.groups] == [files for _, files in got_groups]
+        tier.release(hit.pinned)
+        assert pf.take_stats() == FetchStats()
+        missing = pf.open("acme", key, 2)
+        with pytest.raises(SourceError) as e:
+            missing.source.head.result()
+        assert e.value.reason.value == "missing_shard"
+        assert missing.published.result() is None and tier.lookup(("acme", key.doc_id, 2)) is None
     finally:
         pf.close()
 
