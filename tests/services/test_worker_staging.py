@@ -53,9 +53,15 @@ def setup(tmp_path_factory):
     question = torch.randint(2, CFG.vocab_size, (10,), generator=g).tolist()
     root = tmp_path_factory.mktemp("arts")
     dirs = [build(m, d, PROF, IDENT, root / f"doc{i}", generation=1) for i, d in enumerate(docs)]
+    return m, docs, question, dirs
+
+
+def whole(setup):
+    """`answer` over whole directories: the reference (fresh each time: decoding advances its state)."""
+    m, docs, question, dirs = setup
     ref = answer(m, PROF, docs, dirs, question, IDENT, current_generation=1)
     assert ref.arm == "reuse"
-    return m, docs, question, dirs, ref
+    return ref
 
 
 def _layer(name: str) -> int | None:
@@ -86,7 +92,8 @@ def dir_sources(dirs, trace: Trace, pool: ThreadPoolExecutor, gate: bool) -> lis
 
 
 def test_the_forward_consumes_group_g_while_group_g_plus_1_is_still_arriving(setup):
-    m, docs, question, dirs, ref = setup
+    m, docs, question, dirs = setup
+    ref = whole(setup)
     trace = Trace()
     with ThreadPoolExecutor(8) as pool:
         out = answer_staged(m, PROF, docs, dir_sources(dirs, trace, pool, gate=True), question, IDENT, 1,
@@ -113,7 +120,7 @@ def _corrupt_last_group(src: Path, dst: Path) -> str:
 
 
 def test_a_corrupted_late_group_restarts_the_request_in_the_recompute_arm(setup, tmp_path):
-    m, docs, question, dirs, _ = setup
+    m, docs, question, dirs = setup
     bad = [dirs[0], tmp_path / "doc1"]
     _corrupt_last_group(dirs[1], bad[1])
     full = torch.tensor([t for d in docs for t in pad_document(d, PROF.align, CFG.eos_token_id)] + question)
@@ -149,7 +156,8 @@ def _request(docs, question, arm="reuse") -> Job:
 
 def test_the_worker_streams_groups_from_the_store_then_the_tier_and_falls_back_on_a_late_group(
         setup, store, client, tmp_path):
-    m, docs, question, dirs, ref = setup
+    m, docs, question, dirs = setup
+    ref = whole(setup)
     for d in dirs:
         client.put_artifact([d])
     want = greedy(ref.logits, ref.step, 5, CFG.eos_token_id)
