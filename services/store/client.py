@@ -73,7 +73,9 @@ def _chunks_of(blob: Blob) -> Iterator[bytes]:
 
 class StoreClient:
     def __init__(self, target: str, token: str, *, tls: TlsConfig | None = None, timeout_s: float = 300.0,
-                 options: Sequence[tuple[str, object]] = ()):
+                 options: Sequence[tuple[str, object]] = (), local_socket: str | os.PathLike | None = None):
+        """`local_socket`: the store's local socket on this host (`--local-socket`); `fetch` then goes through it
+        (local_client.py: descriptors instead of a byte stream, verified here), everything else over gRPC."""
         opts = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES), *options]
         if tls is not None:
@@ -86,9 +88,15 @@ class StoreClient:
         self.stub = pb_grpc.ArtifactStoreServiceStub(self.channel)
         self.metadata = (("authorization", f"Bearer {token}"),)
         self.timeout_s = timeout_s
+        self.local = None
+        if local_socket is not None:
+            from .local_client import LocalStoreClient
+            self.local = LocalStoreClient(local_socket, token, timeout_s=timeout_s)
 
     def close(self) -> None:
         self.channel.close()
+        if self.local is not None:
+            self.local.close()
 
     def __enter__(self) -> "StoreClient":
         return self
@@ -158,7 +166,12 @@ class StoreClient:
               ) -> Iterator[FetchedShard]:
         """Shards of one rank of one generation (the current one by default, resolved once by the server).
         The server verified every shard before its last chunk; `verify` hashes it again here (end to end), which
-        a caller that re-checks digests itself (load_artifact does) may turn off."""
+        a caller that re-checks digests itself (load_artifact does) may turn off. With `local_socket`, the shards
+        come through it and are always verified here (the store only checks their sizes there)."""
+        if self.local is not None:
+            yield from self.local.fetch(key, rank, generation=generation, layers=layers, channels=channels,
+                                        names=names)
+            return
         req = pb.FetchShardsRequest(key=wire.key_to_pb(key), generation=generation, rank=rank, names=list(names))
         if layers is not None:
             req.layers.CopyFrom(wire.range_to_pb(layers))

@@ -20,6 +20,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from .blob import BlobBackend, BlobKey, BlobMissing, BlobUnavailable
 from .errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, StoreError, Unavailable
@@ -330,11 +331,13 @@ class ArtifactStore:
         m, cur, gens = await self.index.manifest(tenant, key, generation)
         return ManifestResult(m, cur, gens)
 
-    async def fetch(self, tenant: str, p: FetchParams) -> AsyncIterator[FetchChunk]:
+    async def select(self, tenant: str, p: FetchParams) -> tuple[int, list[ShardSpec]]:
+        """The generation and the shards a fetch selects: the one place a fetch is checked, authorized (by the
+        caller's tenant) and resolved, for the gRPC stream and the local socket alike."""
         key = p.key.check()
         if not isinstance(p.rank, int) or not 0 <= p.rank < key.tp_size:
             raise InvalidArgument(f"rank {p.rank!r} outside tp_size {key.tp_size}")
-        if p.generation < 0:
+        if not isinstance(p.generation, int) or p.generation < 0:
             raise InvalidArgument(f"generation {p.generation!r} is negative")
         for what, r in (("layers", p.layers), ("channels", p.channels)):
             if r is not None:
@@ -344,6 +347,11 @@ class ArtifactStore:
         absent = sorted(set(p.names) - {s.name for s in shards})
         if absent:
             raise NotFound(f"generation {m.generation} rank {p.rank} has no selected shard named {absent}")
+        return m.generation, shards
+
+    async def fetch(self, tenant: str, p: FetchParams) -> AsyncIterator[FetchChunk]:
+        generation, shards = await self.select(tenant, p)
+        doc_id = p.key.doc_id
         # Read ahead: a task reads and hashes the next chunks (at most READ_AHEAD of them, so memory stays
         # bounded per stream) while the transport sends the current one.
         queue: asyncio.Queue = asyncio.Queue(maxsize=READ_AHEAD)
@@ -351,7 +359,7 @@ class ArtifactStore:
         async def produce():
             try:
                 for s in shards:
-                    async for chunk in self._read_verified(tenant, key.doc_id, s, m.generation):
+                    async for chunk in self._read_verified(tenant, doc_id, s, generation):
                         await queue.put(chunk)
                 await queue.put(None)
             except Exception as e:          # noqa: BLE001 - handed to the consumer, which raises it
@@ -397,10 +405,46 @@ class ArtifactStore:
                 pending = FetchChunk(s, generation, 0, b"", False)
             yield FetchChunk(pending.shard, generation, pending.offset, pending.data, True)
             if count:
-                self.metrics.shards_served.inc()
-                self.metrics.bytes_out.inc(s.size)
+                self.metrics.shards_served.labels("grpc").inc()
+                self.metrics.bytes_out.labels("grpc").inc(s.size)
         finally:
             await asyncio.to_thread(f.close)
+
+    # ------------------------------------------------------------------------------- co-located readers
+    async def open_blob(self, tenant: str, doc_id: str, s: ShardSpec) -> BinaryIO:
+        """For the local socket (local_server.py), which hands the descriptor to a co-located reader: the blob of
+        a shard `select` returned, opened read-only with its size checked, so a missing or truncated blob is
+        DataLoss here and counted. The digest is checked by the reader over the bytes it actually reads
+        (local_client.py), which reports a mismatch to `confirm_corrupt`. The caller closes the file."""
+        return await self._blocking(self._open_sized, BlobKey(tenant, doc_id, s.digest), s)
+
+    def _open_sized(self, key: BlobKey, s: ShardSpec) -> BinaryIO:
+        try:
+            f = self.blobs.open_blocking(key)
+        except BlobMissing:
+            self.metrics.digest_failures.labels("read").inc()
+            raise DataLoss(f"shard {s.name!r} (rank {s.rank}): its blob {s.digest[:16]} is missing") from None
+        size = os.fstat(f.fileno()).st_size
+        if size != s.size:
+            f.close()
+            self.metrics.digest_failures.labels("read").inc()
+            raise DataLoss(f"shard {s.name!r} (rank {s.rank}) is corrupt: its blob holds {size} bytes, committed "
+                           f"{s.size}")
+        return f
+
+    async def confirm_corrupt(self, tenant: str, p: FetchParams) -> bool:
+        """A local reader found the one shard `p` names not matching its digest. It is read and hashed again
+        here, and only a blob that really is corrupt counts (in `digest_failures{stage="read"}`, moved by
+        _read_verified), so a false report cannot move the counter."""
+        if len(p.names) != 1 or not p.generation:
+            raise InvalidArgument("a corruption report names one shard of one generation")
+        generation, shards = await self.select(tenant, p)
+        try:
+            async for _ in self._read_verified(tenant, p.key.doc_id, shards[0], generation, count=False):
+                pass
+        except DataLoss:
+            return True
+        return False
 
     async def validate(self, tenant: str, p: ValidateParams) -> Verdict:
         """The store's half of SPEC §6: does the stored generation match what this rank expects? Checks run in

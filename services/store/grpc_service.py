@@ -11,13 +11,12 @@ import time
 
 import grpc
 from google.protobuf.message import DecodeError
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from . import wire
 from .auth import TENANT, wrap_handler
 from .core import ArtifactStore, BeginParams, FetchParams, PutChunk, ValidateParams
 from .errors import InvalidArgument, StoreError, grpc_code
+from .index import index_outage
 from .metrics import StoreMetrics
 from .pb import artifact_store_pb2 as pb
 
@@ -135,9 +134,8 @@ def generic_handler(servicer: StoreServicer) -> grpc.GenericRpcHandler:
 def _status(err: BaseException) -> tuple[grpc.StatusCode, str] | None:
     if isinstance(err, StoreError):
         return grpc_code(err), str(err)
-    if isinstance(err, (RedisConnectionError, RedisTimeoutError)):
-        return grpc.StatusCode.UNAVAILABLE, f"index unavailable: {err}"
-    return None
+    outage = index_outage(err)
+    return None if outage is None else (grpc_code(outage), str(outage))
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):

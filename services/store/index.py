@@ -25,10 +25,20 @@ from dataclasses import dataclass
 
 import msgpack
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.exceptions import WatchError
 
 from .errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable
 from .keys import DocumentKey, Manifest, ShardSpec
+
+
+def index_outage(err: BaseException) -> Unavailable | None:
+    """An index connection failure as the domain error (UNAVAILABLE), for the transports; else None."""
+    if isinstance(err, (RedisConnectionError, RedisTimeoutError)):
+        return Unavailable(f"index unavailable: {err}")
+    return None
+
 
 _BEGIN = """
 local t = redis.call('TIME')

@@ -12,11 +12,15 @@ class StoreMetrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.bytes_in = Counter("redknot_store_bytes_in", "Shard bytes received and verified", registry=r)
-        self.bytes_out = Counter("redknot_store_bytes_out", "Shard bytes served after verification", registry=r)
+        # path: grpc (FetchShards, verified by the server before the last chunk) or local (descriptors handed to a
+        # co-located reader over the local socket after a size check; the reader verifies the digest)
+        self.bytes_out = Counter("redknot_store_bytes_out", "Shard bytes served (path: grpc, local)", ["path"],
+                                 registry=r)
         self.shards_stored = Counter("redknot_store_shards_stored", "Shards stored and verified", registry=r)
         self.shards_deduplicated = Counter("redknot_store_shards_deduplicated",
                                            "Declared shards whose bytes were already stored", registry=r)
-        self.shards_served = Counter("redknot_store_shards_served", "Shards served whole and verified", registry=r)
+        self.shards_served = Counter("redknot_store_shards_served", "Shards served whole (path: grpc, local)",
+                                     ["path"], registry=r)
         self.commits = Counter("redknot_store_commits", "Generation commits by result", ["result"], registry=r)
         self.digest_failures = Counter("redknot_store_digest_failures",
                                        "Bytes that did not match their digest (stage: write, read)", ["stage"],
@@ -27,5 +31,8 @@ class StoreMetrics:
                                  buckets=_LATENCY_BUCKETS, registry=r)
         for stage in ("write", "read"):
             self.digest_failures.labels(stage)        # present at zero, so a rate() works from the start
+        for path in ("grpc", "local"):
+            self.bytes_out.labels(path)
+            self.shards_served.labels(path)
         for result in ("ok", "already_exists", "incomplete", "not_found", "error"):
             self.commits.labels(result)

@@ -18,10 +18,10 @@ from prometheus_client import start_http_server
 
 from .auth import AuthInterceptor, TokenTable
 from .blob_fs import FilesystemBlobs
-from .blob_s3 import S3Blobs
 from .core import ArtifactStore
 from .grpc_service import SERVICE, ErrorInterceptor, StoreServicer, generic_handler
 from .index import RedisIndex
+from .local_server import LocalFetchServer
 from .keys import MAX_MESSAGE_BYTES, Limits
 from .memory import tune_malloc
 from .metrics import StoreMetrics
@@ -33,6 +33,7 @@ log = logging.getLogger("redknot.store")
 def build_blobs(s: Settings):
     if s.backend == "fs":
         return FilesystemBlobs(s.blob_root)
+    from .blob_s3 import S3Blobs         # boto3 is needed only for this backend
     return S3Blobs(endpoint=s.s3_endpoint, bucket=s.s3_bucket, prefix=s.s3_prefix, region=s.s3_region,
                    spool=Path(s.blob_root) / "spool")
 
@@ -78,6 +79,12 @@ async def serve(s: Settings, *, ready: asyncio.Event | None = None, stop: asynci
     if port == 0:
         raise SystemExit(f"cannot listen on {s.listen}")
 
+    local = None
+    if s.local_socket:
+        local = LocalFetchServer(store, tokens, s.local_socket, mode=int(s.local_socket_mode, 8),
+                                 timeout_s=s.local_socket_timeout_s)
+        await local.start()
+
     http = None
     if s.metrics_listen:
         host, mport = _host_port(s.metrics_listen)
@@ -93,8 +100,8 @@ async def serve(s: Settings, *, ready: asyncio.Event | None = None, stop: asynci
     await server.start()
     for name in ("", SERVICE):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("store serving on %s (port %d, backend %s, %d tenants, metrics %s)", s.listen, port, s.backend,
-             len(tokens), s.metrics_listen or "off")
+    log.info("store serving on %s (port %d, backend %s, %d tenants, metrics %s, local socket %s)", s.listen, port,
+             s.backend, len(tokens), s.metrics_listen or "off", s.local_socket or "off")
     print(f"redknot store: serving on port {port}", flush=True)
     if ready is not None:
         ready.set()
@@ -103,6 +110,8 @@ async def serve(s: Settings, *, ready: asyncio.Event | None = None, stop: asynci
     log.info("store stopping: draining for up to %.1fs", s.grace_s)
     for name in ("", SERVICE):
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    if local is not None:
+        await local.close()
     await server.stop(s.grace_s)
     await redis_client.aclose()
     if http is not None:

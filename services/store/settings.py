@@ -41,6 +41,14 @@ class Settings:
     spool_stale_s: float = _s(3600.0, "REDKNOT_STORE_SPOOL_STALE_S",
                               "GC removes spool files untouched this long (abandoned uploads)")
     grace_s: float = _s(10.0, "REDKNOT_STORE_GRACE_S", "on SIGTERM, in-flight RPCs get this long to finish")
+    local_socket: str = _s("", "REDKNOT_STORE_LOCAL_SOCKET",
+                           "fs backend: also serve fetches to co-located readers on this Unix socket path, as open "
+                           "blob descriptors (empty: off)")
+    local_socket_mode: str = _s("0600", "REDKNOT_STORE_LOCAL_SOCKET_MODE",
+                                "file mode of the local socket: 0600 (the store's user) or 0660 (and its group)")
+    local_socket_timeout_s: float = _s(60.0, "REDKNOT_STORE_LOCAL_SOCKET_TIMEOUT_S",
+                                       "local socket: a connection idle, or not reading its answer, this long is "
+                                       "closed")
     failpoints: str = _s("", "REDKNOT_STORE_FAILPOINTS", "testing only: comma-separated points to stop at")
 
     def __post_init__(self):
@@ -48,6 +56,10 @@ class Settings:
             raise ValueError(f"backend {self.backend!r} is not fs or s3")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("--tls-cert and --tls-key go together")
+        if self.local_socket and self.backend != "fs":
+            raise ValueError("--local-socket passes blob files: it needs the fs backend")
+        if self.local_socket_mode not in ("0600", "0660"):
+            raise ValueError(f"--local-socket-mode {self.local_socket_mode!r} is not 0600 or 0660")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("--tls-client-ca (mTLS) needs --tls-cert and --tls-key")
 

@@ -134,9 +134,9 @@ def test_metrics_endpoint(store, client):
     fetch_all(client, key, 0)
     total = sum(s.size for s, _ in gen)
     assert store.metric("redknot_store_bytes_in_total") == total
-    assert store.metric("redknot_store_bytes_out_total") == total
+    assert store.metric("redknot_store_bytes_out_total", 'path="grpc"') == total
     assert store.metric("redknot_store_shards_stored_total") == len(gen)
-    assert store.metric("redknot_store_shards_served_total") == len(gen)
+    assert store.metric("redknot_store_shards_served_total", 'path="grpc"') == len(gen)
     assert store.metric("redknot_store_commits_total", 'result="ok"') == 1
     assert store.metric("redknot_store_rpcs_total", 'code="OK",method="FetchShards"') == 1
     assert store.metric("redknot_store_rpc_seconds_count", 'method="CommitGeneration"') == 1
