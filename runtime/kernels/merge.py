@@ -10,6 +10,8 @@ constant and the parts need not be stacked (a stack would copy them).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ._triton import HAVE_TRITON, check_runnable, tl, triton
@@ -83,3 +85,77 @@ def merge_lse(parts: list[tuple[torch.Tensor, torch.Tensor]], sink: torch.Tensor
     _merge_kernel[grid](o_tab, l_tab, s, out, lse_out, R, H, len(parts),
                         HAS_SINK=has_sink, D=D, BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D, num_warps=4)
     return (out, lse_out) if return_lse else out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Stacked parts: one buffer o [P,T,H,D], lse [P,T,H]; a part that did not cover a row has lse -inf there and its
+# o rows are never read (they may be unwritten). The consumer writes every segment's partial output into its
+# slice of one buffer, so the merge needs no table of pointers (whose host->device copy would stall the stream).
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _merge_stacked_kernel(o_ptr, lse_ptr, sink_ptr, out_ptr, R, H, P, stride_op, stride_lp,
+                              D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+        pid_r = tl.program_id(0)
+        pid_d = tl.program_id(1)
+        rows = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)    # flattened (t, h)
+        rmask = rows < R
+        offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+        dmask = offs_d < D
+        sink = tl.load(sink_ptr + rows % H, mask=rmask, other=0.0).to(tl.float32)
+        m = sink
+        lp = lse_ptr                                                     # running pointers: no i * stride product
+        for i in range(P):
+            m = tl.maximum(m, tl.load(lp + rows, mask=rmask, other=float("-inf")))
+            lp += stride_lp
+        den = tl.exp(sink - m)                                           # the sink joins the denominator once
+        acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+        lp = lse_ptr
+        op = o_ptr
+        for i in range(P):
+            w = tl.exp(tl.load(lp + rows, mask=rmask, other=float("-inf")) - m)
+            den += w
+            live = rmask & (w > 0.0)                                     # rows this part did not cover: unread
+            o = tl.load(op + rows[:, None] * D + offs_d[None, :], mask=live[:, None] & dmask[None, :],
+                        other=0.0).to(tl.float32)
+            acc += w[:, None] * o
+            lp += stride_lp
+            op += stride_op
+        tl.store(out_ptr + rows[:, None] * D + offs_d[None, :], (acc / den[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=rmask[:, None] & dmask[None, :])
+
+
+def merge_stacked_reference(o: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor, out_dtype: torch.dtype,
+                            ranges: list[tuple[int, int]] | None = None) -> torch.Tensor:
+    """Torch path of `merge_stacked`; `ranges[p]` = (lo, hi), the rows part p covered (all rows when None)."""
+    P, T, H, D = o.shape
+    total = torch.logsumexp(torch.cat([lse.float(), sink.float().expand(1, T, H)]), dim=0)   # finite: the sink
+    out = torch.zeros((T, H, D), dtype=torch.float32, device=o.device)
+    for p in range(P):
+        lo, hi = (0, T) if ranges is None else ranges[p]
+        w = torch.exp(lse[p, lo:hi] - total[lo:hi]).unsqueeze(-1)
+        out[lo:hi] += torch.where(w > 0, o[p, lo:hi].float(), 0.0) * w
+    return out.to(out_dtype)
+
+
+def merge_stacked(o: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor, out_dtype: torch.dtype,
+                  ranges: list[tuple[int, int]] | None = None) -> torch.Tensor:
+    """o [P,T,H,D] (float32 or bf16), lse [P,T,H] float32 natural log (-inf where part p has no key for the row:
+    its o rows are then never read), sink [H] -> merged o [T,H,D] in out_dtype, the sink's exp(sink) added to the
+    denominator once. One pass on CUDA (Triton); elsewhere the torch reference (which uses `ranges`)."""
+    P, T, H, D = o.shape
+    assert lse.shape == (P, T, H) and sink.shape == (H,), (o.shape, lse.shape, sink.shape)
+    if not (o.is_cuda and HAVE_TRITON and os.environ.get("REDKNOT_KERNELS", "1") != "0"):
+        return merge_stacked_reference(o, lse, sink, out_dtype, ranges)
+    assert o.stride(-1) == 1 and o[0].is_contiguous() and lse[0].is_contiguous(), "parts must be dense"
+    out = torch.empty((T, H, D), dtype=out_dtype, device=o.device)
+    R = T * H
+    if R == 0:
+        return out
+    BLOCK_D = min(triton.next_power_of_2(D), 512)
+    BLOCK_R = max(1, 4096 // BLOCK_D)
+    grid = (triton.cdiv(R, BLOCK_R), triton.cdiv(D, BLOCK_D))
+    _merge_stacked_kernel[grid](o, lse.float(), sink.float().contiguous(), out, R, H, P, o.stride(0),
+                                lse.stride(0), D=D, BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D, num_warps=4)
+    return out

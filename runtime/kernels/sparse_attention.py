@@ -130,10 +130,12 @@ def default_config(H: int, D: int) -> dict:
 def sparse_mqa_attention(q: torch.Tensor, keys: torch.Tensor, cpos: torch.Tensor, window: int,
                          entries: torch.Tensor | None = None, mode: str = "none", ratio: int = 1,
                          picks: torch.Tensor | None = None, scale: float | None = None,
-                         config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         config: dict | None = None,
+                         out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T,H,D] (roped, bf16/fp16), keys [n,D], cpos [T] (query position in the keys' frame), window W,
     entries [N,D] or None, mode "none" | "causal" | "picks", ratio (causal), picks [T,k] int (-1 = none),
-    scale (default D^-0.5) -> (o [T,H,D] float32 normalized, lse [T,H] float32 natural log, -inf where no key)."""
+    scale (default D^-0.5) -> (o [T,H,D] float32 normalized, lse [T,H] float32 natural log, -inf where no key).
+    `out`: contiguous (o [T,H,D] float32, lse [T,H] float32) to write into (a slice of a caller's buffer)."""
     check_runnable(q)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
@@ -164,8 +166,14 @@ def sparse_mqa_attention(q: torch.Tensor, keys: torch.Tensor, cpos: torch.Tensor
     if mode == "causal" and ratio < 1:
         raise ValueError("causal mode needs ratio >= 1")
 
-    o = torch.empty((T, H, D), dtype=torch.float32, device=q.device)
-    lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
+    if out is None:
+        o = torch.empty((T, H, D), dtype=torch.float32, device=q.device)
+        lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
+    else:
+        o, lse = out
+        assert o.shape == (T, H, D) and lse.shape == (T, H) and o.dtype == lse.dtype == torch.float32, \
+            (o.shape, lse.shape, o.dtype)
+        assert o.is_contiguous() and lse.is_contiguous(), "out buffers must be contiguous"
     if T == 0:
         return o, lse
     k_arg = keys if keys.shape[0] else q                                # n = 0: the window loop never runs

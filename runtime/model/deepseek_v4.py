@@ -245,7 +245,8 @@ class Compressor(nn.Module):
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-row compressor inputs: (kv, gate) [T, width] in float32, gate without the position bias."""
-        return self.wkv(x.float()), self.wgate(x.float())
+        xf = x.float()
+        return self.wkv(xf), self.wgate(xf)
 
     def pool(self, ck, cg, prev_kv, prev_gate, pos) -> torch.Tensor:
         """Blocks ck/cg [nb, r, width] (gate with ape added) -> entries [nb, dim] with RoPE at `pos`.
@@ -362,7 +363,11 @@ class Attention(nn.Module):
     def project(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Per-head outputs [T,H,D] -> projected state P [T, G_local*o_lora_rank]: inverse RoPE at the query
         position (so the output depends on relative positions only), then each group's block of W_a."""
-        o = Rotary.apply(o, *self.rotary.cos_sin(positions), inverse=True)
+        return self.project_relative(Rotary.apply(o, *self.rotary.cos_sin(positions), inverse=True))
+
+    def project_relative(self, o: torch.Tensor) -> torch.Tensor:
+        """`project` on outputs whose inverse RoPE is already applied (the reuse consumer de-rotates each segment's
+        partial output at its own shifted query position): each group's block of W_a."""
         T, G, R = o.shape[0], self.n_groups, self.cfg.o_lora_rank
         o = o.reshape(T, G, -1).to(self.wo_a.weight.dtype)
         w = self.wo_a.weight.view(G, R, -1)

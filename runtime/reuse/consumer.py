@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.model.config import CSA, HCA
-from runtime.model.deepseek_v4 import (NEG_INF, Block, CompressorState, LayerCache, Rotary, Transformer, _lse_attend,
-                                       merge_with_sink, unweighted_rms_norm)
-from runtime.kernels import enabled, sparse_mqa_attention
+from runtime.model.config import CSA, HCA, WINDOW
+from runtime.model.deepseek_v4 import NEG_INF, Block, CompressorState, LayerCache, Rotary, Transformer, unweighted_rms_norm
+from runtime.kernels import enabled, merge_stacked, rope_, sparse_mqa_attention
+from runtime.kernels.reference import sparse_mqa_reference
 from .artifact import DocumentArtifact, LayerArtifact
 from .controller import choose_active
 from .ledger import Ledger
@@ -37,106 +37,94 @@ class SegmentKeys:
     index_keys: torch.Tensor | None = None    # [N, id]
 
 
-def _window_part(attn, q, cpos, seg: SegmentKeys, scale):
-    """q already rotated to the segment's frame; rows cpos-W+1..cpos clipped to the segment."""
-    W, n = attn.cfg.window_size, seg.latent.shape[0]
-    rows = cpos[:, None] - W + 1 + torch.arange(W, device=cpos.device)
-    valid = (rows >= 0) & (rows < n)
-    k = seg.latent[rows.clamp(0, max(n - 1, 0))]
-    s = torch.einsum("thd,twd->thw", q, k.to(q.dtype)).float() * scale
-    s = s.masked_fill(~valid[:, None, :], NEG_INF)
-    return _lse_attend(s, k, "thw,twd->thd"), valid.sum()
+def _angles(attn, qpos, lo, hi, delta, trig):
+    """cos/sin at t - delta for rows lo..hi. Every non-window layer has the same rotary (YaRN, compress theta) and
+    every window layer the same plain one (Attention.__init__), so one cache per call's rows serves all layers."""
+    key = (attn.kind == WINDOW, lo, hi, delta)
+    if trig is not None and key in trig:
+        return trig[key]
+    cs = attn.rotary.cos_sin(qpos[lo:hi] - delta)
+    if trig is not None:
+        trig[key] = cs
+    return cs
 
 
-class _OnlineMerge:
-    """Running log-sum-exp merge of partial outputs over row subsets; the sink joins once at the end."""
-
-    def __init__(self, T, H, D, device):
-        self.lse = torch.full((T, H), NEG_INF, device=device)
-        self.o = torch.zeros((T, H, D), device=device)
-
-    def add(self, rows, o, lse):
-        old = self.lse[rows]
-        new = torch.logaddexp(old, lse)
-        safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
-        w_old = torch.where(torch.isinf(old), torch.zeros_like(old), torch.exp(old - safe))
-        w_new = torch.where(torch.isinf(lse), torch.zeros_like(lse), torch.exp(lse - safe))
-        self.o[rows] = self.o[rows] * w_old.unsqueeze(-1) + o.float() * w_new.unsqueeze(-1)
-        self.lse[rows] = new
-
-    def finish(self, sink):
-        total = torch.logaddexp(self.lse, sink.float()[None, :])
-        return self.o * torch.exp(self.lse - total).unsqueeze(-1)
-
-
-def _pair_count(cl, seg, W, attn, mode, picks) -> torch.Tensor:
-    """(query, key) pairs the fused kernel attends for these rows: clipped window rows plus visible entries."""
-    n = seg.latent.shape[0]
-    lo, hi = (cl - W + 1).clamp(min=0), cl.clamp(max=n - 1)
-    total = (hi - lo + 1).clamp(min=0).sum()
-    if mode == "causal":
-        total = total + ((cl + 1) // attn.ratio).clamp(max=seg.entries.shape[0]).sum()
-    elif mode == "picks":
-        total = total + (picks >= 0).sum()
-    return total
+def _plan(attn, host, segments, picks, own_picks):
+    """Which rows each segment serves (rows come in increasing position, so a contiguous range found on the
+    host): its window rows reach queries up to W-1 rows past its end; its entries every later query (HCA, or
+    CSA picks over the union of segments); own picks only the segment's own rows. -> [(j, lo, hi, mode, picks)]"""
+    T, W = host.shape[0], attn.cfg.window_size
+    plan = []
+    for j, seg in enumerate(segments):
+        n = seg.latent.shape[0]
+        lo = int(torch.searchsorted(host, seg.delta))
+        win_hi = int(torch.searchsorted(host, seg.delta + n + W - 1))
+        n_ent = 0 if seg.entries is None else seg.entries.shape[0]
+        mode, hi, pk = "none", win_hi, None
+        if attn.kind == HCA and n_ent:
+            mode, hi = "causal", T
+        elif attn.kind == CSA and n_ent and own_picks is not None:
+            own_hi = int(torch.searchsorted(host, seg.delta + n))
+            if own_hi > lo:      # rows past the segment's end (the next one's first W-1) see its window only
+                pk = own_picks[lo:own_hi]
+                if win_hi > own_hi:
+                    pk = torch.cat([pk, pk.new_full((win_hi - own_hi, pk.shape[1]), -1)])
+                mode = "picks"
+        elif attn.kind == CSA and n_ent and picks is not None and picks[j] is not None:
+            mode, hi, pk = "picks", T, picks[j][lo:]
+        if hi > lo:
+            plan.append((j, lo, hi, mode, pk))
+    return plan
 
 
 def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: list[SegmentKeys], sink: torch.Tensor,
-                      idx_inputs=None, picks: list | None = None,
-                      qpos_host: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """q_raw [T,H,D] normed, not yet roped; qpos request positions. Returns the merged per-head output in the
-    request frame [T,H,D] (before the inverse output RoPE) and the number of (query, key) pairs attended (a
-    tensor, so no host sync). A query works only on the segments it can see: a segment's window rows only for
-    queries within W-1 rows past its end, its entries only for queries at or after its start."""
+                      idx_inputs=None, picks: list | None = None, qpos_host: torch.Tensor | None = None,
+                      own_picks: torch.Tensor | None = None, trig: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q_raw [T,H,D] normed, not yet roped; qpos request positions (increasing). Returns the merged per-head output
+    [T,H,D] in q_raw's dtype WITH the inverse output RoPE applied (ready for W_a), and the number of (query, key)
+    pairs attended (a tensor, so no host sync).
+
+    Per segment j at Delta_j, only on the rows it serves: the query's RoPE channels are rotated to t - Delta_j (a
+    64-channel write into one shared copy of q), the fused sparse attention (or its torch reference) writes the
+    partial output and LSE into slice j of one stacked buffer, and the partial output's RoPE channels are
+    de-rotated at t - Delta_j (+Delta_j into the request frame, then the inverse output RoPE at t, in one
+    rotation). One pass then merges every row's parts with the sink once. `own_picks` [T, k]: each row's entry
+    picks in its own segment (the artifact's, global_picks="artifact"); else CSA picks are the native indexer's
+    top-k over the union of all segments' visible entries."""
     T, H, D = q_raw.shape
     W = attn.cfg.window_size
-    merge = _OnlineMerge(T, H, D, q_raw.device)
-    pairs = torch.zeros((), dtype=torch.long, device=q_raw.device)
-    cpos_all = [qpos - s.delta for s in segments]
-    if attn.kind == CSA and picks is None:
-        picks = _indexer_picks(attn, cpos_all, segments, idx_inputs)
-    # rows come in increasing position: the rows a segment serves are contiguous, found on the host (no sync)
     host = (qpos.cpu() if qpos_host is None else qpos_host).contiguous()
-    for j, seg in enumerate(segments):
-        first = int(torch.searchsorted(host, seg.delta))
-        if first == T:
-            continue
-        live = slice(first, T)
-        cl = cpos_all[j][live]
-        q = Rotary.apply(q_raw[live], *attn.rotary.cos_sin(cl))
-        cos_d, sin_d = attn.rotary.cos_sin(torch.full((1,), seg.delta, device=qpos.device))
-
-        def to_request(o):   # the segment's values carry RoPE at canonical positions
-            return Rotary.apply(o, cos_d.expand(o.shape[0], -1), sin_d.expand(o.shape[0], -1))
-        if enabled(q):   # fused: window rows and entries of this segment in one pass
-            n_ent = 0 if seg.entries is None else seg.entries.shape[0]
-            mode = "causal" if attn.kind == HCA and n_ent else "picks" if attn.kind == CSA and picks[j] is not None \
-                else "none"
-            o, lse = sparse_mqa_attention(q, seg.latent, cl, W, seg.entries if mode != "none" else None, mode,
-                                          attn.ratio or 1, picks[j][live] if mode == "picks" else None, attn.scale)
-            merge.add(live, to_request(o), lse)
-            pairs = pairs + _pair_count(cl, seg, W, attn, mode, picks[j][live] if mode == "picks" else None)
-            continue
-        end = int(torch.searchsorted(host, seg.delta + seg.latent.shape[0] + W - 1))
-        if end > first:
-            near = slice(0, end - first)
-            (o, lse), n = _window_part(attn, q[near], cl[near], seg, attn.scale)
-            merge.add(slice(first, end), to_request(o), lse)
-            pairs = pairs + n
-        if attn.kind == HCA and seg.entries is not None and seg.entries.shape[0]:
-            vis = torch.arange(seg.entries.shape[0], device=q.device)[None, :] < ((cl + 1) // attn.ratio)[:, None]
-            s = torch.einsum("thd,nd->thn", q, seg.entries.to(q.dtype)).float() * attn.scale
-            o, lse = _lse_attend(s.masked_fill(~vis[:, None, :], NEG_INF), seg.entries, "thn,nd->thd")
-            merge.add(live, to_request(o), lse)
-            pairs = pairs + vis.sum()
-        elif attn.kind == CSA and picks[j] is not None:
-            idx = picks[j][live]
-            k = seg.entries[idx.clamp(min=0)]
-            s = torch.einsum("thd,tkd->thk", q, k.to(q.dtype)).float() * attn.scale
-            o, lse = _lse_attend(s.masked_fill((idx < 0)[:, None, :], NEG_INF), k, "thk,tkd->thd")
-            merge.add(live, to_request(o), lse)
-            pairs = pairs + (idx >= 0).sum()
-    return merge.finish(sink), pairs
+    if attn.kind == CSA and picks is None and own_picks is None:
+        picks = _indexer_picks(attn, [qpos - s.delta for s in segments], segments, idx_inputs)
+    plan = _plan(attn, host, segments, picks, own_picks)
+    o_buf = torch.empty((len(plan), T, H, D), dtype=torch.float32, device=q_raw.device)
+    lse_buf = torch.full((len(plan), T, H), NEG_INF, dtype=torch.float32, device=q_raw.device)
+    q = q_raw.clone()                     # the 448 non-RoPE channels are shared by every part
+    fast = enabled(q_raw)
+    pairs, pairs_host = torch.zeros((), dtype=torch.long, device=q_raw.device), 0
+    for p, (j, lo, hi, mode, pk) in enumerate(plan):
+        seg = segments[j]
+        cos, sin = _angles(attn, qpos, lo, hi, seg.delta, trig)
+        qs = rope_(q[lo:hi], cos, sin, src=q_raw[lo:hi])
+        cl = qpos[lo:hi] - seg.delta
+        ent = seg.entries if mode != "none" else None
+        o, lse = o_buf[p, lo:hi], lse_buf[p, lo:hi]
+        if fast:
+            sparse_mqa_attention(qs, seg.latent, cl, W, ent, mode, attn.ratio or 1, pk, attn.scale, out=(o, lse))
+        else:
+            ro, rl = sparse_mqa_reference(qs, seg.latent, cl, W, ent, mode, attn.ratio or 1, pk, attn.scale)
+            o.copy_(ro)
+            lse.copy_(rl)
+        rope_(o, cos, sin, inverse=True)
+        # pairs the kernel attends: clipped window rows plus visible entries (counted on the host where it can)
+        ch, n = host[lo:hi] - seg.delta, seg.latent.shape[0]
+        pairs_host += int((ch.clamp(max=n - 1) - (ch - W + 1).clamp(min=0) + 1).clamp(min=0).sum())
+        if mode == "causal":
+            pairs_host += int(((ch + 1) // attn.ratio).clamp(max=seg.entries.shape[0]).sum())
+        elif mode == "picks":
+            pairs = pairs + (pk >= 0).sum()
+    out = merge_stacked(o_buf, lse_buf, sink, q_raw.dtype, [(lo, hi) for _, lo, hi, _, _ in plan])
+    return out, pairs + pairs_host
 
 
 def _indexer_picks(attn, cpos_all, segments, idx_inputs):
@@ -165,6 +153,65 @@ def _indexer_picks(attn, cpos_all, segments, idx_inputs):
 
 
 # ============================================================================ request state
+
+# ============================================================================ per-request row plan
+
+@dataclass
+class _Rows:
+    """The rows of one call (active rows, or the others), fixed for a request: their indices among the call's
+    rows (None: all of them, in order), request positions on the device and on the host, and the RoPE angles each
+    segment needs (per query chunk; built in the first reusable layer, reused by the others)."""
+    idx: torch.Tensor | None
+    pos: torch.Tensor
+    pos_host: torch.Tensor
+    trig: dict = field(default_factory=dict)
+
+    @property
+    def n(self) -> int:
+        return self.pos_host.shape[0]
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.idx is None else t.index_select(0, self.idx)
+
+    def put(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        """dst with these rows replaced by src (out of place)."""
+        return src if self.idx is None else dst.index_copy(0, self.idx, src.to(dst.dtype))
+
+    def put_(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        """These rows of dst replaced by src, in place (or src itself when these are all the rows)."""
+        return src if self.idx is None else dst.index_copy_(0, self.idx, src.to(dst.dtype))
+
+
+@dataclass
+class _Split:
+    """Active rows (every head, MoE) and the others (Global heads + restored Local), decided once per request;
+    every index tensor the reusable layers need is built here, so the per-layer path has no host syncs."""
+    act: _Rows | None
+    rest: _Rows | None
+    # relocated documents: per document (its index in docs, its active rows' local ids, their offset in the active
+    # relocated rows) and (its other rows' local ids, their offset among the other rows)
+    act_local: list = field(default_factory=list)
+    rest_local: list = field(default_factory=list)
+    act_reloc: torch.Tensor | None = None       # active relocated rows among the call's rows [n_ar]
+    act_cpos: torch.Tensor | None = None        # their canonical positions in their own document
+    blocks: dict = field(default_factory=dict)  # (ratio, overlap) -> _BlockPlan
+    seg_ranges: list = field(default_factory=list)   # relocated documents: (start row, n)
+    ra_host: torch.Tensor | None = None         # row_active on the host
+
+
+@dataclass
+class _BlockPlan:
+    """Compressed blocks of the relocated documents to re-pool (blocks holding an active row) and the rows whose
+    compressor projections that needs (with overlap: each such block's predecessor, and every document's last
+    block, whose Ca half carries into the next segment). Indices into the stacked `needed` blocks."""
+    need_rows: torch.Tensor                     # call rows to project, needed block after needed block
+    n_need: int
+    dirty_src: torch.Tensor                     # per dirty block: its index among the needed blocks
+    dirty_pos: torch.Tensor                     # per dirty block: its first canonical position (block id x ratio)
+    prev_src: torch.Tensor | None               # per dirty block: its predecessor's index + 1 (0 = the prefix's state)
+    per_doc: list                               # (doc index, dirty block ids, offset among dirty blocks)
+    carry: int                                  # the last document's last block among the needed blocks
+
 
 @dataclass
 class ReuseResult:
@@ -200,7 +247,7 @@ class ReuseEngine:
         m, cfg, prof = self.model, self.cfg, self.profile
         dev = m.embed.weight.device
         prefix, reloc = docs[0], docs[1:]
-        self._docs = docs
+        self._docs, self._deferred = docs, []
         deltas, pos = [], 0
         for d in docs:
             assert d.n % prof.align == 0, "artifacts are padded to the profile's alignment"
@@ -235,9 +282,11 @@ class ReuseEngine:
                 continue
             if active is None:
                 active = self._choose_active(deviation, idx_score, reloc, deltas[1:], q_start, len(question))
-                ledger.set_active(int(active.sum()))
-            x = self._reusable_layer(i, block, x, tokens, positions, docs, deltas, active, state, ledger,
+                split = self._split(active, positions, reloc, len(question))
+                ledger.set_active(split.act_reloc.shape[0])
+            x = self._reusable_layer(i, block, x, tokens, positions, docs, deltas, split, state, ledger,
                                      fence=artifact_fence)
+        self._flush(ledger)
         logits = m.logits(x[-1:])[0]
         act_pos = positions[:n_reloc][active] if active is not None else positions[:0]
         return ReuseResult(logits, ledger, act_pos, state)
@@ -287,21 +336,103 @@ class ReuseEngine:
         return choose_active(self.profile, deviation, idx_score, [d.n for d in reloc], deltas, q_start, n_q)
 
     # ------------------------------------------------------------------------------------------------
-    def _reusable_layer(self, i, block, x, tokens, positions, docs, deltas, active, state, ledger, fence=False):
+    def _split(self, active, positions, reloc, n_q) -> _Split:
+        """Every per-request index the reusable layers use, built once (the only host syncs of the reuse
+        layers are here)."""
+        dev = positions.device
+        n_reloc = active.shape[0]
+        row_active = torch.cat([active, torch.ones(n_q, dtype=torch.bool, device=dev)])
+        ra_host, pos_host = row_active.cpu(), positions.cpu()
+        act_h, rest_h = torch.nonzero(ra_host).flatten(), torch.nonzero(~ra_host).flatten()
+
+        def rows(ids):
+            if ids.numel() == 0:
+                return None
+            if ids.numel() == row_active.shape[0]:
+                return _Rows(None, positions, pos_host)
+            d = ids.to(dev)
+            return _Rows(d, positions.index_select(0, d), pos_host[ids])
+        sp = _Split(rows(act_h), rows(rest_h))
+        a = n_act = n_rest = 0
+        for j, d in enumerate(reloc, start=1):
+            mine = ra_host[a:a + d.n]
+            ai, ri = torch.nonzero(mine).flatten(), torch.nonzero(~mine).flatten()
+            if ai.numel():
+                sp.act_local.append((j, ai.to(dev), n_act))
+            if ri.numel():
+                sp.rest_local.append((j, ri.to(dev), n_rest))
+            sp.seg_ranges.append((a, d.n))
+            n_act, n_rest, a = n_act + ai.numel(), n_rest + ri.numel(), a + d.n
+        ar = act_h[act_h < n_reloc]
+        sp.act_reloc = ar.to(dev)
+        starts = torch.tensor([st for st, _ in sp.seg_ranges], dtype=torch.long)
+        owner = torch.searchsorted(starts, ar, right=True) - 1
+        sp.act_cpos = (ar - starts[owner]).to(dev) if ar.numel() else ar.to(dev)
+        sp.ra_host = ra_host
+        return sp
+
+    def _block_plan(self, sp: _Split, r: int, overlap: bool) -> _BlockPlan:
+        if (r, overlap) in sp.blocks:
+            return sp.blocks[(r, overlap)]
+        ra = sp.ra_host
+        need_rows, dirty_src, dirty_pos, prev_src, per_doc = [], [], [], [], []
+        n_need, carry = 0, -1
+        last_of_prev = 0                                  # predecessor of a document's first block: 0 = prefix
+        for j, (a, n) in enumerate(sp.seg_ranges, start=1):
+            nb = n // r
+            blk = ra[a:a + nb * r].view(nb, r).any(dim=1)
+            needed = blk.clone()
+            if overlap:
+                needed[:-1] |= blk[1:]
+                needed[-1] = True
+            ids = torch.nonzero(needed).flatten()
+            where = torch.full((nb,), -1, dtype=torch.long)
+            where[ids] = torch.arange(n_need, n_need + ids.numel())
+            need_rows.append((a + ids[:, None] * r + torch.arange(r)).flatten())
+            B = torch.nonzero(blk).flatten()
+            if B.numel():
+                per_doc.append((j, B, sum(x.numel() for x in dirty_src)))
+                dirty_src.append(where[B])
+                dirty_pos.append(B * r)
+                if overlap:
+                    prev = torch.where(B > 0, where[(B - 1).clamp(min=0)] + 1, torch.full_like(B, last_of_prev))
+                    prev_src.append(prev)
+            if overlap:
+                carry = int(where[nb - 1])
+                last_of_prev = carry + 1
+            n_need += ids.numel()
+        dev = sp.act_reloc.device
+        cat = (lambda xs: torch.cat(xs).to(dev) if xs else torch.zeros(0, dtype=torch.long, device=dev))
+        plan = _BlockPlan(cat(need_rows), n_need, cat(dirty_src), cat(dirty_pos), cat(prev_src) if overlap else None,
+                          [(j, B.to(dev), off) for j, B, off in per_doc], carry)
+        sp.blocks[(r, overlap)] = plan
+        return plan
+
+    def _defer(self, ledger, method: str, *args) -> None:
+        """Ledger counts that are device tensors are settled once at the end of the request (no per-layer sync)."""
+        if ledger is not None:
+            self._deferred.append((getattr(ledger, method), args))
+
+    def _flush(self, ledger) -> None:
+        calls, self._deferred = self._deferred, []
+        tensors = [a for _, args in calls for a in args if isinstance(a, torch.Tensor)]
+        vals = iter(torch.stack([t.double() for t in tensors]).tolist()) if tensors else iter(())
+        for fn, args in calls:
+            fn(*[next(vals) if isinstance(a, torch.Tensor) else a for a in args])
+
+    def _reusable_layer(self, i, block, x, tokens, positions, docs, deltas, split, state, ledger, fence=False):
         """Prefill of one reusable layer (or, with `fence`, a last fence taking non-active rows' KV from the
         artifact): build the relocated segments' keys, then one pass over the rows."""
         attn = block.attn
-        n_reloc = active.shape[0]
+        n_reloc = sum(n for _, n in split.seg_ranges)
         h, post, comb = block.hc_pre(x, "attn")
         hn = block.attn_norm(h)
-        segs, comp_state, idx_state = self._relocated_keys(i, attn, hn, docs, deltas, active, ledger)
+        segs, comp_state, idx_state = self._relocated_keys(i, attn, hn, docs, deltas, split, ledger)
         state.seg_keys[i] = segs
         state.new_comp[i], state.new_index[i] = comp_state, idx_state
         state.new_latent[i] = hn.new_zeros((0, self.cfg.head_dim))
-        row_active = torch.cat([active, torch.ones(x.shape[0] - n_reloc, dtype=torch.bool, device=x.device)])
-        local = torch.cat([d.layers[i].local_p for d in docs[1:]]) if n_reloc and not fence else None
-        return self._rows(i, block, x, hn, post, comb, tokens, positions, row_active, n_reloc, state, ledger,
-                          local, fence)
+        return self._rows(i, block, x, hn, post, comb, tokens, split, n_reloc, state, ledger,
+                          docs if n_reloc and not fence else None, fence)
 
     @torch.inference_mode()
     def generate(self, docs: list[DocumentArtifact], question: list[int], max_new_tokens: int,
@@ -326,48 +457,69 @@ class ReuseEngine:
         tokens = torch.tensor([token], device=dev)
         positions = torch.tensor([state.pos], device=dev)
         x = m.embed_streams(tokens)
-        one = torch.ones(1, dtype=torch.bool, device=dev)
+        one = _Split(_Rows(None, positions, torch.tensor([state.pos])), None)
         for i, block in enumerate(m.layers):
             if i in state.fence_caches:
                 x = block(x, tokens, positions, state.fence_caches[i], m.q_chunk)
                 continue
             h, post, comb = block.hc_pre(x, "attn")
-            x = self._rows(i, block, x, block.attn_norm(h), post, comb, tokens, positions, one, 0, state, None,
-                           None, self.profile.is_fence(self.cfg, i))
+            x = self._rows(i, block, x, block.attn_norm(h), post, comb, tokens, one, 0, state, None, None,
+                           self.profile.is_fence(self.cfg, i))
         state.pos += 1
         return m.logits(x)[0]
 
-    def _relocated_keys(self, i, attn, hn, docs, deltas, active, ledger):
+    def _relocated_keys(self, i, attn, hn, docs, deltas, sp: _Split, ledger):
         """Keys of the prefix (its artifact) and of every relocated segment (artifact, with the active rows'
         recomputed latent and their blocks' re-pooled entries overlaid on copies); returns the compressor
-        states carried to the new rows' segment."""
+        states carried to the new rows' segment. The active rows of all documents go through one projection."""
         arts0 = docs[0].layers[i]
         segs = [SegmentKeys(0, arts0.latent, arts0.entries, arts0.index_keys)]
-        comp_state = CompressorState(prev_kv=_prev(arts0.comp_prev, 0), prev_gate=_prev(arts0.comp_prev, 1))
-        idx_state = CompressorState(prev_kv=_prev(arts0.index_prev, 0), prev_gate=_prev(arts0.index_prev, 1))
-        a = 0
-        for d, delta in zip(docs[1:], deltas[1:]):
-            art = d.layers[i]
-            rows = slice(a, a + d.n)
-            act = active[rows]
-            latent = art.latent
-            if act.any():
-                cpos = torch.arange(d.n, device=hn.device)
-                latent = art.latent.clone()
-                latent[act] = attn.latent(hn[rows][act], cpos[act]).to(latent.dtype)
-                ledger.latent_rows(int(act.sum()))
-            seg = SegmentKeys(delta, latent, art.entries, art.index_keys)
-            if attn.compressor is not None:
-                seg.entries = self._overlay_entries(attn.compressor, hn[rows], act, art.entries, comp_state)
-            if attn.indexer is not None:
-                seg.index_keys = self._overlay_entries(attn.indexer.compressor, hn[rows], act, art.index_keys,
-                                                       idx_state)
-            segs.append(seg)
-            a += d.n
+        latents = {j: docs[j].layers[i].latent for j in range(1, len(docs))}
+        if sp.act_local:
+            fresh = attn.latent(hn.index_select(0, sp.act_reloc), sp.act_cpos)
+            for j, ids, off in sp.act_local:
+                latents[j] = latents[j].clone().index_copy_(0, ids, fresh[off:off + ids.numel()].to(latents[j].dtype))
+            self._defer(ledger, "latent_rows", sp.act_reloc.shape[0])
+        entries = {j: docs[j].layers[i].entries for j in range(1, len(docs))}
+        index_keys = {j: docs[j].layers[i].index_keys for j in range(1, len(docs))}
+        comp_state, idx_state = CompressorState(), CompressorState()
+        if attn.compressor is not None:
+            comp_state = self._overlay_entries(attn.compressor, hn, sp, entries, arts0.comp_prev)
+        if attn.indexer is not None:
+            idx_state = self._overlay_entries(attn.indexer.compressor, hn, sp, index_keys, arts0.index_prev)
+        for j, delta in zip(range(1, len(docs)), deltas[1:]):
+            segs.append(SegmentKeys(delta, latents[j], entries[j], index_keys[j]))
         return segs, comp_state, idx_state
 
-    def _rows(self, i, block, x, hn, post, comb, tokens, positions, row_active, n_reloc, state, ledger, local,
-              fence):
+    def _overlay_entries(self, comp, hn, sp: _Split, entries: dict, prefix_prev) -> CompressorState:
+        """Re-pool, for every relocated document at once, the compressed entries of blocks holding any active row
+        from the current hidden states (the overlap half carried across each join from the previous segment),
+        replacing `entries[j]` by a copy with those blocks overlaid; only the needed blocks' rows are projected.
+        Returns the compressor state carried into the new rows' segment."""
+        r, D = comp.ratio, comp.dim
+        plan = self._block_plan(sp, r, comp.overlap)
+        carried = CompressorState(prev_kv=None if prefix_prev is None else prefix_prev[0],
+                                  prev_gate=None if prefix_prev is None else prefix_prev[1])
+        if plan.n_need == 0:
+            return carried
+        kv, gate = comp.project(hn.index_select(0, plan.need_rows))
+        ck, cg = kv.view(plan.n_need, r, -1), gate.view(plan.n_need, r, -1) + comp.ape
+        if plan.dirty_src.numel():
+            prev_kv = prev_gate = None
+            if comp.overlap:   # slot 0: the prefix's carried half (none: weight 0), then every needed block's Ca half
+                pk0 = ck.new_zeros((1, r, D)) if prefix_prev is None else prefix_prev[0].to(ck.dtype)[None]
+                pg0 = cg.new_full((1, r, D), NEG_INF) if prefix_prev is None else prefix_prev[1].to(cg.dtype)[None]
+                prev_kv = torch.cat([pk0, ck[:, :, :D]]).index_select(0, plan.prev_src)
+                prev_gate = torch.cat([pg0, cg[:, :, :D]]).index_select(0, plan.prev_src)
+            fresh = comp.pool(ck.index_select(0, plan.dirty_src), cg.index_select(0, plan.dirty_src), prev_kv,
+                              prev_gate, plan.dirty_pos)
+            for j, B, off in plan.per_doc:
+                entries[j] = entries[j].clone().index_copy_(0, B, fresh[off:off + B.numel()].to(entries[j].dtype))
+        if comp.overlap:
+            carried.prev_kv, carried.prev_gate = ck[plan.carry, :, :D].clone(), cg[plan.carry, :, :D].clone()
+        return carried
+
+    def _rows(self, i, block, x, hn, post, comb, tokens, sp: _Split, n_reloc, state, ledger, docs, fence):
         """One layer over the rows of this call: rows [0, n_reloc) are relocated rows (active or not), the rest
         new rows, whose latent and compressor state extend the request's own segment. Active rows: every head,
         MoE (adaptive fanout, or native top-k in a fence); other rows: Global heads + restored W_a,L O_L, FFN per
@@ -386,157 +538,109 @@ class ReuseEngine:
         all_segs = state.seg_keys[i] + [new_seg]
 
         qr = attn.q_norm(attn.wq_a(hn))
-        P = hn.new_zeros((M, attn.n_groups * cfg.o_lora_rank))
-        pairs = torch.zeros((), dtype=torch.long, device=x.device)
-        rest = ~row_active
-        ra_host, pos_host = row_active.cpu(), positions.cpu()     # row selection decided on the host, once
-        if ra_host.any():                          # every head, native W_a
-            q = unweighted_rms_norm(attn.wq_b(qr[row_active]).view(-1, attn.n_heads, cfg.head_dim), cfg.norm_eps)
-            o, p = self._attend(attn, q, positions[row_active], all_segs, attn.attn_sink,
-                                hn[row_active], qr[row_active], qpos_host=pos_host[ra_host])
-            P[row_active] = attn.project(o.to(hn.dtype), positions[row_active]).to(P.dtype)
-            pairs += p * attn.n_heads
-        if not fence and not bool(ra_host.all()):  # Global heads only, their slice of wq_b and of W_a
+        act, rest = sp.act, (None if fence else sp.rest)
+        pairs = 0
+        P = (hn.new_zeros if sp.rest is not None and fence else hn.new_empty)((M, attn.n_groups * cfg.o_lora_rank))
+        if act is not None:                        # every head, native W_a
+            qa = act.take(qr)
+            q = unweighted_rms_norm(attn.wq_b(qa).view(-1, attn.n_heads, cfg.head_dim), cfg.norm_eps)
+            o, p = self._attend(attn, q, act, all_segs, attn.attn_sink, act.take(hn) if attn.indexer else None, qa)
+            P = act.put_(P, attn.project_relative(o.to(hn.dtype)))
+            pairs = pairs + p * attn.n_heads
+        if rest is not None:                       # Global heads only, their slice of wq_b and of W_a
             gm = self.gmask.to(x.device)
-            Hg = int(gm.sum())
+            Hg = int(self.gmask.sum())
             wq = attn.wq_b.weight.view(attn.n_heads, cfg.head_dim, -1)[gm].reshape(Hg * cfg.head_dim, -1)
-            q = unweighted_rms_norm(torch.nn.functional.linear(qr[rest].to(wq.dtype), wq).view(-1, Hg, cfg.head_dim),
+            qg = rest.take(qr)
+            q = unweighted_rms_norm(torch.nn.functional.linear(qg.to(wq.dtype), wq).view(-1, Hg, cfg.head_dim),
                                     cfg.norm_eps)
-            picks = None
-            if attn.kind == CSA and self.profile.global_picks == "artifact" and not fence and local is not None:
-                picks = self._own_picks(i, rest, n_reloc, len(all_segs))
-            o, p = self._attend(attn, q, positions[rest], all_segs, attn.attn_sink[gm], hn[rest], qr[rest], picks,
-                                qpos_host=pos_host[~ra_host])
-            P[rest] = self._project_global(attn, o.to(hn.dtype), positions[rest]).to(P.dtype)
-            pairs += p * Hg
-            if local is not None:
-                P[:n_reloc][rest[:n_reloc]] += local[rest[:n_reloc]].to(P.dtype)
-        restore = rest[:n_reloc]
+            own = None
+            if attn.kind == CSA and prof.global_picks == "artifact" and docs is not None:
+                own = self._own_picks(i, sp)
+            o, p = self._attend(attn, q, rest, all_segs, attn.attn_sink[gm], rest.take(hn) if attn.indexer else None,
+                                qg, own)
+            pg = self._project_global(attn, o.to(hn.dtype))
+            if docs is not None:                   # restore W_a,L O_L of these rows from their documents
+                for j, ids, off in sp.rest_local:
+                    pg[off:off + ids.numel()] += docs[j].layers[i].local_p.index_select(0, ids).to(pg.dtype)
+            P = rest.put_(P, pg)
+            pairs = pairs + p * Hg
+        par = self.model.par.size                  # every rank holds its own heads
+        self._defer(ledger, "reusable_layer", i, act.n if act else 0, 0 if fence or not sp.rest else sp.rest.n,
+                    (0 if fence else int(self.gmask.sum())) * par, pairs * par,
+                    (act.n if act else 0) if (fence or prof.global_picks == "artifact") else M)
         x_attn = block.hc_post(attn.output(P), x, post, comb)
-        if ledger is not None:
-            online_idx = int(row_active.sum()) if (fence or self.profile.global_picks == "artifact") else M
-            ledger.reusable_layer(i, active_rows=int(row_active.sum()), restored_rows=0 if fence else int(restore.sum()),
-                                  global_heads=(0 if fence else int(self.gmask.sum())) * self.model.par.size,
-                                  pairs=int(pairs) * self.model.par.size,   # every rank holds its own heads
-                                  indexer_rows=online_idx)
 
+        if fence or prof.ffn_mode == "skip":
+            # only active rows have an FFN: the others keep the attention sub-block's output (residual identity),
+            # or, in an artifact-KV fence, are not computed at all (their streams are left as they were)
+            keep = x if fence and sp.rest is not None else x_attn
+            if act is None:
+                return keep
+            xa = act.take(x_attn)
+            h2, post2, comb2 = block.hc_pre(xa, "ffn")
+            hn2, ta = block.ffn_norm(h2), act.take(tokens)
+            if fence:
+                w, idx = block.ffn.gate(hn2, ta)
+                y = block.ffn.routed(hn2, w, idx) + block.ffn.shared_experts(hn2).float()
+                self._defer(ledger, "moe_rows", act.n, cfg.n_activated_experts)
+            else:
+                y = self._moe_adaptive(block, hn2, ta, ledger)
+            y = block.ffn.par.all_reduce(y).to(x.dtype)
+            mixed = block.hc_post(y, xa, post2, comb2)
+            return act.put(keep, mixed) if keep is x else act.put_(keep, mixed)
         h2, post2, comb2 = block.hc_pre(x_attn, "ffn")
         hn2 = block.ffn_norm(h2)
         y = torch.zeros_like(hn2, dtype=torch.float32)
-        if row_active.any():
-            if fence:
-                w, idx = block.ffn.gate(hn2[row_active], tokens[row_active])
-                y[row_active] = block.ffn.routed(hn2[row_active], w, idx) + \
-                    block.ffn.shared_experts(hn2[row_active]).float()
-                if ledger is not None:
-                    ledger.moe_rows(int(row_active.sum()), cfg.n_activated_experts)
+        if act is not None:
+            y = act.put_(y, self._moe_adaptive(block, act.take(hn2), act.take(tokens), ledger))
+        if rest is not None:
+            hr, tr = rest.take(hn2), rest.take(tokens)
+            if prof.ffn_mode == "native":
+                yr = block.ffn.routed(hr, *block.ffn.gate(hr, tr)) + block.ffn.shared_experts(hr).float()
+                self._defer(ledger, "moe_rows", rest.n, cfg.n_activated_experts)
             else:
-                y[row_active] = self._moe_adaptive(block, hn2[row_active], tokens[row_active], ledger)
-        rest = ~row_active
-        if not fence and rest.any() and prof.ffn_mode == "native":
-            y[rest] = block.ffn.routed(hn2[rest], *block.ffn.gate(hn2[rest], tokens[rest])) + \
-                block.ffn.shared_experts(hn2[rest]).float()
-            if ledger is not None:
-                ledger.moe_rows(int(rest.sum()), cfg.n_activated_experts)
-        elif not fence and rest.any() and prof.ffn_mode == "shared-expert-only":
-            y[rest] = block.ffn.shared_experts(hn2[rest]).float()
-            if ledger is not None:
-                ledger.moe_rows(int(rest.sum()), 0)
+                yr = block.ffn.shared_experts(hr).float()
+                self._defer(ledger, "moe_rows", rest.n, 0)
+            y = rest.put_(y, yr)
         y = block.ffn.par.all_reduce(y).to(x.dtype)
-        mixed = block.hc_post(y, x_attn, post2, comb2)
-        if fence:
-            # non-active rows are not computed in an artifact-KV fence: their streams are left as they were
-            return torch.where(row_active[:, None, None], mixed, x)
-        ffn_rows = row_active if prof.ffn_mode == "skip" else torch.ones_like(row_active)
-        # skipped rows keep the attention sub-block's output and no FFN (residual identity)
-        return torch.where(ffn_rows[:, None, None], mixed, x_attn)
+        return block.hc_post(y, x_attn, post2, comb2)
 
-    def _attend(self, attn, q_raw, qpos, segs, sink, h, qr, picks=None, qpos_host=None):
-        """segment_attention in query chunks (bounded temporaries at long context)."""
-        outs, pairs = [], torch.zeros((), dtype=torch.long, device=q_raw.device)
-        step = self.model.q_chunk
-        host = qpos.cpu() if qpos_host is None else qpos_host
+    def _attend(self, attn, q_raw, rows: _Rows, segs, sink, h, qr, own_picks=None):
+        """segment_attention in query chunks of about q_chunk x n_heads (row, head) pairs (bounded temporaries
+        at long context; the Global heads' calls take proportionally more rows per chunk)."""
+        outs, pairs = [], 0
+        step = max(1, self.model.q_chunk * attn.n_heads // q_raw.shape[1])
         for a in range(0, q_raw.shape[0], step):
             b = a + step
-            o, p = segment_attention(attn, q_raw[a:b], qpos[a:b], segs, sink,
-                                     (h[a:b], qr[a:b]) if attn.indexer is not None else None,
-                                     None if picks is None else [None if t is None else t[a:b] for t in picks],
-                                     host[a:b])
+            o, p = segment_attention(attn, q_raw[a:b], rows.pos[a:b], segs, sink,
+                                     (h[a:b], qr[a:b]) if attn.indexer is not None else None, None,
+                                     rows.pos_host[a:b], None if own_picks is None else own_picks[a:b],
+                                     rows.trig.setdefault(a, {}))
             outs.append(o)
-            pairs += p
-        return torch.cat(outs), pairs
+            pairs = pairs + p
+        return (outs[0] if len(outs) == 1 else torch.cat(outs)), pairs
 
-    def _own_picks(self, i, rest, n_reloc, n_segs):
-        """Per segment [T_rest, k] entry ids: each non-active relocated row's own document's offline picks in its
-        own segment, none elsewhere (its window still crosses the joins). Only relocated rows are non-active."""
-        docs = self._docs
-        rows = torch.nonzero(rest).flatten()
-        k = max(d.layers[i].picks.shape[1] for d in docs[1:])
-        out = [None] * n_segs
-        a = 0
-        for j, d in enumerate(docs[1:], start=1):
-            mine = (rows >= a) & (rows < a + d.n)
-            t = torch.full((rows.numel(), k), -1, dtype=torch.long, device=rest.device)
-            pk = d.layers[i].picks.long()
-            t[mine, :pk.shape[1]] = pk[rows[mine] - a]
-            out[j] = t
-            a += d.n
-        return out
+    def _own_picks(self, i, sp: _Split) -> torch.Tensor:
+        """[n_rest, k] entry ids: each non-active relocated row's own document's offline picks, in its own segment
+        (its window still crosses the joins). Only relocated rows are non-active, in document order."""
+        parts = [self._docs[j].layers[i].picks.index_select(0, ids) for j, ids, _ in sp.rest_local]
+        k = max(t.shape[1] for t in parts)
+        return torch.cat([torch.nn.functional.pad(t, (0, k - t.shape[1]), value=-1) if t.shape[1] < k else t
+                          for t in parts])
 
-    def _project_global(self, attn, o_g, positions):
-        """W_a,G O_G: inverse output RoPE, then each group's W_a restricted to its Global heads' columns."""
+    def _project_global(self, attn, o_g):
+        """W_a,G O_G on outputs already de-rotated at their query positions: each group's W_a restricted to its
+        Global heads' columns."""
         cfg, prof = self.cfg, self.profile
         G, R, hpg, gpg = attn.n_groups, cfg.o_lora_rank, cfg.heads_per_group, prof.global_per_group
-        o_g = Rotary.apply(o_g, *attn.rotary.cos_sin(positions), inverse=True)
         w = attn.wo_a.weight.view(G, R, hpg, cfg.head_dim)[:, :, :gpg].reshape(G, R, gpg * cfg.head_dim)
         return torch.einsum("tgi,gri->tgr", o_g.reshape(-1, G, gpg * cfg.head_dim).to(w.dtype), w).reshape(-1, G * R)
-
-    def _overlay_entries(self, comp, h_rows, act, art_entries, state: CompressorState):
-        """Re-pool the compressed entries of blocks holding any active row from the current hidden states (with
-        the overlap half carried across the join from the previous segment) and keep the artifact's entries
-        elsewhere. Only the needed blocks' rows (and, with overlap, their predecessors and the last block,
-        whose Ca half carries into the next segment) are projected."""
-        r, D = comp.ratio, comp.dim
-        nb = act.shape[0] // r
-        blk = act.view(nb, r).any(dim=1)
-        rows_needed = blk.clone()
-        if comp.overlap:
-            rows_needed[:-1] |= blk[1:]
-            rows_needed[-1] = True
-        if not rows_needed.any():
-            return art_entries
-        ids = torch.nonzero(rows_needed).flatten()
-        where = torch.full((nb,), -1, dtype=torch.long, device=act.device)
-        where[ids] = torch.arange(ids.numel(), device=act.device)
-        kv, gate = comp.project(h_rows.view(nb, r, -1)[ids].flatten(0, 1))
-        ck, cg = kv.view(ids.numel(), r, -1), gate.view(ids.numel(), r, -1) + comp.ape
-        prev_out = None
-        if comp.overlap:
-            last = where[nb - 1]
-            prev_out = (ck[last, :, :D].clone(), cg[last, :, :D].clone())
-        out = art_entries
-        B = torch.nonzero(blk).flatten()
-        if B.numel():
-            prev_kv = prev_gate = None
-            if comp.overlap:
-                prev_kv = ck.new_zeros((B.numel(), r, D))
-                prev_gate = cg.new_full((B.numel(), r, D), NEG_INF)
-                has = B > 0
-                src = where[(B - 1).clamp(min=0)]
-                prev_kv[has], prev_gate[has] = ck[src[has], :, :D], cg[src[has], :, :D]
-                if (~has).any() and state.prev_kv is not None:
-                    prev_kv[~has], prev_gate[~has] = state.prev_kv, state.prev_gate
-            fresh = comp.pool(ck[where[B]], cg[where[B]], prev_kv, prev_gate, B * r)
-            out = art_entries.clone()
-            out[B] = fresh.to(out.dtype)
-        if comp.overlap:
-            state.prev_kv, state.prev_gate = prev_out
-        return out
 
     def _moe_adaptive(self, block, h, tokens, ledger) -> torch.Tensor:
         """Top-6 by the router, then k = smallest k >= min_experts whose normalized cumulative weight reaches
         tau; the k experts run with their original weights; the shared expert always runs."""
-        prof, cfg = self.profile, self.cfg
+        prof = self.profile
         w, idx = block.ffn.gate(h, tokens)
         order = torch.argsort(w, dim=-1, descending=True, stable=True)
         w, idx = w.gather(1, order), idx.gather(1, order)
@@ -545,10 +649,5 @@ class ReuseEngine:
         k = k.clamp(min=prof.min_experts, max=w.shape[1])
         keep = torch.arange(w.shape[1], device=h.device)[None, :] < k[:, None]
         idx = torch.where(keep, idx, torch.full_like(idx, -1))
-        if ledger is not None:
-            ledger.moe_rows(h.shape[0], float(k.float().mean()))
+        self._defer(ledger, "moe_rows", h.shape[0], k.float().mean())
         return block.ffn.routed(h, w, idx) + block.ffn.shared_experts(h).float()
-
-
-def _prev(pair, i):
-    return None if pair is None else pair[i]

@@ -225,3 +225,62 @@ def test_indexer_topk(T, N, k, offset):
         srt = i.sort(dim=-1).values
         dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
         assert not dup.any()
+
+
+# ---------------------------------------------------------------- consumer: RoPE slice, stacked merge, out= buffers
+
+@pytest.mark.parametrize("H,dtype", [(64, torch.bfloat16), (8, torch.float32), (20, torch.bfloat16)])
+def test_rope_kernel_equals_reference(H, dtype):
+    from runtime.kernels.rope import rope_, rope_reference_
+    from runtime.model.deepseek_v4 import Rotary, yarn_inv_freq
+    g = torch.Generator(device=DEV).manual_seed(H)
+    T, D = 1000, 512
+    rot = Rotary(yarn_inv_freq(64, 160000.0, 16.0, 65536, 32.0, 1.0))
+    cos, sin = rot.cos_sin(torch.randint(0, 131072, (T,), device=DEV, generator=g))
+    x = torch.randn(T, H, D, device=DEV, generator=g).to(dtype)
+    for inverse in (False, True):
+        want = rope_reference_(x.clone(), cos, sin, inverse)
+        got = rope_(x.clone(), cos, sin, inverse)
+        assert rel_err(got, want) < 1e-3 and torch.equal(got[..., :-64], x[..., :-64])
+        dst = torch.zeros_like(x)                    # from src, into a strided row slice of a bigger buffer
+        buf = torch.zeros(2, T + 10, H, D, device=DEV, dtype=dtype)
+        rope_(buf[1, 5:5 + T], cos, sin, inverse, src=x)
+        rope_reference_(dst, cos, sin, inverse, src=x)
+        assert rel_err(buf[1, 5:5 + T], dst) < 1e-3 and (buf[0] == 0).all() and (buf[1, :5] == 0).all()
+
+
+@pytest.mark.parametrize("P,T,H,D,dtype", [(9, 1000, 64, 512, torch.bfloat16), (3, 777, 8, 512, torch.float32),
+                                           (1, 50, 20, 128, torch.float32), (0, 10, 8, 64, torch.bfloat16)])
+def test_merge_stacked_equals_reference(P, T, H, D, dtype):
+    from runtime.kernels.merge import merge_stacked, merge_stacked_reference
+    g = torch.Generator(device=DEV).manual_seed(P + T)
+    o = torch.full((P, T, H, D), float("nan"), device=DEV)          # unwritten rows must never be read
+    lse = torch.full((P, T, H), float("-inf"), device=DEV)
+    ranges = []
+    for p in range(P):
+        lo = int(torch.randint(0, T, (1,), generator=g, device=DEV))
+        hi = T if p % 2 else int(torch.randint(lo, T + 1, (1,), generator=g, device=DEV))
+        o[p, lo:hi] = torch.randn(hi - lo, H, D, device=DEV, generator=g)
+        lse[p, lo:hi] = torch.randn(hi - lo, H, device=DEV, generator=g) * 3
+        ranges.append((lo, hi))
+    sink = torch.randn(H, device=DEV, generator=g)
+    got = merge_stacked(o, lse, sink, dtype)
+    want = merge_stacked_reference(o, lse, sink, torch.float32, ranges)
+    assert got.dtype == dtype and rel_err(got, want) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_sparse_out_buffers_equal_fresh_outputs():
+    # the consumer writes each segment's part into a slice of one stacked buffer
+    T, H, D, n, N = 512, 64, 512, 2048, 512
+    g = torch.Generator(device=DEV).manual_seed(11)
+    q = torch.randn(T, H, D, device=DEV, generator=g).to(DT)
+    keys = torch.randn(n, D, device=DEV, generator=g).to(DT)
+    ent = torch.randn(N, D, device=DEV, generator=g).to(DT)
+    cpos = torch.arange(n - T, n, device=DEV)
+    picks = causal_picks(cpos, N, 512, 4, g)
+    o_buf = torch.full((2, T + 7, H, D), float("nan"), device=DEV)
+    l_buf = torch.full((2, T + 7, H), float("nan"), device=DEV)
+    sparse_mqa_attention(q, keys, cpos, 128, ent, "picks", 4, picks, out=(o_buf[1, 7:], l_buf[1, 7:]))
+    o, lse = sparse_mqa_attention(q, keys, cpos, 128, ent, "picks", 4, picks)
+    assert torch.equal(o_buf[1, 7:], o) and torch.equal(l_buf[1, 7:], lse)
+    assert torch.isnan(o_buf[0]).all() and torch.isnan(o_buf[1, :7]).all()

@@ -73,3 +73,41 @@ def test_indexer_reference_equals_model_indexer():
     native = idx(x, qr, pos, state, q_chunk=16)
     ref_idx, _ = indexer_topk_reference(q, state.entries, w, pos, cfg.index_topk)
     assert torch.equal(native, ref_idx)
+
+
+def test_rope_in_place_equals_rotary_apply():
+    """rope_ (the consumer's RoPE on the 64 channels only, in place) computes what Rotary.apply computes."""
+    from runtime.kernels.rope import rope_reference_
+    g = torch.Generator().manual_seed(5)
+    T, H, D, rd = 37, 6, 64, 16
+    rot = Rotary(yarn_inv_freq(rd, 160000.0, 16.0, 64, 32.0, 1.0))
+    cos, sin = rot.cos_sin(torch.randint(0, 5000, (T,), generator=g))
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(T, H, D, generator=g).to(dtype)
+        for inverse in (False, True):
+            want = Rotary.apply(x, cos, sin, inverse=inverse)
+            got = rope_reference_(x.clone(), cos, sin, inverse=inverse)
+            assert torch.equal(got, want)
+            dst = torch.zeros_like(x)          # from src: only the rope channels are written
+            rope_reference_(dst, cos, sin, inverse=inverse, src=x)
+            assert torch.equal(dst[..., -rd:], want[..., -rd:]) and (dst[..., :-rd] == 0).all()
+
+
+def test_merge_stacked_reference_equals_merge_with_sink():
+    """Stacked parts with uncovered rows (LSE -inf, o unwritten garbage) merge like merge_with_sink over the parts
+    with those rows empty."""
+    from runtime.kernels.merge import merge_stacked_reference
+    g = torch.Generator().manual_seed(6)
+    P, T, H, D = 4, 30, 5, 16
+    o = torch.randn(P, T, H, D, generator=g, dtype=torch.float64)
+    lse = torch.randn(P, T, H, generator=g, dtype=torch.float64) * 3
+    ranges = [(0, T), (4, 20), (10, T), (0, 0)]
+    for p, (lo, hi) in enumerate(ranges):
+        lse[p, :lo], lse[p, hi:] = float("-inf"), float("-inf")
+        o[p, :lo], o[p, hi:] = float("nan"), float("nan")
+    lse[1, 6] = float("-inf")                 # an empty row inside a covered range
+    sink = torch.randn(H, generator=g, dtype=torch.float64)
+    want = merge_with_sink([(torch.nan_to_num(o[p]), lse[p]) for p in range(P)], sink)
+    for rg in (ranges, None):
+        got = merge_stacked_reference(o, lse, sink, torch.float64, rg)
+        assert not torch.isnan(got).any() and torch.allclose(got, want.double())

@@ -52,7 +52,8 @@ def test_split_projection_equals_native(model):
 @torch.no_grad()
 def test_relocation_equals_rerope_concatenation(model, layer):
     """Query rotation + per-segment de-rotation + LSE merge (sink once) equals native attention over a physically
-    re-roped, concatenated cache. Segments at offsets 0, 128 and 4224."""
+    re-roped, concatenated cache, followed by the inverse output RoPE at the query position (segment_attention
+    de-rotates each part at its own t - Delta, which is both steps in one). Segments at offsets 0, 128 and 4224."""
     attn = model.layers[layer].attn
     g = torch.Generator().manual_seed(layer)
     D, ih = CFG.head_dim, CFG.index_head_dim
@@ -88,7 +89,7 @@ def test_relocation_equals_rerope_concatenation(model, layer):
                 top = sc.topk(min(attn.indexer.topk, ik.shape[0]), dim=-1)
                 idx = torch.where(torch.isinf(top.values), torch.full_like(top.indices, -1), top.indices)
                 parts.append(gathered_attention(qt, ent, idx, attn.scale))
-        outs.append(merge_with_sink(parts, attn.attn_sink))
+        outs.append(Rotary.apply(merge_with_sink(parts, attn.attn_sink), *attn.rotary.cos_sin(pt), inverse=True))
     # float32 RoPE angles at positions ~4K carry ~1e-4 rad of rounding, and the two sides round differently
     # (one rotation by t against rotations by t - Delta and Delta): 1e-4 relative, as for logits
     assert rel_err(got, torch.cat(outs)) <= TOL

@@ -1,0 +1,115 @@
+"""Launch and host-sync counts of the reuse arm's reusable layers, measured on CPU (torch.profiler) at real head
+counts (64 heads of 512, 8 output groups, window 128) with a small model width, a few layers and a few thousand
+tokens. The consumer takes its GPU code path: `enabled()` is forced on and each GPU kernel (sparse attention, RoPE
+slice, stacked merge) is replaced by its torch reference wrapped as ONE counted launch; every other top-level aten
+op inside a reusable layer counts as one launch, every `_local_scalar_dense` / `nonzero` as a host sync.
+Not a test.
+
+    python bench/consumer_ops.py --tokens 2048 --layers 6
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections import Counter
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.ttft import init_model, request  # noqa: E402
+from runtime.model.config import FLASH  # noqa: E402
+from runtime.model.deepseek_v4 import Transformer  # noqa: E402
+from runtime.reuse.consumer import ReuseEngine  # noqa: E402
+from runtime.reuse.producer import produce  # noqa: E402
+from runtime.reuse.profile import FLASH_PROFILE  # noqa: E402
+
+SHOWN = ("aten::mul", "aten::add", "aten::add_", "aten::copy_", "aten::to", "aten::_to_copy", "aten::cat",
+         "aten::index", "aten::index_put_", "aten::index_select", "aten::nonzero", "aten::_local_scalar_dense",
+         "aten::bmm", "aten::mm")
+
+
+def _gpu_path() -> None:
+    """Route the consumer through its GPU code path with each kernel counted as one launch."""
+    import runtime.reuse.consumer as consumer
+    from runtime.kernels.reference import sparse_mqa_reference
+
+    def one(name, fn):
+        def wrapped(*a, **kw):
+            with torch.profiler.record_function(f"kernel::{name}"):
+                return fn(*a, **kw)
+        return wrapped
+
+    def sparse(q, keys, cpos, window, entries=None, mode="none", ratio=1, picks=None, scale=None, out=None):
+        o, lse = sparse_mqa_reference(q, keys, cpos, window, entries, mode, ratio, picks, scale)
+        if out is None:
+            return o, lse
+        out[0].copy_(o)
+        out[1].copy_(lse)
+        return out
+    consumer.enabled = lambda t: True
+    consumer.sparse_mqa_attention = one("sparse_mqa", sparse)
+    if hasattr(consumer, "rope_"):
+        from runtime.kernels.merge import merge_stacked_reference
+        from runtime.kernels.rope import rope_reference_
+        consumer.rope_ = one("rope", rope_reference_)
+        consumer.merge_stacked = one("merge", merge_stacked_reference)
+    layer = consumer.ReuseEngine._reusable_layer
+
+    def counted(self, *a, **kw):
+        with torch.profiler.record_function("reusable_layer"):
+            return layer(self, *a, **kw)
+    consumer.ReuseEngine._reusable_layer = counted
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--docs", type=int, default=8)
+    ap.add_argument("--question", type=int, default=64)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    cfg = FLASH.replace(dim=512, q_lora_rank=256, o_lora_rank=256, index_n_heads=8, index_head_dim=64,
+                        index_topk=128, n_routed_experts=8, moe_inter_dim=128, vocab_size=1024, n_hash_layers=1,
+                        n_layers=args.layers, compress_ratios=FLASH.compress_ratios[:args.layers])
+    prof = FLASH_PROFILE.replace(first_fences=2, last_fences=1, global_picks="artifact")
+    model = Transformer(cfg, dtype=torch.float32)
+    init_model(model, 0)
+    model.eval()
+    docs, question = request(cfg, args.tokens, args.docs, args.question, seed=1)
+    arts = [produce(model, d, prof) for d in docs]
+    eng = ReuseEngine(model, prof)
+    _gpu_path()
+    from torch.profiler import ProfilerActivity, profile
+    t = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as p:
+        res = eng.prefill(arts, question)
+    wall = time.perf_counter() - t
+    counts, launches = Counter(), 0
+    for ev in p.events():
+        if not (ev.name.startswith("aten::") or ev.name.startswith("kernel::")):
+            continue
+        up = ev.cpu_parent
+        while up is not None and not (up.name.startswith("aten::") or up.name.startswith("kernel::")
+                                      or up.name == "reusable_layer"):
+            up = up.cpu_parent
+        if up is not None and up.name == "reusable_layer":      # a launch of a reusable layer
+            counts[ev.name] += 1
+            launches += 1
+    syncs = counts["aten::_local_scalar_dense"] + counts["aten::nonzero"]
+    led = res.ledger.summary()
+    print(f"# {cfg.n_layers} layers ({len(prof.reusable_layers(cfg))} reusable), {cfg.n_heads} heads x "
+          f"{cfg.head_dim}, {sum(len(d) for d in docs) + len(question)} tokens, active "
+          f"{led['rows']['active']}/{led['rows']['relocated']}; profiled prefill {wall:.2f} s on CPU")
+    n_r = len(prof.reusable_layers(cfg))
+    print(f"reusable layers: {launches} launches ({launches / n_r:.0f} per layer), {syncs} host syncs "
+          f"({syncs / n_r:.0f} per layer)")
+    for k in SHOWN + tuple(sorted(k for k in counts if k.startswith("kernel::"))):
+        print(f"  {k:28s} {counts[k]:6d}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
