@@ -49,3 +49,13 @@ def choose_active(prof: ReuseProfile, deviation: torch.Tensor, idx_score: torch.
                 active[r] = True
                 left -= 1
     return active
+
+
+def choose_by_deviation(prof: ReuseProfile, deviation: torch.Tensor) -> torch.Tensor:
+    """CacheBlend's rule: the whole budget (ceil(budget x candidates)) goes to the rows whose first-fence K/V
+    deviate most from their artifact; no protected classes. Question and new rows are not candidates."""
+    n = deviation.shape[0]
+    active = torch.zeros(n, dtype=torch.bool, device=deviation.device)
+    budget = min(n, math.ceil(prof.budget * n - 1e-9))
+    active[torch.argsort(deviation, descending=True, stable=True)[:budget]] = True
+    return active

@@ -7,6 +7,14 @@ compressor and no MoE, and `W_o` is sliced directly by head channels: W_o O = W_
 Roles are per KV group: in each group of `heads_per_kv` query heads the first `global_per_group` are Global.
 Segments need no alignment (no compression blocks): the profile's `align` should be 1.
 
+Profile values this path honours: fences, budget, `global_per_group`, `join_rows`, `recent_rows`, `ffn_mode`
+("skip": non-active rows skip the FFN in reusable layers; "native": they run it; Llama has no shared expert)
+and `last_fence_kv` ("recompute": the last fences recompute every row from its hidden state; "artifact":
+non-active rows keep their artifact K/V there too, and only active and new rows are computed). Two consumer
+knobs need no certificate because artifacts do not depend on them: `select` ("mixed": the shared controller;
+"deviation": the budget goes to the rows that deviate most, CacheBlend-style) and `signal` (the deviation is
+measured on K, or on K and V, in the first fences).
+
 Arms: `reuse` (this path), `naive` (every document row's K/V from its artifact, relocated, only the new rows
 computed: what position-independent caches without recomputation do) and the caller's recompute arm."""
 from __future__ import annotations
@@ -16,10 +24,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.llama.model import Llama, LayerCache, merge
+from runtime.llama.model import KVCache, Llama, LayerCache, merge
 from .certificate import FallbackReason, Verdict, token_hash
-from .controller import choose_active
-from .profile import ReuseProfile
+from .controller import choose_active, choose_by_deviation
+from .profile import ProfileError, ReuseProfile
+
+SELECT_RULES = ("mixed", "deviation")
+DEVIATION_SIGNALS = ("k", "kv")
 
 
 @dataclass
@@ -85,14 +96,25 @@ class LlamaLedger:
 
 
 class LlamaReuseEngine:
-    def __init__(self, model: Llama, prof: ReuseProfile, mode: str = "reuse", tokenizer_fp: str = ""):
+    def __init__(self, model: Llama, prof: ReuseProfile, mode: str = "reuse", tokenizer_fp: str = "",
+                 select: str = "mixed", signal: str = "k"):
         assert mode in ("reuse", "naive"), mode
         c = model.cfg
         if prof.first_fences + prof.last_fences > len(model.layers):
             raise ValueError("fences exceed the model's layers")
+        if prof.ffn_mode not in ("skip", "native"):
+            raise ProfileError(f"ffn_mode={prof.ffn_mode!r}: a Llama layer has no shared expert (skip or native)")
+        if not 1 <= prof.global_per_group <= c.heads_per_kv:
+            raise ProfileError(f"global_per_group={prof.global_per_group} not in 1..{c.heads_per_kv}")
+        if select not in SELECT_RULES or signal not in DEVIATION_SIGNALS:
+            raise ValueError(f"select={select!r} (one of {SELECT_RULES}), signal={signal!r} (one of {DEVIATION_SIGNALS})")
         self.model, self.prof, self.mode, self.tokenizer_fp = model, prof, mode, tokenizer_fp
+        self.select, self.signal = select, signal
         self.gmask = global_heads(model, prof)
         self.n_layers = len(model.layers)
+        # last fences that keep non-active rows' artifact K/V: every head of active and new rows is computed there
+        self.full_layers = set(range(self.n_layers - prof.last_fences, self.n_layers)) \
+            if mode == "reuse" and prof.last_fence_kv == "artifact" else set()
         self.d, self.H, self.KV, self.D = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.ffn = c.intermediate_size
 
@@ -106,7 +128,9 @@ class LlamaReuseEngine:
         return Verdict.accept()
 
     def _fence(self, i: int) -> bool:
-        return self.mode == "reuse" and (i < self.prof.first_fences or i >= self.n_layers - self.prof.last_fences)
+        """A layer that recomputes every row from its hidden state."""
+        return self.mode == "reuse" and (i < self.prof.first_fences or (
+            i >= self.n_layers - self.prof.last_fences and i not in self.full_layers))
 
     # --------------------------------------------------------------------------------------------
     def _flops_row(self, heads: int, keys: float, mlp: bool, qkv_heads: int | None = None) -> float:
@@ -146,7 +170,7 @@ class LlamaReuseEngine:
                 lc.append(docs[0].k[i], docs[0].v[i])
                 lc.capture = {}
                 x = layer(x, positions, lc)
-                k_req, lc.capture = lc.capture["k"], None
+                k_req, v_req, lc.capture = lc.capture["k"], lc.capture["v"], None
                 state["fence"][i] = lc
                 led.head_rows += n_reloc * self.H
                 led.flops += x.shape[0] * self._flops_row(self.H, positions.float().mean().item() + 1, True)
@@ -155,11 +179,15 @@ class LlamaReuseEngine:
                     for d, dl in zip(reloc, deltas[1:]):
                         moved = attn.rotary.rotate(d.k[i], torch.full((d.n,), dl, device=dev))
                         got = k_req[a:a + d.n]
-                        deviation[a:a + d.n] += ((got.float() - moved.float()).flatten(1).norm(dim=-1)
-                                                 / moved.float().flatten(1).norm(dim=-1).clamp_min(1e-12))
+                        deviation[a:a + d.n] += _rel_dev(got, moved)
+                        if self.signal == "kv":                     # V carries no RoPE: compared as stored
+                            deviation[a:a + d.n] += _rel_dev(v_req[a:a + d.n], d.v[i])
                         a += d.n
                 continue
-            if active is None:
+            if active is None and self.select == "deviation":
+                active = choose_by_deviation(prof, deviation)
+                led.active = int(active.sum())
+            elif active is None:
                 active = choose_active(prof, deviation, torch.zeros_like(deviation), [d.n for d in reloc],
                                        deltas[1:], q_start, len(question))
                 led.active = int(active.sum())
@@ -212,7 +240,10 @@ class LlamaReuseEngine:
             q, _, _ = attn.qkv(h[rows], positions[rows])
             o = self._attend(attn, q, positions[rows], all_segs)
             out[rows] = attn.project(o.to(x.dtype)).to(out.dtype)
-        rest = torch.nonzero(~row_active).flatten()
+        full = i in self.full_layers
+        # in a full layer non-active rows are not computed: their K/V are the artifact's, their hidden states
+        # are read by no later layer (every later layer is full too)
+        rest = torch.nonzero(~row_active).flatten() if not full else row_active.nonzero()[:0, 0]
         if rest.numel():
             gm = self.gmask.to(dev)
             q, _, _ = attn.qkv(h[rest], positions[rest])          # (the Global slice is what counts; see ledger)
@@ -223,17 +254,18 @@ class LlamaReuseEngine:
             local = torch.cat([d.local[i] for d in docs[1:]])
             out[rest] = (y + local[rest].to(y.dtype)).to(out.dtype)
         h2 = x + out
-        mlp_rows = row_active
-        if row_active.any():
+        rest_ffn = self.prof.ffn_mode == "native" and not full
+        mlp_rows = torch.ones_like(row_active) if rest_ffn else row_active
+        if mlp_rows.any():
             rows = torch.nonzero(mlp_rows).flatten()
             h2[rows] = h2[rows] + layer.mlp(layer.post_attention_layernorm(h2[rows]))
         n_act = int(row_active[:n_rc].sum())
         Hg = int(self.gmask.sum())
-        led.head_rows += n_act * self.H + (led.n_reloc - n_act) * (Hg if n_rc else 0)
+        led.head_rows += n_act * self.H + (led.n_reloc - n_act) * (Hg if n_rc and not full else 0)
         led.token_rows_skipped += led.n_reloc - n_act
         keys = positions.float().mean().item() + 1
         led.flops += int(row_active.sum()) * self._flops_row(self.H, keys, True) + \
-            int(rest.numel()) * self._flops_row(Hg, keys, False, qkv_heads=Hg)
+            int(rest.numel()) * self._flops_row(Hg, keys, rest_ffn, qkv_heads=Hg)
         return h2
 
     @torch.inference_mode()
@@ -252,8 +284,37 @@ class LlamaReuseEngine:
         state["pos"] += 1
         return m.logits(x)[0]
 
-    def generate(self, docs, question, max_new_tokens: int, stop: set[int]):
+    @torch.inference_mode()
+    def assemble(self, state) -> KVCache:
+        """The request's KV cache after prefill as plain decoding reads it: per layer, every segment's K/V (the
+        artifact's with active rows overlaid, and the new rows') with K rotated from canonical to request
+        positions (RoPE: R(a) R(b) = R(a+b)); fence layers' caches as they are. Decoding on it with the model's
+        own forward equals `decode` up to rounding, in ~1/10 of the kernel launches (one attention per layer
+        instead of one per segment and a merge)."""
+        m = self.model
+        layers = []
+        for i, layer in enumerate(m.layers):
+            if i in state["fence"]:
+                layers.append(state["fence"][i])
+                continue
+            rot = layer.self_attn.rotary
+            segs = state["segs"][i] + [(state["delta_q"],) + state["new"][i]]
+            lc = LayerCache()
+            lc.append(torch.cat([rot.rotate(k, torch.full((k.shape[0],), dl, device=k.device)) for dl, k, _ in segs]),
+                      torch.cat([v for _, _, v in segs]))
+            assert lc.n == state["pos"], f"layer {i}: {lc.n} rows assembled, the request has {state['pos']}"
+            layers.append(lc)
+        return KVCache(layers, pos=state["pos"])
+
+    def generate(self, docs, question, max_new_tokens: int, stop: set[int], reference: bool = False):
+        """Prefill, then greedy decoding on the assembled cache (`reference`: per-segment `decode`)."""
         logits, state, led = self.prefill(docs, question)
+        dev = logits.device
+        if reference:
+            step = lambda t: self.decode(state, t)                                   # noqa: E731
+        else:
+            cache = self.assemble(state)
+            step = lambda t: self.model(torch.tensor([t], device=dev), cache)       # noqa: E731
         first = logits
         out = []
         for _ in range(max_new_tokens):
@@ -261,5 +322,11 @@ class LlamaReuseEngine:
             if nxt in stop:
                 break
             out.append(nxt)
-            logits = self.decode(state, nxt)
+            logits = step(nxt)
         return out, first, led
+
+
+def _rel_dev(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Per row ||got - ref|| / ||ref|| over all KV heads and channels, float32."""
+    g, r = got.float().flatten(1), ref.float().flatten(1)
+    return (g - r).norm(dim=-1) / r.norm(dim=-1).clamp_min(1e-12)

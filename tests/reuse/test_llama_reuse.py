@@ -40,12 +40,14 @@ def full(m, docs, question):
     return m(torch.tensor([t for d in docs for t in d] + question))
 
 
-def test_degenerate_profile_equals_full_recompute_prefill_and_decode(setup):
+@pytest.mark.parametrize("last_fence_kv", ["recompute", "artifact"])
+@pytest.mark.parametrize("select", ["mixed", "deviation"])
+def test_degenerate_profile_equals_full_recompute_prefill_and_decode(setup, last_fence_kv, select):
     m, docs, question = setup
     G = m.cfg.num_attention_heads // m.cfg.num_key_value_heads
-    prof = ReuseProfile(**BASE, budget=1.0, global_per_group=G, ffn_mode="native")
+    prof = ReuseProfile(**BASE, budget=1.0, global_per_group=G, ffn_mode="native", last_fence_kv=last_fence_kv)
     arts = [produce_llama(m, d, prof) for d in docs]
-    eng = LlamaReuseEngine(m, prof)
+    eng = LlamaReuseEngine(m, prof, select=select)
     logits, state, _ = eng.prefill(arts, question)
     cache = m.new_cache()
     ref = m.prefill(torch.tensor([t for d in docs for t in d] + question), cache)
@@ -91,3 +93,72 @@ def test_certificate_binding_is_checked(setup):
     assert LlamaReuseEngine(m, prof.replace(budget=0.2)).verify(arts).reason.value == "profile_mismatch"
     arts[1].tokens = arts[1].tokens[:-1] + [5]
     assert LlamaReuseEngine(m, prof).verify(arts).reason.value == "token_mismatch"
+
+
+def test_artifact_last_fences_make_non_active_rows_dead(setup):
+    """With the last fences keeping non-active rows' artifact K/V, nothing reads those rows' hidden states:
+    the answer cannot depend on whether they ran the FFN or which heads are Global for them. With recomputed
+    last fences it does."""
+    m, docs, question = setup
+    arts = lambda p: [produce_llama(m, d, p) for d in docs]          # noqa: E731
+    out = {}
+    for kv in ("artifact", "recompute"):
+        for ffn in ("skip", "native"):
+            p = ReuseProfile(**BASE, budget=0.25, ffn_mode=ffn, last_fence_kv=kv)
+            out[kv, ffn] = LlamaReuseEngine(m, p).prefill(arts(p), question)
+    assert torch.equal(out["artifact", "skip"][0], out["artifact", "native"][0])
+    assert rel_err(out["recompute", "skip"][0], out["recompute", "native"][0]) > 1e-4
+    # ledger: the last fences save every head of non-active rows; the FFN of non-active rows costs FLOPs
+    n_reloc = sum(len(d) for d in docs[1:])
+    s = out["artifact", "skip"][2].summary()
+    skipped_rows = n_reloc - s["rows"]["active"]
+    H, Hg, R, L = m.cfg.num_attention_heads, m.cfg.num_key_value_heads, 8 - 4, 8
+    assert s["head_row_saving"] == pytest.approx(skipped_rows * (R * (H - Hg) + 2 * H) / (n_reloc * L * H))
+    assert s["token_row_saving"] == pytest.approx(skipped_rows * (R + 2) / (n_reloc * L))
+    assert out["recompute", "native"][2].summary()["flop_ratio"] < out["recompute", "skip"][2].summary()["flop_ratio"]
+
+
+def test_deviation_selection_takes_the_most_deviating_rows(setup):
+    m, docs, question = setup
+    from runtime.reuse.controller import choose_by_deviation
+    p = ReuseProfile(**BASE, budget=0.25)
+    dev = torch.tensor([0.1, 0.9, 0.3, 0.8, 0.0, 0.5, 0.2, 0.7])
+    assert choose_by_deviation(p, dev).nonzero().flatten().tolist() == [1, 3]
+    a = [produce_llama(m, d, p) for d in docs]
+    mixed = LlamaReuseEngine(m, p).prefill(a, question)
+    top = LlamaReuseEngine(m, p, select="deviation").prefill(a, question)
+    kv = LlamaReuseEngine(m, p, select="deviation", signal="kv").prefill(a, question)
+    n_reloc = sum(len(d) for d in docs[1:])
+    assert mixed[2].active == top[2].active == kv[2].active == -(-n_reloc // 4)
+    assert not torch.equal(mixed[0], top[0]) and not torch.equal(top[0], kv[0])
+
+
+def test_profiles_a_llama_cannot_run_are_refused(setup):
+    m, _, _ = setup
+    from runtime.reuse.profile import ProfileError
+    with pytest.raises(ProfileError, match="no shared expert"):
+        LlamaReuseEngine(m, ReuseProfile(**BASE, ffn_mode="shared-expert-only"))
+    with pytest.raises(ProfileError, match="global_per_group"):
+        LlamaReuseEngine(m, ReuseProfile(**BASE, global_per_group=m.cfg.heads_per_kv + 1))
+    with pytest.raises(ValueError, match="select"):
+        LlamaReuseEngine(m, ReuseProfile(**BASE), select="random")
+
+
+@pytest.mark.parametrize("mode, last_fence_kv", [("reuse", "recompute"), ("reuse", "artifact"), ("naive", "recompute")])
+def test_decoding_on_the_assembled_cache_equals_the_segment_path(setup, mode, last_fence_kv):
+    """The fast path (segments' K rotated to request positions once, then the model's own decode) against the
+    reference (queries rotated per segment, LSE merge) over several greedy steps."""
+    m, docs, question = setup
+    prof = ReuseProfile(**BASE, budget=0.25, last_fence_kv=last_fence_kv)
+    arts = [produce_llama(m, d, prof) for d in docs]
+    eng = LlamaReuseEngine(m, prof, mode=mode)
+    ref_logits, ref_state, _ = eng.prefill(arts, question)
+    logits, state, _ = eng.prefill(arts, question)
+    cache = eng.assemble(state)
+    assert cache.pos == sum(len(d) for d in docs) + len(question)
+    for _ in range(4):
+        nxt = int(ref_logits.argmax())
+        ref_logits, logits = eng.decode(ref_state, nxt), m(torch.tensor([nxt]), cache)
+        assert rel_err(logits, ref_logits) <= TOL
+    ids, _, _ = eng.generate(arts, question, 5, set())
+    assert ids == eng.generate(arts, question, 5, set(), reference=True)[0]
