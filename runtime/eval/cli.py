@@ -20,6 +20,11 @@ def add_arguments(e: argparse.ArgumentParser) -> None:
     e.add_argument("--limit", type=int, default=20)
     e.add_argument("--budgets", default="0.1,0.2,0.25")
     e.add_argument("--fences", default="3,3", help="first,last fence layers")
+    e.add_argument("--variants", default="", help="extra reuse arms beside the default ones, comma-separated: "
+                                                  "reuse@B[:knob=value]... with knobs fences=F+L, gpg=N, "
+                                                  "ffn=skip|native, lastkv=recompute|artifact, "
+                                                  "select=mixed|deviation, signal=k|kv, join=N, recent=N "
+                                                  "(runtime/eval/arms.py)")
     e.add_argument("--max-new-tokens", type=int, default=32)
     e.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
@@ -49,6 +54,7 @@ def run_eval_cli(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
         TimeRemainingColumn
 
+    from .arms import ArmError, arm_list
     from .harness import markdown, merge_runs, save
     from .runner import RunSpec, plan, run_chunks
 
@@ -57,7 +63,7 @@ def run_eval_cli(args) -> int:
     if args.merge:
         summary = merge_runs([json.loads(open(p).read()) for p in args.merge])
         meta = {k: v for k, v in json.loads(open(args.merge[0]).read()).items()
-                if k in ("task", "model", "budgets", "fences", "max_new_tokens", "dtype", "device")}
+                if k in ("task", "model", "budgets", "fences", "variants", "max_new_tokens", "dtype", "device")}
         summary.update(meta, offset=None)
     else:
         model_dir = args.model
@@ -68,15 +74,21 @@ def run_eval_cli(args) -> int:
         spec = RunSpec(model_dir=model_dir, task=args.task, data=args.data,
                        budgets=tuple(float(b) for b in args.budgets.split(",") if b),
                        fences=tuple(int(f) for f in args.fences.split(",")), max_new_tokens=args.max_new_tokens,
-                       device=device, dtype=args.dtype)
+                       device=device, dtype=args.dtype,
+                       variants=tuple(v for v in args.variants.split(",") if v.strip()))
         assert len(spec.fences) == 2, f"--fences {args.fences}: give first,last"
+        try:
+            arms = arm_list(list(spec.budgets), list(spec.variants), spec.fences)
+        except ArmError as err:
+            console.print(f"redknot eval: {err}")
+            return 2
         procs = max(1, args.procs)
         chunks = plan(args.offset, args.limit, args.chunk_size or math.ceil(args.limit / procs))
         deadline = time.time() + args.deadline if args.deadline else None
         cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                 TimeRemainingColumn())
         with Progress(*cols, console=console) as bar:
-            task = bar.add_task(f"{args.task}: {args.limit} questions x {3 + len(spec.budgets)} arms, {procs} procs, "
+            task = bar.add_task(f"{args.task}: {args.limit} questions x {len(arms)} arms, {procs} procs, "
                                 f"{device}", total=args.limit)
             r = run_chunks(spec, chunks, procs, args.chunk_dir, deadline,
                            progress=lambda n: bar.update(task, completed=n))
@@ -85,7 +97,7 @@ def run_eval_cli(args) -> int:
             return 3
         summary = merge_runs(r.summaries) if len(r.summaries) > 1 else r.summaries[0]
         summary.update(task=args.task, model=model_dir, offset=args.offset, budgets=list(spec.budgets),
-                       fences=list(spec.fences), max_new_tokens=args.max_new_tokens, dtype=args.dtype, device=device,
+                       fences=list(spec.fences), variants=list(spec.variants), max_new_tokens=args.max_new_tokens, dtype=args.dtype, device=device,
                        procs=procs, chunks_reused=r.reused,
                        pending=[[c.offset, c.limit] for c in r.pending])
         if r.pending:

@@ -7,7 +7,7 @@ Each segment is tokenized on its own and the token lists are concatenated, ident
 
 Arms: recompute (the plain model), prefix-only (document 1 reused exactly, the rest recomputed), naive reuse
 (every document row's K/V from its artifact, relocated, only new rows computed), and the reuse arm at each
-budget. Per arm: F1 and EM against gold (LongBench normalization), answer agreement with the recompute arm,
+budget; optional variants of the reuse arm with other profile knobs (`arms.py`). Per arm: F1 and EM against gold (LongBench normalization), answer agreement with the recompute arm,
 first-token KL(recompute || arm), the ledger. Paired bootstrap 95% CIs of the F1/EM deltas against recompute.
 A run whose reuse arm fell back on any example is rejected."""
 from __future__ import annotations
@@ -24,6 +24,7 @@ from runtime.llama.model import Llama
 from runtime.llama.tokenizer import ChatTokenizer
 from runtime.reuse.llama_engine import LlamaReuseEngine, produce_llama
 from runtime.reuse.profile import ReuseProfile
+from .arms import JOIN_ROWS, RECENT_ROWS, arm_list
 from .data import QAExample
 from .metrics import answers_agree, best_em, best_f1, paired_bootstrap_ci
 
@@ -70,14 +71,14 @@ def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
 
 
 def run_eval(model: Llama, tok: ChatTokenizer, examples: list[QAExample], budgets: list[float],
-             max_new_tokens: int = 32, fences: tuple[int, int] = (3, 3), progress=None) -> dict:
+             max_new_tokens: int = 32, fences: tuple[int, int] = (3, 3), progress=None,
+             variants: list[str] = ()) -> dict:
     stop = set(model.cfg.eos_token_ids) | {t for t in (tok.token_id("<|im_end|>"), tok.token_id("<|endoftext|>"))
                                            if t is not None}
-    arms = ["recompute", "prefix-only", "naive"] + [f"reuse@{b:.0%}" for b in budgets]
-    res = {a: ArmResult() for a in arms}
-    base = ReuseProfile(name="eval", first_fences=fences[0], last_fences=fences[1], align=1, join_rows=16,
-                        recent_rows=64)
-    dev = next(model.parameters()).device
+    arms = arm_list(budgets, list(variants), fences)
+    res = {a.name: ArmResult() for a in arms}
+    base = eval_profile(fences)
+    engine_arms = [a for a in arms if a.kind in ("naive", "reuse")]
     for n, ex in enumerate(examples):
         lay = layout(tok, ex)
         tokens = [t for s in lay.segments for t in s] + lay.question
@@ -90,18 +91,21 @@ def run_eval(model: Llama, tok: ChatTokenizer, examples: list[QAExample], budget
         t0 = time.perf_counter()
         answers["prefix-only"] = _prefix_only(model, lay, max_new_tokens, stop) + (None,)
         res["prefix-only"].seconds += time.perf_counter() - t0
-        for b in [None] + budgets:
-            prof = base.replace(budget=b if b is not None else 0.1)
-            arts = [produce_llama(model, s, prof) for s in lay.segments]
-            eng = LlamaReuseEngine(model, prof, mode="naive" if b is None else "reuse")
+        produced: dict[str, list] = {}            # arms whose profiles are equal share the artifacts
+        for arm in engine_arms:
+            prof = arm.profile(base)
+            key = json.dumps(prof.to_dict(), sort_keys=True)
+            if key not in produced:
+                produced[key] = [produce_llama(model, s, prof) for s in lay.segments]
+            arts = produced[key]
+            eng = LlamaReuseEngine(model, prof, mode=arm.kind, **arm.engine_kwargs())
             verdict = eng.verify(arts)
             if not verdict.ok:
                 raise EvalRejected(f"example {ex.id}: {verdict.reason.value}: {verdict.detail}")
             t0 = time.perf_counter()
             ids, first, led = eng.generate(arts, lay.question, max_new_tokens, stop)
-            name = "naive" if b is None else f"reuse@{b:.0%}"
-            res[name].seconds += time.perf_counter() - t0
-            answers[name] = (ids, first, led.summary())
+            res[arm.name].seconds += time.perf_counter() - t0
+            answers[arm.name] = (ids, first, led.summary())
         for name, (ids, first, summ) in answers.items():
             text = tok.decode(ids).strip()
             r = res[name]
@@ -120,6 +124,13 @@ def run_eval(model: Llama, tok: ChatTokenizer, examples: list[QAExample], budget
     summary["raw"] = {name: r.__dict__ for name, r in res.items()}
     summary["ids"] = [ex.id for ex in examples]
     return summary
+
+
+def eval_profile(fences: tuple[int, int]) -> ReuseProfile:
+    """The reuse profile every engine arm starts from: no alignment (no compression blocks on Llama), join and
+    recent rows scaled to ~150-token documents. The naive arm keeps this profile (it selects no rows)."""
+    return ReuseProfile(name="eval", first_fences=fences[0], last_fences=fences[1], align=1, join_rows=JOIN_ROWS,
+                        recent_rows=RECENT_ROWS, budget=0.1)
 
 
 def _greedy(model: Llama, tokens: list[int], cap: int, stop: set[int]):

@@ -29,6 +29,7 @@ class RunSpec:
     max_new_tokens: int
     device: str = "cpu"
     dtype: str = "float32"
+    variants: tuple[str, ...] = ()          # extra reuse arms (arms.py), after the default ones
 
     def key(self) -> str:
         d = asdict(self)
@@ -78,16 +79,20 @@ class Worker:
         return list(itertools.islice(load_task(self.spec.task, self.spec.data, None), c.offset, c.offset + c.limit))
 
     def run(self, c: Chunk, progress=None) -> dict:
+        import warnings
+
         import torch
 
         from .harness import run_eval
+        # torch warns on every oneDNN flags switch that TF32 on oneDNN needs an Intel GPU: noise here
+        warnings.filterwarnings("ignore", message="TF32 acceleration on top of oneDNN")
         examples = self.examples(c)
         assert len(examples) == c.limit, f"chunk {c}: the task has only {c.offset + len(examples)} examples"
         torch.manual_seed(0)
         # on CPU, oneDNN compiles a kernel per new matmul shape (~16 ms each); segment lengths vary per example
         with torch.backends.mkldnn.flags(enabled=self.spec.device != "cpu"):
             s = run_eval(self.model, self.tok, examples, list(self.spec.budgets), self.spec.max_new_tokens,
-                         self.spec.fences, progress=progress)
+                         self.spec.fences, progress=progress, variants=list(self.spec.variants))
         s["offset"] = c.offset
         return s
 

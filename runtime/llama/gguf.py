@@ -89,7 +89,7 @@ def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
@@ -269,7 +269,7 @@ def convert_gguf(gguf_path: str | Path | None = None, out_dir: str | Path | None
     out = Path(out_dir or DEFAULT_OUT).expanduser()
     if not src.is_file():
         raise ConvertError(f"no GGUF file at {src}")
-    digest = _sha256(src)
+    digest = file_sha256(src)
     record = out / "redknot_convert.json"
     if record.is_file() and not overwrite:
         prov = json.loads(record.read_text())
