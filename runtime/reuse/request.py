@@ -20,7 +20,7 @@ from .certificate import Certificate, FallbackCounter, Verdict, agree, digest_by
 from .consumer import ReuseEngine
 from runtime.model.parallel import Parallel
 from .ledger import Ledger
-from .prefetch import GroupStager, StagedSource, StagingRejected, Trace, source_verdict
+from .prefetch import GroupStager, LayerPrefetcher, StagedSource, StagingRejected, Trace, source_verdict
 from .producer import PRODUCER_VERSION, pad_document, produce
 from .profile import ReuseProfile
 from .roles import channel_range
@@ -97,6 +97,9 @@ def _recompute(model: Transformer, padded: list[list[int]], question: list[int],
 
 
 def _reuse(model: Transformer, profile: ReuseProfile, arts: list, question: list[int], verdict: Verdict) -> Outcome:
+    dev = model.embed.weight.device
+    if dev.type == "cuda":      # host artifacts reach the GPU one layer ahead on a copy stream (runtime.reuse.prefetch)
+        arts = LayerPrefetcher(arts, dev).documents()
     engine = ReuseEngine(model, profile)
     res = engine.prefill(arts, question)
     return Outcome(res.logits, "reuse", verdict, res.ledger, step=lambda t: engine.decode(res.state, t))

@@ -48,7 +48,10 @@ def stack(tmp_path_factory, checkpoint, redis_url):
     prefix = f"rkgpu-{uuid.uuid4().hex[:8]}"
     cfg = StackConfig(workdir=tmp_path_factory.mktemp("stack"), model=checkpoint, tp=2, profile=PROFILE,
                       device="cuda", redis_url=redis_url, prefix=prefix, tenants=TENANTS,
-                      worker_env={"REDKNOT_WORKER_LAYER_GROUP": "2"})        # 4 layer groups of 2 layers
+                      # 4 layer groups of 2 layers; the torch reference path on the GPU (REDKNOT_KERNELS=0): the
+                      # Triton kernels' dot products run in TF32 and are checked against it in tests/kernels
+                      worker_env={"REDKNOT_WORKER_LAYER_GROUP": "2", "REDKNOT_KERNELS": "0"},
+                      builder_env={"REDKNOT_KERNELS": "0"})
     st = LocalStack(cfg).start()
     yield st
     codes = st.stop()
