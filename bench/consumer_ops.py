@@ -25,9 +25,16 @@ from runtime.reuse.consumer import ReuseEngine  # noqa: E402
 from runtime.reuse.producer import produce  # noqa: E402
 from runtime.reuse.profile import FLASH_PROFILE  # noqa: E402
 
-SHOWN = ("aten::mul", "aten::add", "aten::add_", "aten::copy_", "aten::to", "aten::_to_copy", "aten::cat",
-         "aten::index", "aten::index_put_", "aten::index_select", "aten::nonzero", "aten::_local_scalar_dense",
-         "aten::bmm", "aten::mm")
+# ops that launch no kernel on CUDA (views, metadata, allocation)
+NO_LAUNCH = {f"aten::{n}" for n in (
+    "slice", "view", "select", "reshape", "expand", "expand_as", "unsqueeze", "squeeze", "as_strided", "alias", "t",
+    "transpose", "permute", "flatten", "unflatten", "narrow", "split", "chunk", "detach", "empty", "empty_like",
+    "empty_strided", "_unsafe_view", "lift_fresh", "result_type", "resolve_conj", "resolve_neg", "unbind", "numpy_T",
+    "contiguous", "_reshape_alias", "view_as", "broadcast_tensors", "item", "is_nonzero", "size", "stride", "dim",
+    "to", "type_as", "matmul", "linear", "einsum", "_local_scalar_dense", "is_same_size", "movedim", "diagonal", "split_with_sizes", "set_", "new_empty", "new_empty_strided")}
+# "to", "matmul", "linear", "einsum" are transparent: the op they dispatch to (_to_copy, mm, bmm) is counted
+NO_LAUNCH -= {"aten::_to_copy"}
+SYNCS = {"aten::_local_scalar_dense", "aten::nonzero"}
 
 
 def _gpu_path() -> None:
@@ -69,6 +76,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--docs", type=int, default=8)
     ap.add_argument("--question", type=int, default=64)
+    ap.add_argument("--top", type=int, default=16, help="ops shown")
     args = ap.parse_args()
     torch.manual_seed(0)
     cfg = FLASH.replace(dim=512, q_lora_rank=256, o_lora_rank=256, index_n_heads=8, index_head_dim=64,
@@ -87,27 +95,31 @@ def main() -> int:
     with profile(activities=[ProfilerActivity.CPU]) as p:
         res = eng.prefill(arts, question)
     wall = time.perf_counter() - t
-    counts, launches = Counter(), 0
+    counts, syncs = Counter(), Counter()
     for ev in p.events():
         if not (ev.name.startswith("aten::") or ev.name.startswith("kernel::")):
             continue
-        up = ev.cpu_parent
-        while up is not None and not (up.name.startswith("aten::") or up.name.startswith("kernel::")
-                                      or up.name == "reusable_layer"):
+        up, top = ev.cpu_parent, True
+        while up is not None and up.name != "reusable_layer":
+            top = top and not ((up.name.startswith("aten::") and up.name not in NO_LAUNCH)
+                               or up.name.startswith("kernel::"))
             up = up.cpu_parent
-        if up is not None and up.name == "reusable_layer":      # a launch of a reusable layer
+        if up is None:
+            continue
+        if ev.name in SYNCS:                                     # at any depth
+            syncs[ev.name] += 1
+        if top and ev.name not in NO_LAUNCH:                     # a launch of a reusable layer
             counts[ev.name] += 1
-            launches += 1
-    syncs = counts["aten::_local_scalar_dense"] + counts["aten::nonzero"]
+    launches, n_sync = sum(counts.values()), sum(syncs.values())
     led = res.ledger.summary()
     print(f"# {cfg.n_layers} layers ({len(prof.reusable_layers(cfg))} reusable), {cfg.n_heads} heads x "
           f"{cfg.head_dim}, {sum(len(d) for d in docs) + len(question)} tokens, active "
           f"{led['rows']['active']}/{led['rows']['relocated']}; profiled prefill {wall:.2f} s on CPU")
     n_r = len(prof.reusable_layers(cfg))
-    print(f"reusable layers: {launches} launches ({launches / n_r:.0f} per layer), {syncs} host syncs "
-          f"({syncs / n_r:.0f} per layer)")
-    for k in SHOWN + tuple(sorted(k for k in counts if k.startswith("kernel::"))):
-        print(f"  {k:28s} {counts[k]:6d}")
+    print(f"reusable layers: {launches} launches ({launches / n_r:.0f} per layer), {n_sync} host syncs "
+          f"({n_sync / n_r:.0f} per layer: {dict(syncs)})")
+    for k, v in counts.most_common(args.top):
+        print(f"  {k:28s} {v:6d}")
     return 0
 
 

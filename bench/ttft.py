@@ -5,10 +5,16 @@ logits, after a warm-up, median of --reps. Beside each measured speedup: the led
 analytic FLOP ratio. Also the cold arm (artifact construction included) at --cold-at. Not a test.
 
     python bench/ttft.py --lengths 16384,32768,65536,131072 --experts 16 --json ttft.json --plot ttft.png
+
+Memory: at 128K the hot artifacts are ~75 GiB (Local W_a,L O_L 65 GiB of it: 8 x 1024 bf16 per relocated row and
+reusable layer), all in pinned host memory; each length prints its breakdown, a length whose artifacts exceed
+--host-budget-gib is skipped, and pinned blocks are released between lengths.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
 import json
 import os
 import statistics
@@ -18,8 +24,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from runtime.model.config import FLASH  # noqa: E402
+from runtime.model.config import CSA, FLASH  # noqa: E402
 from runtime.model.deepseek_v4 import Transformer  # noqa: E402
+from runtime.reuse.artifact import DocumentArtifact  # noqa: E402
 from runtime.reuse.consumer import ReuseEngine  # noqa: E402
 from runtime.reuse.prefetch import LayerPrefetcher, pin  # noqa: E402
 from runtime.reuse.producer import produce  # noqa: E402
@@ -68,6 +75,43 @@ def request(cfg, L: int, n_docs: int, n_q: int, seed: int):
     return docs, torch.randint(2, cfg.vocab_size, (n_q,), generator=g).tolist()
 
 
+def artifact_bytes(cfg, prof, n_docs: int, per_doc: int, elem: int) -> dict[str, int]:
+    """Bytes of the hot artifacts of one request, by kind, as the producer writes them (the prefix document's Local
+    contribution and picks are dropped: its rows are never computed)."""
+    b = dict(latent=0, entries=0, index_keys=0, picks=0, local=0)
+    for i in range(cfg.n_layers):
+        r, kind, reusable = cfg.compress_ratios[i], cfg.layer_kind(i), not prof.is_fence(cfg, i)
+        b["latent"] += n_docs * per_doc * cfg.head_dim * elem
+        if r:
+            b["entries"] += n_docs * (per_doc // r) * cfg.head_dim * elem
+        if kind == CSA:
+            b["index_keys"] += n_docs * (per_doc // 4) * cfg.index_head_dim * elem
+            if reusable and prof.global_picks == "artifact":
+                b["picks"] += (n_docs - 1) * per_doc * min(cfg.index_topk, per_doc // 4) * 4
+        if reusable:   # W_a,L O_L: o_groups x o_lora_rank per row
+            b["local"] += (n_docs - 1) * per_doc * cfg.o_groups * cfg.o_lora_rank * elem
+    return b
+
+
+def drop_unused(doc: DocumentArtifact) -> DocumentArtifact:
+    """The prefix document: its rows are never computed, so its Local contribution and picks are not kept."""
+    return DocumentArtifact(doc.tokens, doc.n_content,
+                            [dataclasses.replace(la, local_p=None, picks=None) for la in doc.layers],
+                            doc.tp_rank, doc.tp_size, doc.meta)
+
+
+def host_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def release_pinned() -> None:
+    """Pinned blocks freed by a finished length go back to the OS (the caching host allocator keeps them, and the
+    next length's blocks have other sizes)."""
+    gc.collect()
+    if torch.cuda.is_available() and hasattr(torch._C, "_host_emptyCache"):
+        torch._C._host_emptyCache()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", default="16384,32768,65536,131072")
@@ -85,6 +129,8 @@ def main() -> int:
     ap.add_argument("--q-chunk", type=int, default=4096)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--small", action="store_true", help="tiny dims for a CPU smoke run")
+    ap.add_argument("--host-budget-gib", type=float, default=100.0,
+                    help="pinned host memory the hot artifacts may take; a length needing more is skipped")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
@@ -107,10 +153,28 @@ def main() -> int:
           f"global_picks={prof.global_picks} | {args.docs} documents + {args.question}-token question", flush=True)
     rows = []
     lengths = [int(v) for v in args.lengths.split(",")]
+    elem = torch.empty((), dtype=dtype).element_size()
     for L in lengths:
         docs, question = request(cfg, L, args.docs, args.question, seed=L)
+        need = artifact_bytes(cfg, prof, args.docs, len(docs[0]), elem)
+        total = sum(need.values())
+        copies = 2 if L == args.cold_at else 1         # the cold arm builds a second copy beside the hot one
+        n_r = max(1, len(prof.reusable_layers(cfg)))
+        print(f"## {L} tokens: hot artifacts {total / 2**30:.1f} GiB in pinned host memory ("
+              + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in need.items())
+              + f" GiB; Local W_a,L O_L = {cfg.o_groups} x {cfg.o_lora_rank} x {elem} B per relocated row and "
+              f"reusable layer, {need['local'] / n_r / 2**30:.2f} GiB per layer x {n_r}); staged per reusable layer "
+              f"{(total - need['latent'] * (cfg.n_layers - n_r) / cfg.n_layers) / n_r / 2**30:.2f} GiB; host memory "
+              f"{host_memory() / 2**30:.0f} GiB, budget {args.host_budget_gib:.0f} GiB"
+              + (", x2 with the cold arm" if copies == 2 else ""), flush=True)
+        if copies * total > args.host_budget_gib * 2**30:
+            print(f"## {L} tokens skipped: {copies * total / 2**30:.1f} GiB of pinned artifacts exceed the host budget "
+                  f"(nothing is kept on the GPU instead: the GPU holds the model and the recompute arm's activations)",
+                  flush=True)
+            continue
         t_build = time.perf_counter()
         arts = [pin(produce(model, d, prof)) for d in docs]
+        arts[0] = drop_unused(arts[0])
         t_build = time.perf_counter() - t_build
         full = torch.tensor([t for a in arts for t in a.tokens] + question, device=device)
         engine = ReuseEngine(model, prof)
@@ -156,6 +220,7 @@ def main() -> int:
         if L == args.cold_at:
             def cold():
                 fresh = [pin(produce(model, d, prof)) for d in docs]
+                fresh[0] = drop_unused(fresh[0])
                 return engine.prefill(LayerPrefetcher(fresh, device).documents(), question)
             row["cold_s"] = timed(cold, device)[0]
         rows.append(row)
@@ -164,9 +229,12 @@ def main() -> int:
               f"{row['structural_ceiling']:.1%}; token-row {row['token_row_saving']:.1%}; active "
               f"{row['active']}/{row['relocated']})" + (f"  cold {row['cold_s']:.3f} s" if "cold_s" in row else ""),
               flush=True)
-        del arts
+        del arts, engine, res
+        release_pinned()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+            print(f"## {L} tokens: peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB", flush=True)
+            torch.cuda.reset_peak_memory_stats()
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(dict(device=name, torch=torch.__version__, experts=args.experts, layers=cfg.n_layers,

@@ -275,19 +275,26 @@ class Indexer(nn.Module):
 
     def scores(self, x, qr, positions, keys) -> torch.Tensor:
         """[T, N] indexer scores with non-causal entries at -inf."""
-        T = x.shape[0]
-        q = self.wq_b(qr).view(T, self.n_heads, self.head_dim)
+        return self.scores_from(*self.query(x, qr), positions, keys)
+
+    def query(self, x, qr) -> tuple[torch.Tensor, torch.Tensor]:
+        """Index queries before RoPE [T, heads, dim] and raw head weights [T, heads] (float32): what does not
+        depend on the query's position, so the reuse consumer computes it once for every segment's frame."""
+        return self.wq_b(qr).view(x.shape[0], self.n_heads, self.head_dim), self.weights_proj(x).float()
+
+    def scores_from(self, q, w_raw, positions, keys) -> torch.Tensor:
+        """`scores` from `query`'s outputs, the query roped at `positions`."""
         q = Rotary.apply(q, *self.rotary.cos_sin(positions))
         from runtime.kernels import enabled, indexer_scores
         if enabled(q):
-            return indexer_scores(q, keys.to(q.dtype), self.weights_proj(x).float() * self.n_heads ** -0.5, positions)
+            return indexer_scores(q, keys.to(q.dtype), w_raw * self.n_heads ** -0.5, positions)
         # in the activation dtype (the reference runs this in FP8), ReLU in place, heads reduced by a batched
         # matvec: the [T, heads, N] block is written once and read once
         s = torch.relu_(torch.einsum("thd,nd->thn", q, keys.to(q.dtype)))
-        w = self.weights_proj(x).float() * (self.n_heads ** -0.5 * self.head_dim ** -0.5)
+        w = w_raw * (self.n_heads ** -0.5 * self.head_dim ** -0.5)
         s = torch.einsum("thn,th->tn", s, w.to(s.dtype)).float()
         ready = (positions + 1) // 4                                    # entries complete before t
-        return s.masked_fill(torch.arange(keys.shape[0], device=x.device)[None, :] >= ready[:, None], NEG_INF)
+        return s.masked_fill(torch.arange(keys.shape[0], device=q.device)[None, :] >= ready[:, None], NEG_INF)
 
     def forward(self, x, qr, positions, state: CompressorState, q_chunk: int) -> torch.Tensor:
         """Top-k entry ids [T, k'] (k' = min(topk, N)); -1 where fewer entries are ready."""

@@ -7,6 +7,12 @@ decoded tokens)]. See docs/reuse.md for what is cached, what is recomputed and h
   fanout); other relocated rows restore W_a,L O_L from the artifact, compute the Global heads online, skip the
   FFN. Attention relocates each segment by rotating the query to t - Delta and the partial output by +Delta, and
   merges segments by log-sum-exp with the sink once. Artifacts are never rewritten or concatenated.
+
+One code path on every device; only the leaves switch (`runtime.kernels.enabled`): Triton kernels on CUDA, their
+torch references elsewhere. Per segment only the 64 RoPE channels are turned (query in, partial output out, the
+output's inverse RoPE folded into the same rotation), each part lands in one stacked buffer and every row is merged
+once. Everything that depends only on the request's rows (active/other split, per-document row ids, the blocks to
+re-pool, RoPE angles) is built once per request, so a reusable layer makes no host sync.
 """
 from __future__ import annotations
 
@@ -16,7 +22,8 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.model.config import CSA, HCA, WINDOW
-from runtime.model.deepseek_v4 import NEG_INF, Block, CompressorState, LayerCache, Rotary, Transformer, unweighted_rms_norm
+from runtime.model.deepseek_v4 import (NEG_INF, Block, CompressorState, LayerCache, Rotary, Transformer,
+                                       unweighted_rms_norm)
 from runtime.kernels import enabled, merge_stacked, rope_, sparse_mqa_attention
 from runtime.kernels.reference import sparse_mqa_reference
 from .artifact import DocumentArtifact, LayerArtifact
@@ -79,7 +86,8 @@ def _plan(attn, host, segments, picks, own_picks):
 
 def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: list[SegmentKeys], sink: torch.Tensor,
                       idx_inputs=None, picks: list | None = None, qpos_host: torch.Tensor | None = None,
-                      own_picks: torch.Tensor | None = None, trig: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      own_picks: torch.Tensor | None = None,
+                      trig: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q_raw [T,H,D] normed, not yet roped; qpos request positions (increasing). Returns the merged per-head output
     [T,H,D] in q_raw's dtype WITH the inverse output RoPE applied (ready for W_a), and the number of (query, key)
     pairs attended (a tensor, so no host sync).
@@ -131,12 +139,13 @@ def _indexer_picks(attn, cpos_all, segments, idx_inputs):
     """Native lightning-indexer top-k over the union of every segment's visible entries, the indexer query
     rotated per segment; returns per segment the picked local entry ids [T, k] (-1 = none)."""
     h, qr = idx_inputs
+    q, w = attn.indexer.query(h, qr)          # projected once; roped per segment
     scores, seg_ids, local_ids = [], [], []
     for j, seg in enumerate(segments):
         if seg.index_keys is None or seg.index_keys.shape[0] == 0:
             continue
         N = seg.index_keys.shape[0]
-        scores.append(attn.indexer.scores(h, qr, cpos_all[j], seg.index_keys))
+        scores.append(attn.indexer.scores_from(q, w, cpos_all[j], seg.index_keys))
         seg_ids.append(torch.full((N,), j, device=h.device))
         local_ids.append(torch.arange(N, device=h.device))
     out = [None] * len(segments)
@@ -240,6 +249,7 @@ class ReuseEngine:
         self.model, self.profile, self.cfg = model, profile, model.cfg
         n_heads = model.layers[0].attn.n_heads
         self.gmask = global_mask(self.cfg, profile, n_heads, model.par.rank)
+        self._gm_ids: dict = {}
 
     # ------------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -548,17 +558,18 @@ class ReuseEngine:
             P = act.put_(P, attn.project_relative(o.to(hn.dtype)))
             pairs = pairs + p * attn.n_heads
         if rest is not None:                       # Global heads only, their slice of wq_b and of W_a
-            gm = self.gmask.to(x.device)
-            Hg = int(self.gmask.sum())
-            wq = attn.wq_b.weight.view(attn.n_heads, cfg.head_dim, -1)[gm].reshape(Hg * cfg.head_dim, -1)
+            gm = self._global_heads(x.device)
+            Hg = gm.numel()
+            wq = attn.wq_b.weight.view(attn.n_heads, cfg.head_dim, -1).index_select(0, gm)
+            wq = wq.reshape(Hg * cfg.head_dim, -1)
             qg = rest.take(qr)
             q = unweighted_rms_norm(torch.nn.functional.linear(qg.to(wq.dtype), wq).view(-1, Hg, cfg.head_dim),
                                     cfg.norm_eps)
             own = None
             if attn.kind == CSA and prof.global_picks == "artifact" and docs is not None:
                 own = self._own_picks(i, sp)
-            o, p = self._attend(attn, q, rest, all_segs, attn.attn_sink[gm], rest.take(hn) if attn.indexer else None,
-                                qg, own)
+            o, p = self._attend(attn, q, rest, all_segs, attn.attn_sink.index_select(0, gm),
+                                rest.take(hn) if attn.indexer else None, qg, own)
             pg = self._project_global(attn, o.to(hn.dtype))
             if docs is not None:                   # restore W_a,L O_L of these rows from their documents
                 for j, ids, off in sp.rest_local:
@@ -628,6 +639,12 @@ class ReuseEngine:
         k = max(t.shape[1] for t in parts)
         return torch.cat([torch.nn.functional.pad(t, (0, k - t.shape[1]), value=-1) if t.shape[1] < k else t
                           for t in parts])
+
+    def _global_heads(self, device) -> torch.Tensor:
+        """Ids of the Global heads on `device`, copied there once (a copy from pageable memory syncs)."""
+        if device not in self._gm_ids:
+            self._gm_ids[device] = torch.nonzero(self.gmask).flatten().to(device)
+        return self._gm_ids[device]
 
     def _project_global(self, attn, o_g):
         """W_a,G O_G on outputs already de-rotated at their query positions: each group's W_a restricted to its
