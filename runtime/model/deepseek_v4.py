@@ -284,7 +284,10 @@ class Indexer(nn.Module):
 
     def scores_from(self, q, w_raw, positions, keys) -> torch.Tensor:
         """`scores` from `query`'s outputs, the query roped at `positions`."""
-        q = Rotary.apply(q, *self.rotary.cos_sin(positions))
+        return self.scores_roped(Rotary.apply(q, *self.rotary.cos_sin(positions)), w_raw, positions, keys)
+
+    def scores_roped(self, q, w_raw, positions, keys) -> torch.Tensor:
+        """`scores_from` with the query already roped at `positions`."""
         from runtime.kernels import enabled, indexer_scores
         if enabled(q):
             return indexer_scores(q, keys.to(q.dtype), w_raw * self.n_heads ** -0.5, positions)

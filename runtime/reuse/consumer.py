@@ -16,9 +16,9 @@ re-pool, RoPE angles) is built once per request, so a reusable layer makes no ho
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from runtime.model.config import CSA, HCA, WINDOW
@@ -64,14 +64,14 @@ def _plan(attn, host, segments, picks, own_picks):
     plan = []
     for j, seg in enumerate(segments):
         n = seg.latent.shape[0]
-        lo = int(torch.searchsorted(host, seg.delta))
-        win_hi = int(torch.searchsorted(host, seg.delta + n + W - 1))
+        lo = int(np.searchsorted(host, seg.delta))
+        win_hi = int(np.searchsorted(host, seg.delta + n + W - 1))
         n_ent = 0 if seg.entries is None else seg.entries.shape[0]
         mode, hi, pk = "none", win_hi, None
         if attn.kind == HCA and n_ent:
             mode, hi = "causal", T
         elif attn.kind == CSA and n_ent and own_picks is not None:
-            own_hi = int(torch.searchsorted(host, seg.delta + n))
+            own_hi = int(np.searchsorted(host, seg.delta + n))
             if own_hi > lo:      # rows past the segment's end (the next one's first W-1) see its window only
                 pk = own_picks[lo:own_hi]
                 if win_hi > own_hi:
@@ -85,7 +85,7 @@ def _plan(attn, host, segments, picks, own_picks):
 
 
 def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: list[SegmentKeys], sink: torch.Tensor,
-                      idx_inputs=None, picks: list | None = None, qpos_host: torch.Tensor | None = None,
+                      idx_inputs=None, picks: list | None = None, qpos_host: np.ndarray | None = None,
                       own_picks: torch.Tensor | None = None,
                       trig: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q_raw [T,H,D] normed, not yet roped; qpos request positions (increasing). Returns the merged per-head output
@@ -101,9 +101,9 @@ def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: l
     top-k over the union of all segments' visible entries."""
     T, H, D = q_raw.shape
     W = attn.cfg.window_size
-    host = (qpos.cpu() if qpos_host is None else qpos_host).contiguous()
+    host = qpos.cpu().numpy() if qpos_host is None else qpos_host      # host arithmetic: numpy, never a launch
     if attn.kind == CSA and picks is None and own_picks is None:
-        picks = _indexer_picks(attn, [qpos - s.delta for s in segments], segments, idx_inputs)
+        picks = _indexer_picks(attn, qpos, [qpos - s.delta for s in segments], segments, idx_inputs, trig)
     plan = _plan(attn, host, segments, picks, own_picks)
     o_buf = torch.empty((len(plan), T, H, D), dtype=torch.float32, device=q_raw.device)
     lse_buf = torch.full((len(plan), T, H), NEG_INF, dtype=torch.float32, device=q_raw.device)
@@ -126,26 +126,29 @@ def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: l
         rope_(o, cos, sin, inverse=True)
         # pairs the kernel attends: clipped window rows plus visible entries (counted on the host where it can)
         ch, n = host[lo:hi] - seg.delta, seg.latent.shape[0]
-        pairs_host += int((ch.clamp(max=n - 1) - (ch - W + 1).clamp(min=0) + 1).clamp(min=0).sum())
+        pairs_host += int((np.minimum(ch, n - 1) - np.maximum(ch - W + 1, 0) + 1).clip(min=0).sum())
         if mode == "causal":
-            pairs_host += int(((ch + 1) // attn.ratio).clamp(max=seg.entries.shape[0]).sum())
+            pairs_host += int(np.minimum((ch + 1) // attn.ratio, seg.entries.shape[0]).sum())
         elif mode == "picks":
             pairs = pairs + (pk >= 0).sum()
     out = merge_stacked(o_buf, lse_buf, sink, q_raw.dtype, [(lo, hi) for _, lo, hi, _, _ in plan])
     return out, pairs + pairs_host
 
 
-def _indexer_picks(attn, cpos_all, segments, idx_inputs):
+def _indexer_picks(attn, qpos, cpos_all, segments, idx_inputs, trig=None):
     """Native lightning-indexer top-k over the union of every segment's visible entries, the indexer query
     rotated per segment; returns per segment the picked local entry ids [T, k] (-1 = none)."""
     h, qr = idx_inputs
-    q, w = attn.indexer.query(h, qr)          # projected once; roped per segment
+    q, w = attn.indexer.query(h, qr)          # projected once; only its RoPE channels are turned per segment
+    qs = q.clone()
     scores, seg_ids, local_ids = [], [], []
     for j, seg in enumerate(segments):
         if seg.index_keys is None or seg.index_keys.shape[0] == 0:
             continue
         N = seg.index_keys.shape[0]
-        scores.append(attn.indexer.scores_from(q, w, cpos_all[j], seg.index_keys))
+        cos, sin = _angles(attn, qpos, 0, qpos.shape[0], seg.delta, trig)     # the indexer shares attn.rotary
+        rope_(qs, cos, sin, src=q)
+        scores.append(attn.indexer.scores_roped(qs, w, cpos_all[j], seg.index_keys))
         seg_ids.append(torch.full((N,), j, device=h.device))
         local_ids.append(torch.arange(N, device=h.device))
     out = [None] * len(segments)
@@ -172,7 +175,7 @@ class _Rows:
     segment needs (per query chunk; built in the first reusable layer, reused by the others)."""
     idx: torch.Tensor | None
     pos: torch.Tensor
-    pos_host: torch.Tensor
+    pos_host: np.ndarray
     trig: dict = field(default_factory=dict)
 
     @property
@@ -359,9 +362,9 @@ class ReuseEngine:
             if ids.numel() == 0:
                 return None
             if ids.numel() == row_active.shape[0]:
-                return _Rows(None, positions, pos_host)
+                return _Rows(None, positions, pos_host.numpy())
             d = ids.to(dev)
-            return _Rows(d, positions.index_select(0, d), pos_host[ids])
+            return _Rows(d, positions.index_select(0, d), pos_host[ids].numpy())
         sp = _Split(rows(act_h), rows(rest_h))
         a = n_act = n_rest = 0
         for j, d in enumerate(reloc, start=1):
@@ -379,6 +382,11 @@ class ReuseEngine:
         owner = torch.searchsorted(starts, ar, right=True) - 1
         sp.act_cpos = (ar - starts[owner]).to(dev) if ar.numel() else ar.to(dev)
         sp.ra_host = ra_host
+        for i in self.profile.reusable_layers(self.cfg):       # every compressor geometry, before the first layer
+            attn = self.model.layers[i].attn
+            for comp in (attn.compressor, attn.indexer.compressor if attn.indexer is not None else None):
+                if comp is not None:
+                    self._block_plan(sp, comp.ratio, comp.overlap)
         return sp
 
     def _block_plan(self, sp: _Split, r: int, overlap: bool) -> _BlockPlan:
@@ -467,7 +475,7 @@ class ReuseEngine:
         tokens = torch.tensor([token], device=dev)
         positions = torch.tensor([state.pos], device=dev)
         x = m.embed_streams(tokens)
-        one = _Split(_Rows(None, positions, torch.tensor([state.pos])), None)
+        one = _Split(_Rows(None, positions, np.array([state.pos])), None)
         for i, block in enumerate(m.layers):
             if i in state.fence_caches:
                 x = block(x, tokens, positions, state.fence_caches[i], m.q_chunk)
