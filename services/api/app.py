@@ -7,7 +7,6 @@ import json
 from contextlib import asynccontextmanager
 from typing import Annotated
 
-import redis
 from fastapi import Depends, FastAPI, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -21,6 +20,7 @@ from runtime.model.checkpoint import load_tokenizer
 from services.common.registry import Registry
 from services.common.serving import model_config, tokenizer_fingerprint
 from services.common.tenants import Tenants
+from services.store.redis_client import sync_client
 
 from .core import ArtifactApi, Limits, UploadParams, store_client_factory
 from .errors import HTTP_STATUS, InvalidInput, PayloadTooLarge, Unauthenticated, UnsupportedMediaType, http_status
@@ -96,7 +96,7 @@ def create_app(s: ApiSettings) -> FastAPI:
     tenants = Tenants.load(s.tokens, s.tokens_file)
     if not len(tenants):
         raise SystemExit("redknot api: no tenants: give --tokens-file or REDKNOT_TOKENS")
-    r = redis.Redis.from_url(s.redis_url, socket_timeout=30, socket_connect_timeout=5)
+    r = sync_client(s.redis_url, socket_timeout=30, socket_connect_timeout=5)
     metrics = ApiMetrics()
     worker = WorkerClient(s.worker_url, s.generate_timeout_s)
     core = ArtifactApi(Registry(r, s.redis_prefix), load_tokenizer(s.model), tokenizer_fingerprint(s.model),

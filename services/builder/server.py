@@ -4,13 +4,12 @@ from __future__ import annotations
 import logging
 import signal
 
-import redis
-
 from services.common.build_queue import BuildQueue
 from services.common.registry import Registry
 from services.common.serving import checkpoint_identity, load_profile
 from services.common.tenants import Tenants
 from services.common.tp import RankGroup, launch
+from services.store.redis_client import sync_client
 
 from .builder import Builder, follow
 from .metrics import BuilderMetrics
@@ -32,7 +31,7 @@ def rank_main(group: RankGroup, s: BuilderSettings) -> None:
     if not group.leader:
         follow(group, model, profile, ident)
         return
-    r = redis.Redis.from_url(s.redis_url, socket_timeout=30, socket_connect_timeout=5)
+    r = sync_client(s.redis_url, socket_timeout=30, socket_connect_timeout=5)
     metrics = BuilderMetrics()
     http = None
     if s.metrics_listen:

@@ -1,8 +1,10 @@
 """The build queue: a Redis Stream read by a consumer group, at least once.
 
-    P:builds           stream of {tenant, doc}; the registry's upload script appends to it
-    P:builds:delayed   sorted set of retries by due time (ms); promoted into the stream when due
-    P:builds:dead      stream of jobs that failed every attempt, with their last error
+    P:{queue}:builds           stream of {tenant, doc}; the registry's upload script appends to it
+    P:{queue}:builds:delayed   sorted set of retries by due time (ms); promoted into the stream when due
+    P:{queue}:builds:dead      stream of jobs that failed every attempt, with their last error
+Every key shares the Redis Cluster hash tag `{queue}` with the registry's records, so each transaction below and
+the registry's upload script stay on one slot.
 An entry is acknowledged (and deleted) only after its document is committed to the store and marked ready, or
 after it moved to the retry set or the dead-letter stream in the same transaction. A builder that dies leaves
 its entry pending: it reads its own pending entries again when it restarts, and any builder claims entries
@@ -29,8 +31,13 @@ return #due
 """
 
 
+def queue_tag(prefix: str) -> str:
+    """The key prefix of the queue and the registry's records: one hash tag, hence one Redis Cluster slot."""
+    return f"{prefix}:{{queue}}"
+
+
 def stream_key(prefix: str) -> str:
-    return f"{prefix}:builds"
+    return f"{queue_tag(prefix)}:builds"
 
 
 @dataclass(frozen=True)

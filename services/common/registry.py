@@ -1,11 +1,16 @@
 """The document registry in Redis: what each tenant uploaded, its tokens, its build status and generations.
 
 Keys under the prefix P (a document's keys carry its tenant, so no call can reach another tenant's):
-    P:doc:{tenant}:{id}      hash: the record below
-    P:tokens:{tenant}:{id}   string: the token ids, int32 little-endian
-    P:docs:{tenant}          sorted set: ids by creation time (listing, paging)
-An upload creates the record, stores the tokens and enqueues the build in ONE Lua script, so an upload that
-was acknowledged is always queued and a crash can never leave a record that no build will pick up."""
+    P:{queue}:doc:<tenant>:<id>    hash: the record below
+    P:{queue}:docs:<tenant>        sorted set: ids by creation time (listing, paging)
+    P:tokens:{<tenant>/<id>}       string: the token ids, int32 little-endian
+An upload creates the record and enqueues the build in ONE Lua script, so an upload that was acknowledged is
+always queued and a crash can never leave a record that no build will pick up. That script writes the build
+stream too, so records share the queue's Redis Cluster hash tag `{queue}` (build_queue.py): one slot holds the
+registry and the queue, whose load is a few small writes per upload and per build. The tokens, the only large
+values, are written just before that script, on the document's own slot: the id is the hash of the tokens, so
+what an id's key holds never changes and writing it first (SET NX) is safe; a record never exists without its
+tokens, and a crash between the two leaves tokens that the next upload of the same content finds."""
 from __future__ import annotations
 
 import json
@@ -15,11 +20,11 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import redis
 
-from .build_queue import stream_key
+from .build_queue import queue_tag, stream_key
 
 STATUSES = ("queued", "building", "ready", "failed", "retired")
 
-# KEYS: doc, tokens, docs, stream. ARGV: id, tenant, tokens, n_tokens, source, now_ms.
+# KEYS: doc, docs, stream. ARGV: id, tenant, n_tokens, source, now_ms.
 # New document: create, enqueue, return {1, "new"}. Retired or failed: build again (a retired one under a new
 # generation: retired numbers are never reused), return {1, old status}. Otherwise nothing changes: {0, status}.
 _CREATE = """
@@ -33,17 +38,16 @@ if status then
     end
   end
   redis.call('HSET', KEYS[1], 'status', 'queued', 'stage', 'queued', 'progress', '0', 'attempts', '0',
-             'error', '', 'target_generation', tostring(target), 'updated_ms', ARGV[6])
-  redis.call('XADD', KEYS[4], '*', 'tenant', ARGV[2], 'doc', ARGV[1])
+             'error', '', 'target_generation', tostring(target), 'updated_ms', ARGV[5])
+  redis.call('XADD', KEYS[3], '*', 'tenant', ARGV[2], 'doc', ARGV[1])
   return {1, status}
 end
 redis.call('HSET', KEYS[1], 'id', ARGV[1], 'tenant', ARGV[2], 'status', 'queued', 'stage', 'queued',
-           'progress', '0', 'n_tokens', ARGV[4], 'source', ARGV[5], 'created_ms', ARGV[6], 'updated_ms', ARGV[6],
+           'progress', '0', 'n_tokens', ARGV[3], 'source', ARGV[4], 'created_ms', ARGV[5], 'updated_ms', ARGV[5],
            'attempts', '0', 'error', '', 'generation', '0', 'target_generation', '1', 'generations', '[]',
            'retired', '[]', 'key', '', 'bytes', '0', 'shards', '0', 'build_s', '0')
-redis.call('SET', KEYS[2], ARGV[3])
-redis.call('ZADD', KEYS[3], ARGV[6], ARGV[1])
-redis.call('XADD', KEYS[4], '*', 'tenant', ARGV[2], 'doc', ARGV[1])
+redis.call('ZADD', KEYS[2], ARGV[5], ARGV[1])
+redis.call('XADD', KEYS[3], '*', 'tenant', ARGV[2], 'doc', ARGV[1])
 return {1, 'new'}
 """
 
@@ -77,6 +81,13 @@ for _, x in ipairs(retired) do if x == g then seen = true end end
 if not seen and g > 0 then table.insert(retired, g) end
 redis.call('HSET', KEYS[1], 'status', 'retired', 'stage', 'retired', 'generation', '0',
            'generations', cjson.encode(keep), 'retired', cjson.encode(retired), 'updated_ms', ARGV[2])
+return 1
+"""
+
+# KEYS: doc. ARGV: field, value, ... Set fields of a record that exists; never create one.
+_UPDATE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV))
 return 1
 """
 
@@ -131,23 +142,23 @@ class Registry:
         self._create = r.register_script(_CREATE)
         self._ready = r.register_script(_READY)
         self._retired = r.register_script(_RETIRED)
+        self._update = r.register_script(_UPDATE)
 
     def _doc(self, tenant: str, doc_id: str) -> str:
-        return f"{self.prefix}:doc:{tenant}:{doc_id}"
+        return f"{queue_tag(self.prefix)}:doc:{tenant}:{doc_id}"
 
     def _tokens(self, tenant: str, doc_id: str) -> str:
-        return f"{self.prefix}:tokens:{tenant}:{doc_id}"
+        return f"{self.prefix}:tokens:{{{tenant}/{doc_id}}}"
 
     def _docs(self, tenant: str) -> str:
-        return f"{self.prefix}:docs:{tenant}"
+        return f"{queue_tag(self.prefix)}:docs:{tenant}"
 
     # ------------------------------------------------------------------------------------------------ api
     def create(self, tenant: str, doc_id: str, tokens: list[int], source: str) -> tuple[DocumentRecord, bool]:
         """Create and enqueue, or find. Returns (record, whether a build was enqueued)."""
-        raw = np.asarray(tokens, dtype="<i4").tobytes()
-        queued, _ = self._create(keys=[self._doc(tenant, doc_id), self._tokens(tenant, doc_id), self._docs(tenant),
-                                       self.stream],
-                                 args=[doc_id, tenant, raw, len(tokens), source, now_ms()])
+        self.r.set(self._tokens(tenant, doc_id), np.asarray(tokens, dtype="<i4").tobytes(), nx=True)
+        queued, _ = self._create(keys=[self._doc(tenant, doc_id), self._docs(tenant), self.stream],
+                                 args=[doc_id, tenant, len(tokens), source, now_ms()])
         rec = self.get(tenant, doc_id)
         assert rec is not None, (tenant, doc_id)
         return rec, bool(queued)
@@ -177,17 +188,8 @@ class Registry:
     # -------------------------------------------------------------------------------------------- builder
     def update(self, tenant: str, doc_id: str, **fields) -> None:
         """Progress fields of a record that exists (never creates one)."""
-        key = self._doc(tenant, doc_id)
-        with self.r.pipeline() as p:
-            p.watch(key)
-            if not p.exists(key):
-                return
-            p.multi()
-            p.hset(key, mapping={**{k: str(v) for k, v in fields.items()}, "updated_ms": now_ms()})
-            try:
-                p.execute()
-            except redis.WatchError:        # deleted meanwhile: nothing to update
-                pass
+        pairs = [x for k, v in {**fields, "updated_ms": now_ms()}.items() for x in (k, str(v))]
+        self._update(keys=[self._doc(tenant, doc_id)], args=pairs)
 
     def start_attempt(self, tenant: str, doc_id: str) -> int:
         key = self._doc(tenant, doc_id)

@@ -50,7 +50,8 @@ class Settings(BaseModel):
 class CommonSettings(Settings):
     """What the API, the builder and the workers must agree on."""
     redis_url: str = setting("redis://127.0.0.1:6379/0", "REDIS_URL", "Redis holding the document registry and "
-                                                                       "the build queue")
+                                                                       "the build queue; redis+cluster://host:port "
+                                                                       "for a Redis Cluster")
     redis_prefix: str = setting("redknot", "REDKNOT_REDIS_PREFIX", "prefix of the registry and queue keys")
     tokens: str = setting("", "REDKNOT_TOKENS", "tenant=token,... (prefer --tokens-file); the store's tenants")
     tokens_file: str = setting("", "REDKNOT_TOKENS_FILE", "file of 'tenant token' lines, shared with the store")

@@ -21,6 +21,7 @@ import redis
 
 from services.api.settings import ApiSettings
 from services.builder.settings import BuilderSettings
+from services.store.redis_client import sync_client
 from services.worker.settings import WorkerSettings
 
 START_TIMEOUT_S = 240.0
@@ -42,7 +43,7 @@ def http_ok(url: str, timeout: float = 2.0) -> bool:
 
 def redis_ok(url: str) -> bool:
     try:
-        return bool(redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=2).ping())
+        return bool(sync_client(url, socket_connect_timeout=1, socket_timeout=2).ping())
     except redis.RedisError:
         return False
 

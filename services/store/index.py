@@ -1,9 +1,18 @@
 """The Redis index: generation pointers, manifests, uploads in progress, blob reference counts.
 
 Every key of one document shares the Redis Cluster hash tag `{<tenant>/<doc_id>}`, so each multi-key step
-below (begin, mark received, commit, retire, GC mark) is one Lua script on one slot: atomic on a single
-Redis and unchanged on Redis Cluster. Per-tenant listing keys (tag `{<tenant>}`) are written before a
-document's first commit and only ever hint; a document is listed only when it has a readable generation.
+below (begin, mark received, commit, retire, GC mark, and the reads of an upload, a manifest, a state) is one
+Lua script on one slot: atomic on a single Redis and unchanged on Redis Cluster (no MULTI/WATCH: one round
+trip, and redis-py's asyncio cluster pipelines are not needed). Per-tenant listing keys (tag `{<tenant>}`) are
+written before a document's first commit and only ever hint; a document is listed only when it has a readable
+generation.
+
+Blobs are content-addressed *within* a document (blob.py: tenant/doc_id/digest), never shared between
+documents, so every reference to a blob (a readable generation's `refs`, an open upload's `pins`, GC's
+`deleting` claim) lives on its document's slot, and "GC deletes only unreferenced blobs" is decided by one
+script on that slot. Sharing a blob between documents would put its references on several slots and need a
+GC that checks all of them under a cross-slot ordering; it would save little, since two documents' artifacts
+differ unless their tokens, checkpoint, profile and TP size all agree, which makes them one document.
 
 Per document (prefix P, tag T):
     P:T:doc            hash   key (msgpack), current (generation), hwm (highest generation begun)
@@ -27,7 +36,6 @@ import msgpack
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.exceptions import WatchError
 
 from .errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable
 from .keys import DocumentKey, Manifest, ShardSpec
@@ -157,6 +165,28 @@ return marked
 # KEYS: refs, pins, deleting, uploads, updigests; ARGV: candidate digests
 # (expired uploads release their pins here: an upload's key expires by itself, its pins only when reaped)
 
+# Reads of several keys are scripts too, not MULTI/WATCH: one round trip, atomic, and on one slot by construction.
+_READ_UPLOAD = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {} end
+local h = redis.call('HMGET', KEYS[1], 'gen', 'shards', 'key')
+return {h[1], h[2], h[3], redis.call('SMEMBERS', KEYS[2])}
+"""
+# KEYS: up, recv
+
+_READ_MANIFEST = """
+local cur = tonumber(redis.call('HGET', KEYS[1], 'current') or '0')
+if ARGV[1] == '0' and cur ~= tonumber(ARGV[2]) then return {-1, cur} end
+local h = redis.call('HMGET', KEYS[3], 'manifest', 'at')
+return {cur, h[1], h[2], redis.call('ZRANGE', KEYS[2], 0, -1)}
+"""
+# KEYS: doc, gens, gen:g; ARGV: generation asked (0: current), g (the current one read before, when 0 was asked)
+
+_READ_STATE = """
+local h = redis.call('HMGET', KEYS[1], 'key', 'current')
+return {h[1], h[2], redis.call('ZRANGE', KEYS[2], 0, -1)}
+"""
+# KEYS: doc, gens
+
 _UNLOCK = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
@@ -196,6 +226,9 @@ class RedisIndex:
         self._retire = client.register_script(_RETIRE)
         self._gc_mark = client.register_script(_GC_MARK)
         self._unlock = client.register_script(_UNLOCK)
+        self._read_upload = client.register_script(_READ_UPLOAD)
+        self._read_manifest = client.register_script(_READ_MANIFEST)
+        self._read_state = client.register_script(_READ_STATE)
 
     # ------------------------------------------------------------------------------------------------ keys
     def k(self, tenant: str, doc_id: str, *rest: str | int) -> str:
@@ -233,12 +266,10 @@ class RedisIndex:
 
     async def upload(self, tenant: str, upload_id: str) -> Upload:
         doc_id, up, recv = self._up(tenant, upload_id)
-        async with self.r.pipeline(transaction=True) as p:
-            p.hmget(up, "gen", "shards", "key")
-            p.smembers(recv)
-            (gen, shards, key), received = await p.execute()
-        if gen is None:
+        res = await self._read_upload(keys=[up, recv])
+        if not res:
             raise NotFound(f"upload {upload_id!r} is unknown, expired or already committed")
+        gen, shards, key, received = res
         specs = tuple(ShardSpec.from_list(s) for s in msgpack.unpackb(shards, raw=False))
         got = set()
         for m in received:
@@ -292,24 +323,21 @@ class RedisIndex:
 
     # ------------------------------------------------------------------------------------------- reading
     async def manifest(self, tenant: str, key: DocumentKey, generation: int) -> tuple[Manifest, int, tuple[int, ...]]:
-        """A consistent (manifest, current, readable generations): WATCH makes the pointer and the manifest
-        come from one moment, so a concurrent commit or retire can never pair a pointer with another manifest."""
+        """A consistent (manifest, current, readable generations): one script reads the pointer and the manifest,
+        so a concurrent commit or retire can never pair a pointer with another manifest. Asked for the current
+        generation, it is read first (the manifest's key names it) and the script retries if it moved meanwhile."""
         d = key.doc_id
         doc, gens = self.k(tenant, d, "doc"), self.k(tenant, d, "gens")
+        cur = 0 if generation else int(await self.r.hget(doc, "current") or 0)
         for _ in range(16):
-            async with self.r.pipeline(transaction=True) as p:
-                try:
-                    await p.watch(doc, gens)
-                    cur = int(await p.hget(doc, "current") or 0)
-                    g = generation or cur
-                    if g == 0:
-                        raise NotFound("this document has no readable generation")
-                    p.multi()
-                    p.hmget(self.k(tenant, d, "gen", g), "manifest", "at")
-                    p.zrange(gens, 0, -1)
-                    (raw, at), readable = await p.execute()
-                except WatchError:
-                    continue
+            g = generation or cur
+            if g == 0:
+                raise NotFound("this document has no readable generation")
+            res = await self._read_manifest(keys=[doc, gens, self.k(tenant, d, "gen", g)], args=[generation, g])
+            if res[0] == -1:
+                cur = int(res[1])               # a commit or retire moved the pointer between the two reads
+                continue
+            cur, raw, at, readable = int(res[0]), res[1], res[2], res[3]
             if raw is None:
                 raise NotFound(f"generation {g} is not a readable generation of this document")
             m = Manifest.from_bytes(raw, int(at))
@@ -319,10 +347,7 @@ class RedisIndex:
         raise Unavailable("the document changed 16 times while its manifest was read; retry")
 
     async def doc_state(self, tenant: str, doc_id: str) -> DocState | None:
-        async with self.r.pipeline(transaction=True) as p:
-            p.hmget(self.k(tenant, doc_id, "doc"), "key", "current")
-            p.zrange(self.k(tenant, doc_id, "gens"), 0, -1)
-            (raw, cur), gens = await p.execute()
+        raw, cur, gens = await self._read_state(keys=[self.k(tenant, doc_id, "doc"), self.k(tenant, doc_id, "gens")])
         if raw is None or not gens:
             return None
         return DocState(DocumentKey.from_dict(msgpack.unpackb(raw, raw=False)), int(cur or 0),

@@ -10,7 +10,6 @@ import signal
 from pathlib import Path
 
 import grpc
-import redis.asyncio as aioredis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
@@ -25,6 +24,7 @@ from .local_server import LocalFetchServer
 from .keys import MAX_MESSAGE_BYTES, Limits
 from .memory import tune_malloc
 from .metrics import StoreMetrics
+from .redis_client import async_client
 from .settings import Settings
 
 log = logging.getLogger("redknot.store")
@@ -49,10 +49,8 @@ async def serve(s: Settings, *, ready: asyncio.Event | None = None, stop: asynci
         raise SystemExit("no tenants: give --tokens-file or REDKNOT_STORE_TOKENS")
     metrics = StoreMetrics()
     # a bounded pool: index connections grow with concurrency up to the limit, then RPCs wait for one
-    pool = aioredis.BlockingConnectionPool.from_url(s.redis_url, max_connections=s.redis_connections, timeout=30,
-                                                    socket_timeout=30, socket_connect_timeout=5,
-                                                    health_check_interval=30)
-    redis_client = aioredis.Redis(connection_pool=pool)
+    redis_client = async_client(s.redis_url, s.redis_connections, socket_timeout=30, socket_connect_timeout=5,
+                                health_check_interval=30)
     await redis_client.ping()
     store = ArtifactStore(RedisIndex(redis_client, s.redis_prefix), build_blobs(s), metrics,
                           limits=Limits(s.max_shard_bytes, s.max_shards_per_generation), upload_ttl_s=s.upload_ttl_s,

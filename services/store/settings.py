@@ -18,8 +18,10 @@ def _s(default, env: str, help: str):
 @dataclass(frozen=True)
 class Settings:
     listen: str = _s("127.0.0.1:50051", "REDKNOT_STORE_LISTEN", "host:port of the gRPC server")
-    redis_url: str = _s("redis://127.0.0.1:6379/0", "REDIS_URL", "Redis holding the index")
-    redis_connections: int = _s(64, "REDKNOT_STORE_REDIS_CONNECTIONS", "most index connections per process")
+    redis_url: str = _s("redis://127.0.0.1:6379/0", "REDIS_URL",
+                        "Redis holding the index; redis+cluster://host:port (or rediss+cluster://) for a Redis Cluster")
+    redis_connections: int = _s(64, "REDKNOT_STORE_REDIS_CONNECTIONS",
+                                "most index connections per process (on a Redis Cluster: per node)")
     redis_prefix: str = _s("redknot", "REDKNOT_STORE_REDIS_PREFIX", "prefix of every index key")
     backend: str = _s("fs", "REDKNOT_STORE_BACKEND", "blob backend: fs (local filesystem) or s3")
     blob_root: str = _s(".cache/store", "REDKNOT_STORE_BLOB_ROOT",

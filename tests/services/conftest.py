@@ -19,6 +19,7 @@ import redis
 
 from services.store.client import StoreClient
 from services.store.keys import DocumentKey, Range, ShardKind, ShardSpec, digest_bytes
+from services.store.redis_client import sync_client
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENS = {"acme": "acme-token-0123456789abcdef", "globex": "globex-token-0123456789abcdef"}
@@ -34,7 +35,7 @@ def free_port() -> int:
 
 def _ping(url: str) -> bool:
     try:
-        return bool(redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=2).ping())
+        return bool(sync_client(url, socket_connect_timeout=1, socket_timeout=2).ping())
     except redis.RedisError:
         return False
 
@@ -206,7 +207,7 @@ class StoreProcess:
 
 
 def _cleanup_prefix(url: str, prefix: str) -> None:
-    r = redis.Redis.from_url(url)
+    r = sync_client(url)                # a cluster client scans every node and splits DEL by slot
     keys = list(r.scan_iter(match=f"{prefix}:*", count=1000))
     for i in range(0, len(keys), 500):
         r.delete(*keys[i:i + 500])

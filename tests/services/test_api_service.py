@@ -18,6 +18,7 @@ import redis
 
 from runtime.model.checkpoint import build_demo_tokenizer, load_tokenizer, random_state, write_official_checkpoint
 from runtime.model.config import tiny
+from services.common.build_queue import stream_key
 from services.common.serving import Binding, checkpoint_identity, load_profile
 from services.common.stack import LocalStack, StackConfig, free_port
 from services.store.client import StoreClient
@@ -235,7 +236,7 @@ def test_retired_generation_is_a_counted_fallback_with_the_recompute_answer(stac
 def _state(stack) -> dict:
     r = redis.Redis.from_url(stack.redis_url)
     keys = sorted(k.decode() for k in r.scan_iter(match=f"{stack.cfg.prefix}:*", count=1000))
-    return {"keys": keys, "stream": r.xlen(f"{stack.cfg.prefix}:builds"),
+    return {"keys": keys, "stream": r.xlen(stream_key(stack.cfg.prefix)),
             "docs": {k: r.hgetall(k) for k in keys if ":doc:" in k},
             "requests": {k: v for k, v in scrape(stack.metrics_targets()["worker"]).items()
                          if k.startswith("redknot_ttft_seconds_count")}}

@@ -13,6 +13,7 @@ import pytest
 from services.store.client import StoreClient, TlsConfig
 from services.store.errors import NotFound, Unavailable
 from services.store.keys import Range, Reason, ShardKind
+from services.store.redis_client import sync_client
 
 from .conftest import TOKENS, doc_key, fetch_all, make_generation
 
@@ -219,13 +220,12 @@ def test_mtls(store_factory, tmp_path):
 def test_a_blob_claimed_by_gc_is_neither_deduplicated_nor_written_nor_committed(store, client, redis_url):
     """While GC holds a digest (between claiming and deleting its blob), Begin does not count it as stored,
     a put of it and a commit naming it are refused with UNAVAILABLE; once released, all of them go through."""
-    import redis
     key = doc_key("claimed", tp_size=1)
     gen = make_generation(key, layers=1, size=256)
     client.put_generation(key, gen)
     victim, data = next((s, d) for s, d in gen if s.kind is ShardKind.LATENT)
     claimed = f"{store.prefix}:{{acme/{key.doc_id}}}:deleting"
-    r = redis.Redis.from_url(redis_url)
+    r = sync_client(redis_url)          # a plain or a cluster URL (test_redis_cluster.py runs this too)
     r.sadd(claimed, victim.digest)                      # what GC's mark script does
     b = client.begin(key, [s for s, _ in gen])
     assert victim.ref not in b.already_stored and len(b.already_stored) == len(gen) - 1
