@@ -10,8 +10,6 @@ constant and the parts need not be stacked (a stack would copy them).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ._triton import HAVE_TRITON, check_runnable, tl, triton
@@ -146,7 +144,8 @@ def merge_stacked(o: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor, out_dt
     denominator once. One pass on CUDA (Triton); elsewhere the torch reference (which uses `ranges`)."""
     P, T, H, D = o.shape
     assert lse.shape == (P, T, H) and sink.shape == (H,), (o.shape, lse.shape, sink.shape)
-    if P == 0 or not (o.is_cuda and HAVE_TRITON and os.environ.get("REDKNOT_KERNELS", "1") != "0"):
+    from . import enabled                       # the package's one switch (imported late: it imports this module)
+    if P == 0 or not enabled(o):
         return merge_stacked_reference(o, lse, sink, out_dtype, ranges)      # no parts: only the sink, zeros
     assert o.stride(-1) == 1 and o[0].is_contiguous() and lse[0].is_contiguous(), "parts must be dense"
     out = torch.empty((T, H, D), dtype=out_dtype, device=o.device)

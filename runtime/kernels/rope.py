@@ -10,11 +10,9 @@ pairs (2i, 2i+1) in float32 and written back in x's dtype: the numerics of runti
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-from ._triton import HAVE_TRITON, available, tl, triton
+from ._triton import HAVE_TRITON, tl, triton
 
 if HAVE_TRITON:
 
@@ -56,11 +54,12 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool =
     """Rotate x's trailing rope channels in place (from `src`'s when given); returns x."""
     assert x.dim() == 3 and cos.shape == sin.shape and cos.shape[0] == x.shape[0], (x.shape, cos.shape)
     assert src is None or src.shape == x.shape, (src.shape, x.shape)
-    if not (x.is_cuda and available() and os.environ.get("REDKNOT_KERNELS", "1") != "0"):
+    from . import enabled                       # the package's one switch (imported late: it imports this module)
+    if not enabled(x):
         return rope_reference_(x, cos, sin, inverse, src)
     T, H, D = x.shape
     half = cos.shape[-1]
-    assert half & (half - 1) == 0, f"rope pairs {half} must be a power of two"
+    assert (half & (half - 1)) == 0, f"rope pairs {half} must be a power of two"
     src = x if src is None else src
     assert x.stride(-1) == 1 and src.stride(-1) == 1, "the channel dim must be contiguous"
     if T == 0 or H == 0:

@@ -241,12 +241,13 @@ def test_rope_kernel_equals_reference(H, dtype):
     for inverse in (False, True):
         want = rope_reference_(x.clone(), cos, sin, inverse)
         got = rope_(x.clone(), cos, sin, inverse)
-        assert rel_err(got, want) < 1e-3 and torch.equal(got[..., :-64], x[..., :-64])
+        tol = 1e-2 if dtype == torch.bfloat16 else 1e-5       # bf16: a rounding flip where the FMA differs
+        assert rel_err(got, want) < tol and torch.equal(got[..., :-64], x[..., :-64])
         dst = torch.zeros_like(x)                    # from src, into a strided row slice of a bigger buffer
         buf = torch.zeros(2, T + 10, H, D, device=DEV, dtype=dtype)
         rope_(buf[1, 5:5 + T], cos, sin, inverse, src=x)
         rope_reference_(dst, cos, sin, inverse, src=x)
-        assert rel_err(buf[1, 5:5 + T], dst) < 1e-3 and (buf[0] == 0).all() and (buf[1, :5] == 0).all()
+        assert rel_err(buf[1, 5:5 + T], dst) < tol and (buf[0] == 0).all() and (buf[1, :5] == 0).all()
 
 
 @pytest.mark.parametrize("P,T,H,D,dtype", [(9, 1000, 64, 512, torch.bfloat16), (3, 777, 8, 512, torch.float32),
