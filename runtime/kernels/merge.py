@@ -17,14 +17,16 @@ from ._triton import HAVE_TRITON, check_runnable, tl, triton
 if HAVE_TRITON:
 
     @triton.jit
+    def _tile(R, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+        """This program's flattened (t, h) rows and output columns, with their masks."""
+        rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+        offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        return rows, rows < R, offs_d, offs_d < D
+
+    @triton.jit
     def _merge_kernel(o_tab, lse_tab, sink_ptr, out_ptr, lse_out_ptr, R, H, P,
                       HAS_SINK: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-        pid_r = tl.program_id(0)
-        pid_d = tl.program_id(1)
-        rows = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)    # flattened (t, h)
-        rmask = rows < R
-        offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-        dmask = offs_d < D
+        rows, rmask, offs_d, dmask = _tile(R, D, BLOCK_R, BLOCK_D)
         if HAS_SINK:
             m = tl.load(sink_ptr + rows % H, mask=rmask, other=0.0).to(tl.float32)
         else:
@@ -48,7 +50,7 @@ if HAVE_TRITON:
         den_safe = tl.where(den == 0.0, 1.0, den)
         tl.store(out_ptr + rows[:, None] * D + offs_d[None, :], acc / den_safe[:, None],
                  mask=rmask[:, None] & dmask[None, :])
-        if pid_d == 0:
+        if tl.program_id(1) == 0:
             lse = tl.where(den == 0.0, float("-inf"), m_safe + tl.log(den_safe))
             tl.store(lse_out_ptr + rows, lse, mask=rmask)
 
@@ -95,12 +97,7 @@ if HAVE_TRITON:
     @triton.jit
     def _merge_stacked_kernel(o_ptr, lse_ptr, sink_ptr, out_ptr, R, H, P, stride_op, stride_lp,
                               D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-        pid_r = tl.program_id(0)
-        pid_d = tl.program_id(1)
-        rows = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)    # flattened (t, h)
-        rmask = rows < R
-        offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-        dmask = offs_d < D
+        rows, rmask, offs_d, dmask = _tile(R, D, BLOCK_R, BLOCK_D)
         sink = tl.load(sink_ptr + rows % H, mask=rmask, other=0.0).to(tl.float32)
         m = sink
         lp = lse_ptr                                                     # running pointers: no i * stride product

@@ -160,15 +160,20 @@ def test_merge_lse_equals_merge_with_sink(P, T, H, D):
     assert (out[:5] == 0).all() and not torch.isnan(out).any()
 
 
-def test_sparse_parts_merge_equals_model_merge():
-    # window part and picks part as separate kernel calls, merged with the sink by merge_lse
-    T, H, D, n, N = 1024, 64, 512, 4096, 1024
-    g = torch.Generator(device=DEV).manual_seed(9)
+def _picks_case(T, H, D, n, N, seed):
+    """A segment's last T rows as queries, n keys, N entries and 512 causal picks per row."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
     q = torch.randn(T, H, D, device=DEV, generator=g).to(DT)
     keys = torch.randn(n, D, device=DEV, generator=g).to(DT)
     ent = torch.randn(N, D, device=DEV, generator=g).to(DT)
     cpos = torch.arange(n - T, n, device=DEV)
-    picks = causal_picks(cpos, N, 512, 4, g)
+    return g, q, keys, ent, cpos, causal_picks(cpos, N, 512, 4, g)
+
+
+def test_sparse_parts_merge_equals_model_merge():
+    # window part and picks part as separate kernel calls, merged with the sink by merge_lse
+    T, H, D, n, N = 1024, 64, 512, 4096, 1024
+    g, q, keys, ent, cpos, picks = _picks_case(T, H, D, n, N, seed=9)
     sink = torch.randn(H, device=DEV, generator=g)
     a = sparse_mqa_attention(q, keys, cpos, 128)
     b = sparse_mqa_attention(q, keys[:0], cpos, 128, ent, "picks", 4, picks)
@@ -273,12 +278,7 @@ def test_merge_stacked_equals_reference(P, T, H, D, dtype):
 def test_sparse_out_buffers_equal_fresh_outputs():
     # the consumer writes each segment's part into a slice of one stacked buffer
     T, H, D, n, N = 512, 64, 512, 2048, 512
-    g = torch.Generator(device=DEV).manual_seed(11)
-    q = torch.randn(T, H, D, device=DEV, generator=g).to(DT)
-    keys = torch.randn(n, D, device=DEV, generator=g).to(DT)
-    ent = torch.randn(N, D, device=DEV, generator=g).to(DT)
-    cpos = torch.arange(n - T, n, device=DEV)
-    picks = causal_picks(cpos, N, 512, 4, g)
+    _, q, keys, ent, cpos, picks = _picks_case(T, H, D, n, N, seed=11)
     o_buf = torch.full((2, T + 7, H, D), float("nan"), device=DEV)
     l_buf = torch.full((2, T + 7, H), float("nan"), device=DEV)
     sparse_mqa_attention(q, keys, cpos, 128, ent, "picks", 4, picks, out=(o_buf[1, 7:], l_buf[1, 7:]))
