@@ -6,6 +6,10 @@ analytic FLOP ratio. Also the cold arm (artifact construction included) at --col
 
     python bench/ttft.py --lengths 16384,32768,65536,131072 --experts 16 --json ttft.json --plot ttft.png
 
+Wall time on one H200 grows with the recompute arm (~3.4 s at 16K, roughly linear): per length about 5 recompute
+runs (build, warm-up, 3 reps) plus 4 reuse runs; 16K + 64K with the cold arm at 64K take ~4 min, 128K alone ~4-5
+min, so under a 10-minute limit run them as two commands (--lengths 16384,65536 then --lengths 131072 --cold-at 0).
+
 Memory: at 128K the hot artifacts are ~75 GiB (Local W_a,L O_L 65 GiB of it: 8 x 1024 bf16 per relocated row and
 reusable layer), all in pinned host memory; each length prints its breakdown, a length whose artifacts exceed
 --host-budget-gib is skipped, and pinned blocks are released between lengths.
@@ -216,7 +220,12 @@ def main() -> int:
                     fn()
                     torch.cuda.synchronize()
                 print(f"## profile of the {arm} arm at {L}")
-                print(prof_.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+                avg = prof_.key_averages()
+                print(avg.table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+                kernels = sum(e.count for e in avg if e.device_type == torch.autograd.DeviceType.CUDA)
+                syncs = sum(e.count for e in avg if e.key in ("aten::_local_scalar_dense", "aten::nonzero"))
+                print(f"## {arm} arm at {L}: {kernels} CUDA kernels and memcpys, {syncs} host syncs "
+                      f"(_local_scalar_dense + nonzero)")
         if L == args.cold_at:
             def cold():
                 fresh = [pin(produce(model, d, prof)) for d in docs]
