@@ -7,8 +7,10 @@ analytic FLOP ratio. Also the cold arm (artifact construction included) at --col
     python bench/ttft.py --lengths 16384,32768,65536,131072 --experts 16 --json ttft.json --plot ttft.png
 
 Wall time on one H200 grows with the recompute arm (~3.4 s at 16K, roughly linear): per length about 5 recompute
-runs (build, warm-up, 3 reps) plus 4 reuse runs; 16K + 64K with the cold arm at 64K take ~4 min, 128K alone ~4-5
-min, so under a 10-minute limit run them as two commands (--lengths 16384,65536 then --lengths 131072 --cold-at 0).
+runs (build, warm-up, 3 reps) plus 4 reuse runs, and pinning the hot artifacts (37.5 GiB at 64K, 74.9 GiB at 128K).
+On 2026-11-30 `--lengths 16384,65536 --cold-at 65536` did not finish within 280 s (the 64K point was still
+building), so give each length its own command under a 10-minute limit (e.g. --lengths 65536 --cold-at 65536,
+then --lengths 131072 --cold-at 0). `--tp N` (N > 1) runs bench/ttft_tp.py: one process per GPU over NCCL.
 
 Memory: at 128K the hot artifacts are ~75 GiB (Local W_a,L O_L 65 GiB of it: 8 x 1024 bf16 per relocated row and
 reusable layer), all in pinned host memory; each length prints its breakdown, a length whose artifacts exceed
@@ -117,7 +119,13 @@ def release_pinned() -> None:
 
 
 def main() -> int:
+    tp = argparse.ArgumentParser(add_help=False)
+    tp.add_argument("--tp", type=int, default=1)
+    if tp.parse_known_args()[0].tp > 1:       # tensor parallel over NCCL: bench/ttft_tp.py (same flags, plus store)
+        from bench.ttft_tp import main as tp_main
+        return tp_main()
     ap = argparse.ArgumentParser()
+    ap.add_argument("--tp", type=int, default=1, help="> 1: one process per GPU over NCCL (bench/ttft_tp.py)")
     ap.add_argument("--lengths", default="16384,32768,65536,131072")
     ap.add_argument("--experts", type=int, default=16, help="routed experts kept (Flash has 256)")
     ap.add_argument("--layers", type=int, default=43)
