@@ -22,7 +22,7 @@ import torch
 
 from runtime.llama.model import Llama
 from runtime.llama.tokenizer import ChatTokenizer
-from runtime.reuse.llama_engine import LlamaReuseEngine, produce_llama
+from runtime.reuse.llama_engine import LlamaReuseEngine, produce_llama, produce_llama_many, relocate
 from runtime.reuse.profile import ReuseProfile
 from .arms import JOIN_ROWS, RECENT_ROWS, arm_list
 from .data import QAExample
@@ -72,7 +72,13 @@ def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
 
 def run_eval(model: Llama, tok: ChatTokenizer, examples: list[QAExample], budgets: list[float],
              max_new_tokens: int = 32, fences: tuple[int, int] = (3, 3), progress=None,
-             variants: list[str] = ()) -> dict:
+             variants: list[str] = (), reference: bool = False) -> dict:
+    """Every arm on every example. The fast path (default) shares work between arms that compute the same
+    thing: one forward per document for the artifacts of every profile, document 1's artifact as the
+    prefix-only arm's cached prefix, the relocated K/V for the naive and every reuse arm (`relocate`), each
+    engine arm's prefill on its own KV cache (`prefill_cache`), and one batched greedy decode for all arms
+    (`Llama.greedy_many`); an arm's `seconds` is its prefill plus an equal share of that decode.
+    `reference`: each arm on its own, as first written (per-segment attention, one decode per arm)."""
     stop = set(model.cfg.eos_token_ids) | {t for t in (tok.token_id("<|im_end|>"), tok.token_id("<|endoftext|>"))
                                            if t is not None}
     arms = arm_list(budgets, list(variants), fences)
@@ -81,31 +87,11 @@ def run_eval(model: Llama, tok: ChatTokenizer, examples: list[QAExample], budget
     engine_arms = [a for a in arms if a.kind in ("naive", "reuse")]
     for n, ex in enumerate(examples):
         lay = layout(tok, ex)
-        tokens = [t for s in lay.segments for t in s] + lay.question
-        t0 = time.perf_counter()
-        out, _ = _greedy(model, tokens, max_new_tokens, stop)
-        res["recompute"].seconds += time.perf_counter() - t0
-        ref_answer, ref_first = out
-        answers = {"recompute": (ref_answer, ref_first, None)}
-        # prefix-only: document 1 exact, the rest recomputed = the recompute arm's tokens with a reused prefix
-        t0 = time.perf_counter()
-        answers["prefix-only"] = _prefix_only(model, lay, max_new_tokens, stop) + (None,)
-        res["prefix-only"].seconds += time.perf_counter() - t0
-        produced: dict[str, list] = {}            # arms whose profiles are equal share the artifacts
-        for arm in engine_arms:
-            prof = arm.profile(base)
-            key = json.dumps(prof.to_dict(), sort_keys=True)
-            if key not in produced:
-                produced[key] = [produce_llama(model, s, prof) for s in lay.segments]
-            arts = produced[key]
-            eng = LlamaReuseEngine(model, prof, mode=arm.kind, **arm.engine_kwargs())
-            verdict = eng.verify(arts)
-            if not verdict.ok:
-                raise EvalRejected(f"example {ex.id}: {verdict.reason.value}: {verdict.detail}")
-            t0 = time.perf_counter()
-            ids, first, led = eng.generate(arts, lay.question, max_new_tokens, stop)
-            res[arm.name].seconds += time.perf_counter() - t0
-            answers[arm.name] = (ids, first, led.summary())
+        if reference:
+            answers = _arms_reference(model, lay, ex, arms, engine_arms, base, res, max_new_tokens, stop)
+        else:
+            answers = _arms(model, lay, ex, arms, engine_arms, base, res, max_new_tokens, stop)
+        ref_answer, ref_first, _ = answers["recompute"]
         for name, (ids, first, summ) in answers.items():
             text = tok.decode(ids).strip()
             r = res[name]
@@ -124,6 +110,89 @@ def run_eval(model: Llama, tok: ChatTokenizer, examples: list[QAExample], budget
     summary["raw"] = {name: r.__dict__ for name, r in res.items()}
     summary["ids"] = [ex.id for ex in examples]
     return summary
+
+
+def _arms(model, lay, ex, arms, engine_arms, base, res, cap, stop) -> dict:
+    profs = {a.name: a.profile(base) for a in engine_arms}
+    keys = list(dict.fromkeys(json.dumps(p.to_dict(), sort_keys=True) for p in profs.values()))
+    key_prof = {json.dumps(p.to_dict(), sort_keys=True): p for p in profs.values()}
+    produced: dict[str, list] = {k: [] for k in keys}       # arms whose profiles are equal share the artifacts
+    for seg in lay.segments:                                 # one forward per document for every profile
+        for k, art in zip(keys, produce_llama_many(model, seg, [key_prof[k] for k in keys] or [base])):
+            produced[k].append(art)
+    started: dict[str, tuple] = {}                           # arm -> (first-token logits, cache, ledger summary)
+    t0 = time.perf_counter()
+    started["recompute"] = _recompute_prefill(model, lay) + (None,)
+    res["recompute"].seconds += time.perf_counter() - t0
+    t0 = time.perf_counter()
+    doc1 = produced[keys[0]][0] if keys else produce_llama_many(model, lay.segments[0], [base])[0]
+    started["prefix-only"] = _prefix_only_prefill(model, lay, doc1) + (None,)
+    res["prefix-only"].seconds += time.perf_counter() - t0
+    reloc = relocate(model, produced[keys[0]]) if keys else None
+    for arm in engine_arms:
+        prof = profs[arm.name]
+        arts = produced[json.dumps(prof.to_dict(), sort_keys=True)]
+        eng = LlamaReuseEngine(model, prof, mode=arm.kind, **arm.engine_kwargs())
+        verdict = eng.verify(arts)
+        if not verdict.ok:
+            raise EvalRejected(f"example {ex.id}: {verdict.reason.value}: {verdict.detail}")
+        t0 = time.perf_counter()
+        first, cache, led = eng.prefill_cache(arts, lay.question, reloc)
+        res[arm.name].seconds += time.perf_counter() - t0
+        started[arm.name] = (first, cache, led.summary())
+    t0 = time.perf_counter()
+    names = list(started)
+    ids = model.greedy_many([started[a][1] for a in names], [started[a][0] for a in names], cap, stop)
+    share = (time.perf_counter() - t0) / len(names)
+    for a in names:
+        res[a].seconds += share
+    return {a: (i, started[a][0], started[a][2]) for a, i in zip(names, ids)}
+
+
+def _recompute_prefill(model: Llama, lay: Layout):
+    dev = next(model.parameters()).device
+    cache = model.new_cache()
+    tokens = [t for s in lay.segments for t in s] + lay.question
+    return model.prefill(torch.tensor(tokens, device=dev), cache), cache
+
+
+def _prefix_only_prefill(model: Llama, lay: Layout, doc1):
+    """Document 1's K/V from its own run (its artifact's K/V are exactly that), everything after it recomputed."""
+    dev = next(model.parameters()).device
+    cache = model.new_cache()
+    for lc, k, v in zip(cache.layers, doc1.k, doc1.v):
+        lc.append(k, v)
+    cache.pos = doc1.n
+    rest = [t for s in lay.segments[1:] for t in s] + lay.question
+    return model.prefill(torch.tensor(rest, device=dev), cache), cache
+
+
+def _arms_reference(model, lay, ex, arms, engine_arms, base, res, max_new_tokens, stop) -> dict:
+    tokens = [t for s in lay.segments for t in s] + lay.question
+    t0 = time.perf_counter()
+    out, _ = _greedy(model, tokens, max_new_tokens, stop)
+    res["recompute"].seconds += time.perf_counter() - t0
+    answers = {"recompute": out + (None,)}
+    # prefix-only: document 1 exact, the rest recomputed = the recompute arm's tokens with a reused prefix
+    t0 = time.perf_counter()
+    answers["prefix-only"] = _prefix_only(model, lay, max_new_tokens, stop) + (None,)
+    res["prefix-only"].seconds += time.perf_counter() - t0
+    produced: dict[str, list] = {}            # arms whose profiles are equal share the artifacts
+    for arm in engine_arms:
+        prof = arm.profile(base)
+        key = json.dumps(prof.to_dict(), sort_keys=True)
+        if key not in produced:
+            produced[key] = [produce_llama(model, s, prof) for s in lay.segments]
+        arts = produced[key]
+        eng = LlamaReuseEngine(model, prof, mode=arm.kind, **arm.engine_kwargs())
+        verdict = eng.verify(arts)
+        if not verdict.ok:
+            raise EvalRejected(f"example {ex.id}: {verdict.reason.value}: {verdict.detail}")
+        t0 = time.perf_counter()
+        ids, first, led = eng.generate(arts, lay.question, max_new_tokens, stop, reference=True)
+        res[arm.name].seconds += time.perf_counter() - t0
+        answers[arm.name] = (ids, first, led.summary())
+    return answers
 
 
 def eval_profile(fences: tuple[int, int]) -> ReuseProfile:

@@ -71,14 +71,21 @@ class Rotary:
     def __init__(self, inv_freq: torch.Tensor):
         # a plain attribute, not a buffer: derived from the config, never loaded, moved on first use
         self.inv_freq = inv_freq
+        # the last positions tensor and its cos/sin: every layer of one forward passes the same tensor, so the
+        # table is computed once per forward (the tensor is held here, so its identity cannot be reused)
+        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] (any integers, negative too) -> cos, sin [T, D] in float32."""
+        if self._last is not None and self._last[0] is positions:
+            return self._last[1], self._last[2]
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos(), emb.sin()
+        cos, sin = emb.cos(), emb.sin()
+        self._last = (positions, cos, sin)
+        return cos, sin
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -221,8 +228,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerCache) -> torch.Tensor:
         q, k, v = self.qkv(x, positions)
         keys, values = cache.append(k, v)
-        k_pos = torch.arange(keys.shape[0], device=x.device)
-        o, _ = self.attend(q, keys, values, positions, k_pos)
+        if x.shape[0] == 1:                     # one row after everything cached (decode) sees every key: no mask
+            o, _ = self.attend(q, keys, values)
+        else:
+            k_pos = torch.arange(keys.shape[0], device=x.device)
+            o, _ = self.attend(q, keys, values, positions, k_pos)
         if cache.capture is not None:
             cache.capture.update(q=q, k=k, v=v, o=o)
         return self.project(o)
@@ -300,6 +310,56 @@ class Llama(nn.Module):
         chunk = chunk or max(tokens.shape[0], 1)
         outs = [self.forward(tokens[a:a + chunk], cache, all_logits) for a in range(0, tokens.shape[0], chunk)]
         return torch.cat(outs) if all_logits else outs[-1]
+
+    @torch.inference_mode()
+    def greedy_many(self, caches: list[KVCache], logits: list[torch.Tensor], max_new_tokens: int,
+                    stop: set[int]) -> list[list[int]]:
+        """Greedy decoding of several requests of equal length at once (one batched step for all, one host sync
+        a step): request b continues `caches[b]` from its next-token `logits[b]` [V] and stops before a token
+        in `stop` or after max_new_tokens. Equals decoding each on its own (`forward` a token at a time) up
+        to rounding. The caches are not extended (their rows are copied into one batched buffer)."""
+        n, B = caches[0].pos, len(caches)
+        assert all(c.pos == n for c in caches), f"requests of unequal length {[c.pos for c in caches]}"
+        kb, vb = [], []
+        for i in range(len(self.layers)):
+            for buf, part in ((kb, "k"), (vb, "v")):
+                rows = [getattr(c.layers[i], part)[:n] for c in caches]
+                b = rows[0].new_empty((B, n + max_new_tokens) + rows[0].shape[1:])
+                b[:, :n] = torch.stack(rows)
+                buf.append(b)
+        cur = torch.stack(logits)                                              # [B, V]
+        out: list[list[int]] = [[] for _ in range(B)]
+        live = [True] * B
+        for step in range(max_new_tokens):
+            nxt = cur.argmax(-1).tolist()
+            for b in range(B):
+                if live[b] and nxt[b] in stop:
+                    live[b] = False
+                elif live[b]:
+                    out[b].append(nxt[b])
+            if not any(live) or step == max_new_tokens - 1:
+                break
+            cur = self._decode_step(torch.tensor(nxt, device=cur.device), kb, vb, n + step)
+        return out
+
+    def _decode_step(self, tokens: torch.Tensor, kb: list[torch.Tensor], vb: list[torch.Tensor],
+                     pos: int) -> torch.Tensor:
+        """One token [B] per request at position `pos` on batched caches kb/vb [B, capacity, KV, D] (rows
+        0..pos-1 filled; row pos written here). Every cached row is visible: no mask. -> logits [B, V]."""
+        B = tokens.shape[0]
+        positions = torch.full((B,), pos, device=tokens.device)
+        x = self.embed(tokens)
+        for layer, k_all, v_all in zip(self.layers, kb, vb):
+            attn = layer.self_attn
+            q, k, v = attn.qkv(layer.input_layernorm(x), positions)
+            k_all[:, pos], v_all[:, pos] = k, v
+            keys, values = k_all[:, :pos + 1], v_all[:, :pos + 1]
+            KV, D = keys.shape[2], keys.shape[3]
+            s = torch.einsum("bkgd,bskd->bkgs", q.view(B, KV, -1, D).float(), keys.float()) * attn.scale
+            o = torch.einsum("bkgs,bskd->bkgd", torch.softmax(s, dim=-1).to(values.dtype), values)
+            h = x + attn.project(o.reshape(B, -1, D))
+            x = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.logits(x)
 
     @torch.inference_mode()
     def generate(self, tokens: torch.Tensor, max_new_tokens: int, chunk: int | None = None,

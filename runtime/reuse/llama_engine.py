@@ -53,24 +53,67 @@ def global_heads(model: Llama, prof: ReuseProfile) -> torch.Tensor:
 
 @torch.inference_mode()
 def produce_llama(model: Llama, tokens: list[int], prof: ReuseProfile, tokenizer_fp: str = "") -> LlamaArtifact:
+    return produce_llama_many(model, tokens, [prof], tokenizer_fp)[0]
+
+
+@torch.inference_mode()
+def produce_llama_many(model: Llama, tokens: list[int], profs: list[ReuseProfile],
+                       tokenizer_fp: str = "") -> list[LlamaArtifact]:
+    """One document's artifact for each profile from one forward: K/V do not depend on the profile (the
+    artifacts share those tensors), the Local projections only on the fences and Global heads per group."""
     n_layers = len(model.layers)
     dev = next(model.parameters()).device
     cache = model.new_cache()
     for lc in cache.layers:
         lc.capture = {}
     model(torch.tensor(tokens, device=dev), cache)
-    loc = ~global_heads(model, prof)
-    ks, vs, locals_ = [], [], []
-    for i, (layer, lc) in enumerate(zip(model.layers, cache.layers)):
-        cap = lc.capture
-        ks.append(cap["k"].clone())
-        vs.append(cap["v"].clone())
-        fence = i < prof.first_fences or i >= n_layers - prof.last_fences
-        locals_.append(None if fence else layer.self_attn.project(cap["o"][:, loc.to(cap["o"].device)],
-                                                                  heads=loc.to(cap["o"].device)))
+    caps = [lc.capture for lc in cache.layers]
+    for lc in cache.layers:
         lc.capture = None
-    return LlamaArtifact(list(tokens), ks, vs, locals_,
-                         {"profile": prof.to_dict(), "token_hash": token_hash(tokens, tokenizer_fp)})
+    ks = [c["k"].clone() for c in caps]
+    vs = [c["v"].clone() for c in caps]
+    local: dict[tuple[int, int], torch.Tensor] = {}                 # (layer, global_per_group) -> W_o,L O_L
+    out = []
+    for prof in profs:
+        loc = (~global_heads(model, prof)).nonzero().flatten().to(dev)      # Local head ids (host mask: no sync)
+        locals_ = []
+        for i, (layer, cap) in enumerate(zip(model.layers, caps)):
+            if i < prof.first_fences or i >= n_layers - prof.last_fences:
+                locals_.append(None)
+                continue
+            key = (i, prof.global_per_group)
+            if key not in local:
+                local[key] = layer.self_attn.project(cap["o"].index_select(1, loc), heads=loc)
+            locals_.append(local[key])
+        out.append(LlamaArtifact(list(tokens), ks, vs, locals_,
+                                 {"profile": prof.to_dict(), "token_hash": token_hash(tokens, tokenizer_fp)}))
+    return out
+
+
+@dataclass
+class Relocated:
+    """Every document row's artifact K/V at its request position (K rotated by its segment's offset; the
+    prefix's offset is 0), per layer [q_start, KV, D]. The naive and reuse arms of one request share it: the
+    artifacts' K/V do not depend on the profile."""
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    deltas: list[int]
+    n: int                                    # q_start: rows before the question
+
+
+@torch.inference_mode()
+def relocate(model: Llama, docs: list[LlamaArtifact]) -> Relocated:
+    deltas, pos = [], 0
+    for d in docs:
+        deltas.append(pos)
+        pos += d.n
+    dev = docs[0].k[0].device
+    shift = torch.tensor([dl for d, dl in zip(docs, deltas) for _ in range(d.n)], device=dev)
+    L = len(model.layers)
+    k = torch.cat([torch.stack(d.k, dim=1) for d in docs])                # [q_start, L, KV, D]
+    k = model.rotary.rotate(k, shift)
+    v = torch.cat([torch.stack(d.v, dim=1) for d in docs])
+    return Relocated([k[:, i] for i in range(L)], [v[:, i] for i in range(L)], deltas, pos)
 
 
 @dataclass
@@ -195,6 +238,105 @@ class LlamaReuseEngine:
         logits = m.logits(x[-1:])[0]
         return logits, state, led
 
+    @torch.inference_mode()
+    def prefill_cache(self, docs: list[LlamaArtifact], question: list[int], reloc: Relocated | None = None):
+        """`prefill` on the request's own KV cache: every layer's K/V held at request positions (relocated rows'
+        artifact K rotated once, `relocate`), active and new rows' K/V computed at their request positions and
+        written over them, and each layer's rows attending once over the whole cache with the causal mask
+        (RoPE: R(a) R(b) = R(a+b), so this equals the per-segment attention and LSE merge of `prefill` up to
+        rounding). The naive arm is the model's own prefill of the question on the relocated cache.
+        Returns (logits of the last row [V], the KVCache that plain decoding continues, ledger); the same
+        ledger as `prefill`; two host syncs (row selection, mean key count) instead of several per layer."""
+        m, prof = self.model, self.prof
+        dev = next(m.parameters()).device
+        reloc = reloc if reloc is not None else relocate(m, docs)
+        q_start, n0, nq = reloc.n, docs[0].n, len(question)
+        n_reloc, T_all = q_start - n0, q_start + nq
+        led = LlamaLedger(n0, n_reloc, nq, self.n_layers, self.H)
+        led.flops_recompute = self.n_layers * (T_all * self._flops_row(self.H, 0, True)
+                                               + 4 * self.H * self.D * T_all * (T_all + 1) / 2)
+        Hg = int(self.gmask.sum())
+        layers = []
+        for i in range(self.n_layers):                       # the relocated rows, room for the new ones
+            k = reloc.k[i].new_empty((T_all,) + reloc.k[i].shape[1:])
+            v = reloc.v[i].new_empty((T_all,) + reloc.v[i].shape[1:])
+            k[:q_start], v[:q_start] = reloc.k[i], reloc.v[i]
+            layers.append(LayerCache(k, v, q_start))
+        cache = KVCache(layers, pos=q_start)
+        if self.mode == "naive":
+            logits = m(torch.tensor(list(question), device=dev), cache)
+            keys = torch.arange(q_start, T_all, device=dev).float().mean().item() + 1
+            for _ in range(self.n_layers):
+                led.token_rows_skipped += n_reloc
+                led.flops += nq * self._flops_row(self.H, keys, True)
+            return logits, cache, led
+
+        tokens = torch.tensor([t for d in docs[1:] for t in d.tokens] + list(question), device=dev)
+        positions = torch.arange(n0, T_all, device=dev)
+        keys = positions.float().mean().item() + 1
+        k_pos = torch.arange(T_all, device=dev)
+        x = m.embed(tokens)
+        deviation = torch.zeros(n_reloc, device=dev)
+        active = None
+        for i, layer in enumerate(m.layers):
+            attn = layer.self_attn
+            if self._fence(i):
+                lc = LayerCache()
+                lc.append(docs[0].k[i], docs[0].v[i])
+                lc.capture = {}
+                x = layer(x, positions, lc)
+                k_req, v_req, lc.capture = lc.capture["k"], lc.capture["v"], None
+                cache.layers[i] = lc
+                led.head_rows += n_reloc * self.H
+                led.flops += x.shape[0] * self._flops_row(self.H, keys, True)
+                if i < prof.first_fences and n_reloc:
+                    deviation += _rel_dev(k_req[:n_reloc], reloc.k[i][n0:])
+                    if self.signal == "kv":                     # V carries no RoPE: compared as stored
+                        deviation += _rel_dev(v_req[:n_reloc], reloc.v[i][n0:])
+                continue
+            if active is None:
+                if self.select == "deviation":
+                    active = choose_by_deviation(prof, deviation)
+                else:
+                    active = choose_active(prof, deviation, torch.zeros_like(deviation), [d.n for d in docs[1:]],
+                                           reloc.deltas[1:], q_start, nq)
+                computed = torch.cat([active, torch.ones(nq, dtype=torch.bool, device=dev)])   # rows of x
+                sel = computed.nonzero().flatten()                                            # one host sync
+                led.active = n_act = sel.shape[0] - nq
+                # per row and head: every head of a computed row, the Global heads of the others
+                heads = (computed[:, None] | self.gmask.to(dev)[None, :]).to(x.dtype)[:, :, None]
+                rest = (~active).to(x.dtype)[:, None]
+            full = i in self.full_layers
+            if full and x.shape[0] != sel.shape[0]:
+                # non-active rows are read by no later layer (every later layer is full): drop them for good
+                x, positions = x[sel], positions[sel]
+                sel = torch.arange(x.shape[0], device=dev)
+            lc = cache.layers[i]
+            q, k, v = attn.qkv(layer.input_layernorm(x), positions)
+            lc.k.index_copy_(0, positions[sel], k[sel].to(lc.k.dtype))
+            lc.v.index_copy_(0, positions[sel], v[sel].to(lc.v.dtype))
+            lc.n = T_all
+            o, _ = attn.attend(q, lc.k, lc.v, positions, k_pos)
+            if full:
+                h2 = x + attn.project(o.to(x.dtype))
+            else:
+                # non-active rows: W_o,G O_G + bias + the artifact's W_o,L O_L (their Local heads' outputs zeroed)
+                h2 = x + attn.project((o * heads).to(x.dtype))
+                if n_reloc:
+                    h2[:n_reloc] += torch.cat([d.local[i] for d in docs[1:]]).to(x.dtype) * rest
+            if self.prof.ffn_mode == "native" or full:
+                h2 = h2 + layer.mlp(layer.post_attention_layernorm(h2))
+            else:
+                h2.index_add_(0, sel, layer.mlp(layer.post_attention_layernorm(h2[sel])))
+            x = h2
+            n_rest = 0 if full else n_reloc - n_act
+            led.head_rows += n_act * self.H + (led.n_reloc - n_act) * (Hg if not full else 0)
+            led.token_rows_skipped += led.n_reloc - n_act
+            led.flops += (n_act + nq) * self._flops_row(self.H, keys, True) + \
+                n_rest * self._flops_row(Hg, keys, self.prof.ffn_mode == "native" and not full, qkv_heads=Hg)
+        cache.pos = T_all
+        return m.logits(x[-1:])[0], cache, led
+
     def _segments(self, i, attn, h, docs, deltas, active, n_rc, dev):
         """Per segment (delta, k canonical, v): prefix and relocated from their artifacts, with active rows'
         recomputed K/V overlaid on copies."""
@@ -307,14 +449,14 @@ class LlamaReuseEngine:
         return KVCache(layers, pos=state["pos"])
 
     def generate(self, docs, question, max_new_tokens: int, stop: set[int], reference: bool = False):
-        """Prefill, then greedy decoding on the assembled cache (`reference`: per-segment `decode`)."""
-        logits, state, led = self.prefill(docs, question)
-        dev = logits.device
+        """`prefill_cache`, then greedy decoding with the model's own forward on that cache (`reference`:
+        per-segment `prefill` and `decode`)."""
         if reference:
+            logits, state, led = self.prefill(docs, question)
             step = lambda t: self.decode(state, t)                                   # noqa: E731
         else:
-            cache = self.assemble(state)
-            step = lambda t: self.model(torch.tensor([t], device=dev), cache)       # noqa: E731
+            logits, cache, led = self.prefill_cache(docs, question)
+            step = lambda t: self.model(torch.tensor([t], device=logits.device), cache)    # noqa: E731
         first = logits
         out = []
         for _ in range(max_new_tokens):

@@ -53,3 +53,17 @@ def test_a_fallback_rejects_the_run(run, smollm2, monkeypatch):
                         lambda self, docs: Verdict.reject(FallbackReason.DIGEST_MISMATCH, "planted"))
     with pytest.raises(EvalRejected, match="digest_mismatch"):
         run_eval(smollm2, tok, ex[:1], [0.25], max_new_tokens=2)
+
+
+def test_fast_path_equals_the_reference_path(run, smollm2):
+    """The harness's shared-work path (one forward per document for every profile, relocated K/V shared, each
+    arm's prefill on its own cache, one batched decode) against each arm run alone as first written: the same
+    answers, the same ledgers, first-token KLs equal to 1e-4."""
+    tok, ex, fast = run
+    ref = run_eval(smollm2, tok, ex[:1], [0.25], max_new_tokens=3, fences=(3, 3), reference=True)
+    for name, r in ref["raw"].items():
+        f = fast["raw"][name]
+        assert f["answers"] == r["answers"], name
+        assert f["head_row"] == r["head_row"] and f["token_row"] == r["token_row"], name
+        assert f["flop_ratio"] == r["flop_ratio"], name
+        assert abs(f["kl"][0] - r["kl"][0]) <= 1e-4, name

@@ -163,3 +163,41 @@ def test_attend_without_positions_sees_every_row():
     s = torch.einsum("thd,shd->ths", q, kk) / 8 ** 0.5
     assert rel_err(o, torch.einsum("ths,shd->thd", s.softmax(-1), vv)) <= TOL
     assert rel_err(lse, s.logsumexp(-1)) <= TOL
+
+
+def test_batched_greedy_decoding_equals_each_request_alone(case):
+    """`greedy_many` (one batched step for several caches of equal length, no mask) against each request
+    decoded alone with `forward`: the same tokens, and the same logits to 1e-4 along the way."""
+    cfg, ours, _ = case
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, cfg.vocab_size, (40,), generator=g) for _ in range(3)]
+    caches, firsts, want = [], [], []
+    for p in prompts:
+        c = ours.new_cache()
+        firsts.append(ours.prefill(p, c))
+        caches.append(c)
+        alone = ours.new_cache()
+        logits, ids = ours.prefill(p, alone), []
+        for _ in range(6):
+            ids.append(int(logits.argmax()))
+            logits = ours(torch.tensor(ids[-1:]), alone)
+        want.append(ids)
+    assert ours.greedy_many(caches, firsts, 6, set()) == want
+    stop = {want[1][2]}                                 # request 1 stops before its third token
+    got = ours.greedy_many(caches, firsts, 6, stop)
+    for ids, w in zip(got, want):
+        cut = next((i for i, t in enumerate(w) if t in stop), len(w))
+        assert ids == w[:cut]
+    # one step's logits against the per-request forward
+    n = caches[0].pos
+
+    def batched_rows(part, i):                     # [B, n + 1, KV, D]: the cached rows and room for one
+        rows = torch.stack([getattr(c.layers[i], part)[:n] for c in caches])
+        return torch.cat([rows, torch.zeros_like(rows[:, :1])], dim=1)
+    kb = [batched_rows("k", i) for i in range(cfg.num_hidden_layers)]
+    vb = [batched_rows("v", i) for i in range(cfg.num_hidden_layers)]
+    toks = torch.tensor([w[0] for w in want])
+    with torch.inference_mode():
+        batched = ours._decode_step(toks, kb, vb, n)
+    for b, c in enumerate(caches):
+        assert rel_err(batched[b], ours(toks[b:b + 1], c)) <= TOL

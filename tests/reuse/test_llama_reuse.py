@@ -162,3 +162,37 @@ def test_decoding_on_the_assembled_cache_equals_the_segment_path(setup, mode, la
         assert rel_err(logits, ref_logits) <= TOL
     ids, _, _ = eng.generate(arts, question, 5, set())
     assert ids == eng.generate(arts, question, 5, set(), reference=True)[0]
+
+
+@pytest.mark.parametrize("mode, last_fence_kv, ffn, select, signal", [
+    ("reuse", "recompute", "skip", "mixed", "k"), ("reuse", "artifact", "skip", "mixed", "k"),
+    ("reuse", "recompute", "native", "deviation", "kv"), ("reuse", "artifact", "native", "deviation", "k"),
+    ("naive", "recompute", "skip", "mixed", "k")])
+def test_prefill_on_the_request_cache_equals_the_segment_path(setup, mode, last_fence_kv, ffn, select, signal):
+    """`prefill_cache` (relocated K rotated once, one attention per layer over the request's cache) against
+    `prefill` (queries rotated per segment, LSE merge): the same logits, the same ledger, and the cache equals
+    the reference's assembled one."""
+    m, docs, question = setup
+    prof = ReuseProfile(**BASE, budget=0.25, last_fence_kv=last_fence_kv, ffn_mode=ffn)
+    arts = [produce_llama(m, d, prof) for d in docs]
+    eng = LlamaReuseEngine(m, prof, mode=mode, select=select, signal=signal)
+    ref, state, ref_led = eng.prefill(arts, question)
+    got, cache, led = eng.prefill_cache(arts, question)
+    assert rel_err(got, ref) <= TOL
+    assert led.__dict__ == ref_led.__dict__
+    want = eng.assemble(state)
+    assert cache.pos == want.pos
+    for a, b in zip(cache.layers, want.layers):
+        assert a.n == b.n and rel_err(a.k[:a.n], b.k[:b.n]) <= TOL and rel_err(a.v[:a.n], b.v[:b.n]) <= TOL
+
+
+def test_artifacts_of_several_profiles_share_one_forward(setup):
+    m, docs, _ = setup
+    from runtime.reuse.llama_engine import produce_llama_many
+    profs = [ReuseProfile(**BASE, budget=b) for b in (0.1, 0.25)] + [ReuseProfile(**BASE, global_per_group=2)]
+    many = produce_llama_many(m, docs[1], profs)
+    for p, a in zip(profs, many):
+        one = produce_llama(m, docs[1], p)
+        assert a.binding == one.binding and a.k[0] is many[0].k[0]
+        for x, y in zip(a.local, one.local):
+            assert (x is None) == (y is None) and (x is None or torch.equal(x, y))
