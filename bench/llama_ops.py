@@ -77,7 +77,8 @@ def wrap(mode: Counting, owner, attr: str, label):
 # harness functions -> the phase their ops are charged to
 PHASES = {"_greedy": "recompute", "_prefix_only": "prefix-only", "produce_llama": "artifacts",
           "_recompute_prefill": "recompute", "_prefix_only_prefill": "prefix-only",
-          "produce_llama_many": "artifacts", "relocate": "relocation (shared)"}
+          "produce_llama_many": "artifacts",
+          "produce_llama_packed": "artifacts", "relocate": "relocation (shared)"}
 
 
 def engine_label(eng, *a, **kw) -> str:
@@ -124,6 +125,9 @@ def main() -> int:
     wrap(mode, LlamaReuseEngine, "generate", engine_label)
     wrap(mode, LlamaReuseEngine, "prefill_cache", engine_label)
     wrap(mode, Llama, "greedy_many", "decode (all arms, batched)")
+    import runtime.reuse.llama_engine as engine                 # the fast path runs the controller on host tensors
+    for f in ("choose_active", "choose_by_deviation"):
+        wrap(mode, engine, f, "controller (host tensors)")
     budgets = [float(b) for b in args.budgets.split(",")]
     variants = [v for v in args.variants.split(",") if v]
     t = time.perf_counter()

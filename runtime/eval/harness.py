@@ -22,7 +22,7 @@ import torch
 
 from runtime.llama.model import Llama
 from runtime.llama.tokenizer import ChatTokenizer
-from runtime.reuse.llama_engine import LlamaReuseEngine, produce_llama, produce_llama_many, relocate
+from runtime.reuse.llama_engine import LlamaReuseEngine, produce_llama, produce_llama_packed, relocate
 from runtime.reuse.profile import ReuseProfile
 from .arms import JOIN_ROWS, RECENT_ROWS, arm_list
 from .data import QAExample
@@ -74,7 +74,7 @@ def run_eval(model: Llama, tok: ChatTokenizer, examples: list[QAExample], budget
              max_new_tokens: int = 32, fences: tuple[int, int] = (3, 3), progress=None,
              variants: list[str] = (), reference: bool = False) -> dict:
     """Every arm on every example. The fast path (default) shares work between arms that compute the same
-    thing: one forward per document for the artifacts of every profile, document 1's artifact as the
+    thing: one packed forward of all documents for every profile's artifacts, document 1's artifact as the
     prefix-only arm's cached prefix, the relocated K/V for the naive and every reuse arm (`relocate`), each
     engine arm's prefill on its own KV cache (`prefill_cache`), and one batched greedy decode for all arms
     (`Llama.greedy_many`); an arm's `seconds` is its prefill plus an equal share of that decode.
@@ -116,16 +116,14 @@ def _arms(model, lay, ex, arms, engine_arms, base, res, cap, stop) -> dict:
     profs = {a.name: a.profile(base) for a in engine_arms}
     keys = list(dict.fromkeys(json.dumps(p.to_dict(), sort_keys=True) for p in profs.values()))
     key_prof = {json.dumps(p.to_dict(), sort_keys=True): p for p in profs.values()}
-    produced: dict[str, list] = {k: [] for k in keys}       # arms whose profiles are equal share the artifacts
-    for seg in lay.segments:                                 # one forward per document for every profile
-        for k, art in zip(keys, produce_llama_many(model, seg, [key_prof[k] for k in keys] or [base])):
-            produced[k].append(art)
+    # every document in one packed forward, for every profile (arms whose profiles are equal share the artifacts)
+    produced = dict(zip(keys, produce_llama_packed(model, lay.segments, [key_prof[k] for k in keys])))
     started: dict[str, tuple] = {}                           # arm -> (first-token logits, cache, ledger summary)
     t0 = time.perf_counter()
     started["recompute"] = _recompute_prefill(model, lay) + (None,)
     res["recompute"].seconds += time.perf_counter() - t0
     t0 = time.perf_counter()
-    doc1 = produced[keys[0]][0] if keys else produce_llama_many(model, lay.segments[0], [base])[0]
+    doc1 = produced[keys[0]][0] if keys else produce_llama_packed(model, lay.segments[:1], [base])[0][0]
     started["prefix-only"] = _prefix_only_prefill(model, lay, doc1) + (None,)
     res["prefix-only"].seconds += time.perf_counter() - t0
     reloc = relocate(model, produced[keys[0]]) if keys else None

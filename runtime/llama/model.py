@@ -106,9 +106,11 @@ class Rotary:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor | None = None,
            k_pos: torch.Tensor | None = None, scale: float | None = None,
-           q_chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+           q_chunk: int = 1024, q_seg: torch.Tensor | None = None,
+           k_seg: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Queries q [T,H,D] against key/value rows k, v [S,KV,D]; query head h reads KV head h // G.
-    With positions, query t sees key s iff k_pos[s] <= q_pos[t]; without, every row is visible.
+    With positions, query t sees key s iff k_pos[s] <= q_pos[t]; without, every row is visible. With segment
+    ids (packed independent sequences) also only iff k_seg[s] == q_seg[t].
     Scores and the softmax are float32. Returns (o [T,H,D] in v's dtype, lse [T,H] float32, natural log);
     a query that sees no key gets o = 0 and lse = -inf, so it drops out of a `merge`."""
     T, H, D = q.shape
@@ -125,6 +127,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
         s = torch.einsum("tkgd,skd->tkgs", qg[a:b], kf) * scale
         if q_pos is not None:
             visible = k_pos[None, :] <= q_pos[a:b, None]                   # [t, S]
+            if q_seg is not None:
+                visible &= k_seg[None, :] == q_seg[a:b, None]
             s = s.masked_fill(~visible[:, None, None, :], NEG_INF)
         lse = torch.logsumexp(s, dim=-1)                                   # [t, KV, G]
         safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
@@ -302,6 +306,25 @@ class Llama(nn.Module):
             x = layer(x, positions, lc)
         cache.pos += T
         return self.logits(x) if all_logits else self.logits(x[-1:])[0]
+
+    @torch.inference_mode()
+    def forward_packed(self, tokens: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Independent sequences packed into one forward (each at positions 0..n-1, a block-diagonal causal
+        mask): equals running each alone up to rounding, in one pass of the layers. Returns per layer the
+        packed (k [N,KV,D] roped, v [N,KV,D], per-head outputs o [N,H,D]), sequences in order."""
+        dev = self.embed_tokens.weight.device
+        positions = torch.tensor([j for t in tokens for j in range(len(t))], device=dev)
+        seg = torch.tensor([i for i, t in enumerate(tokens) for _ in t], device=dev)
+        x = self.embed(torch.tensor([j for t in tokens for j in t], device=dev))
+        out = []
+        for layer in self.layers:
+            attn = layer.self_attn
+            q, k, v = attn.qkv(layer.input_layernorm(x), positions)
+            o, _ = attend(q, k, v, positions, positions, attn.scale, attn.q_chunk, seg, seg)
+            out.append((k, v, o))
+            h = x + attn.project(o)
+            x = h + layer.mlp(layer.post_attention_layernorm(h))
+        return out
 
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, cache: KVCache, chunk: int | None = None,

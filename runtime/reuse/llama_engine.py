@@ -90,6 +90,39 @@ def produce_llama_many(model: Llama, tokens: list[int], profs: list[ReuseProfile
     return out
 
 
+@torch.inference_mode()
+def produce_llama_packed(model: Llama, segments: list[list[int]], profs: list[ReuseProfile],
+                         tokenizer_fp: str = "") -> list[list[LlamaArtifact]]:
+    """`produce_llama_many` for every document of a request in one packed forward (`Llama.forward_packed`):
+    per profile, the artifacts of the documents in order; equal to producing each alone up to rounding."""
+    n_layers = len(model.layers)
+    caps = model.forward_packed(segments)
+    dev = caps[0][0].device
+    bounds = [0]
+    for t in segments:
+        bounds.append(bounds[-1] + len(t))
+    cut = lambda x: [x[a:b] for a, b in zip(bounds, bounds[1:])]            # noqa: E731
+    ks = list(zip(*(cut(k) for k, _, _ in caps)))                          # per document, per layer
+    vs = list(zip(*(cut(v) for _, v, _ in caps)))
+    local: dict[tuple[int, int], list[torch.Tensor]] = {}
+    out = []
+    for prof in profs:
+        loc = (~global_heads(model, prof)).nonzero().flatten().to(dev)
+        per_layer = []
+        for i, (layer, (_, _, o)) in enumerate(zip(model.layers, caps)):
+            if i < prof.first_fences or i >= n_layers - prof.last_fences:
+                per_layer.append([None] * len(segments))
+                continue
+            key = (i, prof.global_per_group)
+            if key not in local:
+                local[key] = cut(layer.self_attn.project(o.index_select(1, loc), heads=loc))
+            per_layer.append(local[key])
+        out.append([LlamaArtifact(list(t), list(ks[j]), list(vs[j]), [p[j] for p in per_layer],
+                                  {"profile": prof.to_dict(), "token_hash": token_hash(t, tokenizer_fp)})
+                    for j, t in enumerate(segments)])
+    return out
+
+
 @dataclass
 class Relocated:
     """Every document row's artifact K/V at its request position (K rotated by its segment's offset; the
@@ -246,7 +279,8 @@ class LlamaReuseEngine:
         (RoPE: R(a) R(b) = R(a+b), so this equals the per-segment attention and LSE merge of `prefill` up to
         rounding). The naive arm is the model's own prefill of the question on the relocated cache.
         Returns (logits of the last row [V], the KVCache that plain decoding continues, ledger); the same
-        ledger as `prefill`; two host syncs (row selection, mean key count) instead of several per layer."""
+        ledger as `prefill`; two host syncs (the deviations to the host controller, the mean key count) instead
+        of several per layer."""
         m, prof = self.model, self.prof
         dev = next(m.parameters()).device
         reloc = reloc if reloc is not None else relocate(m, docs)
@@ -295,13 +329,16 @@ class LlamaReuseEngine:
                         deviation += _rel_dev(v_req[:n_reloc], reloc.v[i][n0:])
                 continue
             if active is None:
+                # the controller ranks and fills classes row by row: on a host copy (one transfer), not the device
+                dev_h = deviation.cpu()
                 if self.select == "deviation":
-                    active = choose_by_deviation(prof, deviation)
+                    active = choose_by_deviation(prof, dev_h)
                 else:
-                    active = choose_active(prof, deviation, torch.zeros_like(deviation), [d.n for d in docs[1:]],
+                    active = choose_active(prof, dev_h, torch.zeros_like(dev_h), [d.n for d in docs[1:]],
                                            reloc.deltas[1:], q_start, nq)
-                computed = torch.cat([active, torch.ones(nq, dtype=torch.bool, device=dev)])   # rows of x
-                sel = computed.nonzero().flatten()                                            # one host sync
+                computed = torch.cat([active, torch.ones(nq, dtype=torch.bool)])              # rows of x
+                sel = computed.nonzero().flatten().to(dev)
+                computed, active = computed.to(dev), active.to(dev)
                 led.active = n_act = sel.shape[0] - nq
                 # per row and head: every head of a computed row, the Global heads of the others
                 heads = (computed[:, None] | self.gmask.to(dev)[None, :]).to(x.dtype)[:, :, None]

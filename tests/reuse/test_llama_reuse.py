@@ -196,3 +196,19 @@ def test_artifacts_of_several_profiles_share_one_forward(setup):
         assert a.binding == one.binding and a.k[0] is many[0].k[0]
         for x, y in zip(a.local, one.local):
             assert (x is None) == (y is None) and (x is None or torch.equal(x, y))
+
+
+def test_packed_artifacts_equal_one_document_at_a_time(setup):
+    """All documents in one packed forward (block-diagonal mask) against one forward per document."""
+    m, docs, _ = setup
+    from runtime.reuse.llama_engine import produce_llama_packed
+    profs = [ReuseProfile(**BASE, budget=0.25), ReuseProfile(**BASE, global_per_group=2)]
+    packed = produce_llama_packed(m, docs, profs)
+    for p, arts in zip(profs, packed):
+        for d, a in zip(docs, arts):
+            one = produce_llama(m, d, p)
+            assert a.tokens == one.tokens and a.binding == one.binding
+            for x, y in zip(a.k + a.v, one.k + one.v):
+                assert rel_err(x, y) <= TOL
+            for x, y in zip(a.local, one.local):
+                assert (x is None) == (y is None) and (x is None or rel_err(x, y) <= TOL)
