@@ -129,13 +129,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
             visible = k_pos[None, :] <= q_pos[a:b, None]                   # [t, S]
             if q_seg is not None:
                 visible &= k_seg[None, :] == q_seg[a:b, None]
-            s = s.masked_fill(~visible[:, None, None, :], NEG_INF)
+            s = torch.where(visible[:, None, None, :], s, NEG_INF)
         lse = torch.logsumexp(s, dim=-1)                                   # [t, KV, G]
-        safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+        safe = torch.where(torch.isinf(lse), 0.0, lse)
         p = torch.exp(s - safe.unsqueeze(-1))
         outs.append(torch.einsum("tkgs,skd->tkgd", p.to(v.dtype), v))
         lses.append(lse)
-    return torch.cat(outs).reshape(T, H, D), torch.cat(lses).reshape(T, H)
+    o, lse = (outs[0], lses[0]) if len(outs) == 1 else (torch.cat(outs), torch.cat(lses))
+    return o.reshape(T, H, D), lse.reshape(T, H)
 
 
 def merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -341,15 +342,9 @@ class Llama(nn.Module):
         a step): request b continues `caches[b]` from its next-token `logits[b]` [V] and stops before a token
         in `stop` or after max_new_tokens. Equals decoding each on its own (`forward` a token at a time) up
         to rounding. The caches are not extended (their rows are copied into one batched buffer)."""
+        kb, vb = self.batched_cache(caches, max_new_tokens)
         n, B = caches[0].pos, len(caches)
-        assert all(c.pos == n for c in caches), f"requests of unequal length {[c.pos for c in caches]}"
-        kb, vb = [], []
-        for i in range(len(self.layers)):
-            for buf, part in ((kb, "k"), (vb, "v")):
-                rows = [getattr(c.layers[i], part)[:n] for c in caches]
-                b = rows[0].new_empty((B, n + max_new_tokens) + rows[0].shape[1:])
-                b[:, :n] = torch.stack(rows)
-                buf.append(b)
+        fused = self.fused_weights()
         cur = torch.stack(logits)                                              # [B, V]
         out: list[list[int]] = [[] for _ in range(B)]
         live = [True] * B
@@ -362,26 +357,55 @@ class Llama(nn.Module):
                     out[b].append(nxt[b])
             if not any(live) or step == max_new_tokens - 1:
                 break
-            cur = self._decode_step(torch.tensor(nxt, device=cur.device), kb, vb, n + step)
+            cur = self._decode_step(torch.tensor(nxt, device=cur.device), kb, vb, n + step, fused)
         return out
 
-    def _decode_step(self, tokens: torch.Tensor, kb: list[torch.Tensor], vb: list[torch.Tensor],
-                     pos: int) -> torch.Tensor:
-        """One token [B] per request at position `pos` on batched caches kb/vb [B, capacity, KV, D] (rows
-        0..pos-1 filled; row pos written here). Every cached row is visible: no mask. -> logits [B, V]."""
-        B = tokens.shape[0]
+    def batched_cache(self, caches: list[KVCache], room: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per layer the caches' rows stacked as [B, KV, n + room, D] (head-major: each step's attention is
+        two batched matmuls over (request, KV head) with no copy of the keys); rows past n are zero."""
+        n = caches[0].pos
+        assert all(c.pos == n for c in caches), f"requests of unequal length {[c.pos for c in caches]}"
+        kb, vb = [], []
+        for i in range(len(self.layers)):
+            for buf, part in ((kb, "k"), (vb, "v")):
+                rows = torch.stack([getattr(c.layers[i], part)[:n] for c in caches]).transpose(1, 2)
+                b = rows.new_zeros(rows.shape[:2] + (n + room,) + rows.shape[3:])
+                b[:, :, :n] = rows
+                buf.append(b)
+        return kb, vb
+
+    def fused_weights(self) -> list[tuple[torch.Tensor, ...]]:
+        """Per layer W_q|W_k|W_v and W_gate|W_up (and their biases) concatenated by output rows, for the
+        batched decode step (three and two matmuls become one each). Built per call: never stale."""
+        out = []
+        for layer in self.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+            b = None if a.q_proj.bias is None else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+            gu = None if mlp.gate_proj.bias is None else torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias])
+            out.append((w, b, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), gu))
+        return out
+
+    def _decode_step(self, tokens: torch.Tensor, kb: list[torch.Tensor], vb: list[torch.Tensor], pos: int,
+                     fused: list) -> torch.Tensor:
+        """One token [B] per request at position `pos` on batched caches kb/vb [B, KV, capacity, D] (rows
+        0..pos-1 filled; row pos written here) with `fused_weights`. Every cached row is visible: no mask.
+        The same arithmetic as `forward` of one row per request, up to rounding. -> logits [B, V]."""
+        B, H, KV, D = tokens.shape[0], self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim
         positions = torch.full((B,), pos, device=tokens.device)
         x = self.embed(tokens)
-        for layer, k_all, v_all in zip(self.layers, kb, vb):
-            attn = layer.self_attn
-            q, k, v = attn.qkv(layer.input_layernorm(x), positions)
-            k_all[:, pos], v_all[:, pos] = k, v
-            keys, values = k_all[:, :pos + 1], v_all[:, :pos + 1]
-            KV, D = keys.shape[2], keys.shape[3]
-            s = torch.einsum("bkgd,bskd->bkgs", q.view(B, KV, -1, D).float(), keys.float()) * attn.scale
-            o = torch.einsum("bkgs,bskd->bkgd", torch.softmax(s, dim=-1).to(values.dtype), values)
-            h = x + attn.project(o.reshape(B, -1, D))
-            x = h + layer.mlp(layer.post_attention_layernorm(h))
+        for layer, k_all, v_all, (w_qkv, b_qkv, w_gu, b_gu) in zip(self.layers, kb, vb, fused):
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = F.linear(layer.input_layernorm(x), w_qkv, b_qkv).view(B, H + 2 * KV, D)
+            qk = self.rotary.rotate(qkv[:, :H + KV], positions)                # q and k heads turned at once
+            k_all[:, :, pos], v_all[:, :, pos] = qk[:, H:], qkv[:, H + KV:]
+            keys, values = k_all[:, :, :pos + 1], v_all[:, :, :pos + 1]       # [B, KV, pos+1, D]
+            q = qk[:, :H].reshape(B, KV, H // KV, D).float()
+            s = torch.matmul(q, keys.float().transpose(-1, -2)) * attn.scale  # [B, KV, G, pos+1]
+            o = torch.matmul(torch.softmax(s, dim=-1).to(values.dtype), values)
+            h = x + attn.project(o.reshape(B, H, D))
+            gate, up = F.linear(layer.post_attention_layernorm(h), w_gu, b_gu).chunk(2, dim=-1)
+            x = h + mlp.down_proj(F.silu(gate) * up)
         return self.logits(x)
 
     @torch.inference_mode()

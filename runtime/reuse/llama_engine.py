@@ -242,11 +242,7 @@ class LlamaReuseEngine:
         for i, layer in enumerate(m.layers):
             attn = layer.self_attn
             if self._fence(i):
-                lc = LayerCache()
-                lc.append(docs[0].k[i], docs[0].v[i])
-                lc.capture = {}
-                x = layer(x, positions, lc)
-                k_req, v_req, lc.capture = lc.capture["k"], lc.capture["v"], None
+                x, lc, k_req, v_req = _fence_layer(layer, x, positions, docs[0], i)
                 state["fence"][i] = lc
                 led.head_rows += n_reloc * self.H
                 led.flops += x.shape[0] * self._flops_row(self.H, positions.float().mean().item() + 1, True)
@@ -315,12 +311,7 @@ class LlamaReuseEngine:
         for i, layer in enumerate(m.layers):
             attn = layer.self_attn
             if self._fence(i):
-                lc = LayerCache()
-                lc.append(docs[0].k[i], docs[0].v[i])
-                lc.capture = {}
-                x = layer(x, positions, lc)
-                k_req, v_req, lc.capture = lc.capture["k"], lc.capture["v"], None
-                cache.layers[i] = lc
+                x, cache.layers[i], k_req, v_req = _fence_layer(layer, x, positions, docs[0], i)
                 led.head_rows += n_reloc * self.H
                 led.flops += x.shape[0] * self._flops_row(self.H, keys, True)
                 if i < prof.first_fences and n_reloc:
@@ -503,6 +494,17 @@ class LlamaReuseEngine:
             out.append(nxt)
             logits = step(nxt)
         return out, first, led
+
+
+def _fence_layer(layer, x: torch.Tensor, positions: torch.Tensor, prefix: LlamaArtifact, i: int):
+    """A fence layer: the model's own layer over every computed row after the prefix's K/V. Returns the new
+    hidden rows, the layer's cache (prefix and computed rows at request positions) and the rows' K and V."""
+    lc = LayerCache()
+    lc.append(prefix.k[i], prefix.v[i])
+    lc.capture = {}
+    x = layer(x, positions, lc)
+    k, v, lc.capture = lc.capture["k"], lc.capture["v"], None
+    return x, lc, k, v
 
 
 def _rel_dev(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:

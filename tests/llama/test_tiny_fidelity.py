@@ -189,15 +189,9 @@ def test_batched_greedy_decoding_equals_each_request_alone(case):
         cut = next((i for i, t in enumerate(w) if t in stop), len(w))
         assert ids == w[:cut]
     # one step's logits against the per-request forward
-    n = caches[0].pos
-
-    def batched_rows(part, i):                     # [B, n + 1, KV, D]: the cached rows and room for one
-        rows = torch.stack([getattr(c.layers[i], part)[:n] for c in caches])
-        return torch.cat([rows, torch.zeros_like(rows[:, :1])], dim=1)
-    kb = [batched_rows("k", i) for i in range(cfg.num_hidden_layers)]
-    vb = [batched_rows("v", i) for i in range(cfg.num_hidden_layers)]
+    kb, vb = ours.batched_cache(caches, 1)
     toks = torch.tensor([w[0] for w in want])
     with torch.inference_mode():
-        batched = ours._decode_step(toks, kb, vb, n)
+        batched = ours._decode_step(toks, kb, vb, caches[0].pos, ours.fused_weights())
     for b, c in enumerate(caches):
         assert rel_err(batched[b], ours(toks[b:b + 1], c)) <= TOL
