@@ -103,6 +103,8 @@ def main() -> int:
     ap.add_argument("--variants", default=VARIANTS)
     ap.add_argument("--top", type=int, default=0, help="also print each arm's most frequent ops")
     ap.add_argument("--reference", action="store_true", help="the harness's reference path (each arm alone)")
+    ap.add_argument("--cpu-path", action="store_true", help="the engine's CPU path (attention split by heads); "
+                                                            "default: the path it takes on CUDA")
     args = ap.parse_args()
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     import runtime.eval.harness as harness
@@ -122,6 +124,12 @@ def main() -> int:
     for name, label in PHASES.items():
         if hasattr(harness, name):
             wrap(mode, harness, name, label)
+    init = LlamaReuseEngine.__init__
+
+    def init_path(self, *a, **kw):                  # count the path the engine takes on CUDA unless --cpu-path
+        init(self, *a, **kw)
+        self.split_heads = args.cpu_path
+    LlamaReuseEngine.__init__ = init_path
     wrap(mode, LlamaReuseEngine, "generate", engine_label)
     wrap(mode, LlamaReuseEngine, "prefill_cache", engine_label)
     wrap(mode, Llama, "greedy_many", "decode (all arms, batched)")

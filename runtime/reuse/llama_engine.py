@@ -173,7 +173,7 @@ class LlamaLedger:
 
 class LlamaReuseEngine:
     def __init__(self, model: Llama, prof: ReuseProfile, mode: str = "reuse", tokenizer_fp: str = "",
-                 select: str = "mixed", signal: str = "k"):
+                 select: str = "mixed", signal: str = "k", split_heads: bool | None = None):
         assert mode in ("reuse", "naive"), mode
         c = model.cfg
         if prof.first_fences + prof.last_fences > len(model.layers):
@@ -186,6 +186,9 @@ class LlamaReuseEngine:
             raise ValueError(f"select={select!r} (one of {SELECT_RULES}), signal={signal!r} (one of {DEVIATION_SIGNALS})")
         self.model, self.prof, self.mode, self.tokenizer_fp = model, prof, mode, tokenizer_fp
         self.select, self.signal = select, signal
+        # prefill_cache's attention of reusable layers (`_reusable_attention`): split by heads off CUDA
+        self.split_heads = split_heads if split_heads is not None else \
+            next(model.parameters()).device.type != "cuda"
         self.gmask = global_heads(model, prof)
         self.n_layers = len(model.layers)
         # last fences that keep non-active rows' artifact K/V: every head of active and new rows is computed there
@@ -344,12 +347,12 @@ class LlamaReuseEngine:
             lc.k.index_copy_(0, positions[sel], k[sel].to(lc.k.dtype))
             lc.v.index_copy_(0, positions[sel], v[sel].to(lc.v.dtype))
             lc.n = T_all
-            o, _ = attn.attend(q, lc.k, lc.v, positions, k_pos)
             if full:
+                o, _ = attn.attend(q, lc.k, lc.v, positions, k_pos)
                 h2 = x + attn.project(o.to(x.dtype))
             else:
                 # non-active rows: W_o,G O_G + bias + the artifact's W_o,L O_L (their Local heads' outputs zeroed)
-                h2 = x + attn.project((o * heads).to(x.dtype))
+                h2 = x + attn.project(self._reusable_attention(attn, q, lc, positions, k_pos, sel, heads))
                 if n_reloc:
                     h2[:n_reloc] += torch.cat([d.local[i] for d in docs[1:]]).to(x.dtype) * rest
             if self.prof.ffn_mode == "native" or full:
@@ -364,6 +367,27 @@ class LlamaReuseEngine:
                 n_rest * self._flops_row(Hg, keys, self.prof.ffn_mode == "native" and not full, qkv_heads=Hg)
         cache.pos = T_all
         return m.logits(x[-1:])[0], cache, led
+
+    def _reusable_attention(self, attn, q, lc, positions, k_pos, sel, heads) -> torch.Tensor:
+        """Per-head outputs [R,H,D] of a reusable layer's rows: every head of the computed rows `sel`, the
+        Global heads of the others, zeros in their Local heads. `split_heads`: two attention calls, one for
+        every row's Global heads and one for the computed rows' Local heads (no score is computed that is not
+        used: the cheaper path where arithmetic costs more than launches, the CPU); otherwise one call over
+        every head of every row, the unused outputs zeroed (fewer launches: the GPU)."""
+        if not self.split_heads:
+            o, _ = attn.attend(q, lc.k, lc.v, positions, k_pos)
+            return (o * heads).to(q.dtype)
+        R, H, D = q.shape
+        KV = self.KV
+        g = self.prof.global_per_group                          # the first g heads of each KV group are Global
+        qg = q.view(R, KV, H // KV, D)
+        o = q.new_zeros(R, KV, H // KV, D)
+        o[:, :, :g] = attn.attend(qg[:, :, :g].reshape(R, KV * g, D), lc.k, lc.v, positions, k_pos)[0] \
+            .view(R, KV, g, D)
+        if g < H // KV:
+            loc = attn.attend(qg[sel, :, g:].reshape(sel.shape[0], -1, D), lc.k, lc.v, positions[sel], k_pos)[0]
+            o[sel, :, g:] = loc.view(sel.shape[0], KV, -1, D)
+        return o.view(R, H, D)
 
     def _segments(self, i, attn, h, docs, deltas, active, n_rc, dev):
         """Per segment (delta, k canonical, v): prefix and relocated from their artifacts, with active rows'

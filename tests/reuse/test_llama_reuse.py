@@ -168,14 +168,16 @@ def test_decoding_on_the_assembled_cache_equals_the_segment_path(setup, mode, la
     ("reuse", "recompute", "skip", "mixed", "k"), ("reuse", "artifact", "skip", "mixed", "k"),
     ("reuse", "recompute", "native", "deviation", "kv"), ("reuse", "artifact", "native", "deviation", "k"),
     ("naive", "recompute", "skip", "mixed", "k")])
-def test_prefill_on_the_request_cache_equals_the_segment_path(setup, mode, last_fence_kv, ffn, select, signal):
-    """`prefill_cache` (relocated K rotated once, one attention per layer over the request's cache) against
-    `prefill` (queries rotated per segment, LSE merge): the same logits, the same ledger, and the cache equals
-    the reference's assembled one."""
+@pytest.mark.parametrize("split_heads", [False, True])
+def test_prefill_on_the_request_cache_equals_the_segment_path(setup, mode, last_fence_kv, ffn, select, signal,
+                                                              split_heads):
+    """`prefill_cache` (relocated K rotated once, attention over the request's cache: one call per layer, or
+    split by heads) against `prefill` (queries rotated per segment, LSE merge): the same logits, the same
+    ledger, and the cache equals the reference's assembled one."""
     m, docs, question = setup
     prof = ReuseProfile(**BASE, budget=0.25, last_fence_kv=last_fence_kv, ffn_mode=ffn)
     arts = [produce_llama(m, d, prof) for d in docs]
-    eng = LlamaReuseEngine(m, prof, mode=mode, select=select, signal=signal)
+    eng = LlamaReuseEngine(m, prof, mode=mode, select=select, signal=signal, split_heads=split_heads)
     ref, state, ref_led = eng.prefill(arts, question)
     got, cache, led = eng.prefill_cache(arts, question)
     assert rel_err(got, ref) <= TOL
