@@ -26,6 +26,7 @@ import os
 import statistics
 import sys
 import time
+import zlib
 
 import torch
 
@@ -39,10 +40,16 @@ from runtime.reuse.producer import produce  # noqa: E402
 from runtime.reuse.profile import FLASH_PROFILE  # noqa: E402
 
 
-def init_model(model: Transformer, seed: int) -> None:
-    gen = torch.Generator(device=model.embed.weight.device).manual_seed(seed)
+def init_model(model: Transformer, seed: int, per_name: bool = False) -> None:
+    """Random weights. `per_name`: each parameter from its own generator seeded by its name (and the hash
+    layers' routing from a seeded generator), so that every TP rank holds the same replicated tensors; otherwise
+    one generator in parameter order. Row-parallel W_b keeps the full fan-in's scale on every rank."""
+    dev = model.embed.weight.device
+    shared = torch.Generator(device=dev).manual_seed(seed)
     cfg = model.cfg
     for name, p in model.named_parameters():
+        gen = torch.Generator(device=dev).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode())) \
+            if per_name else shared
         if name.endswith("norm.weight"):
             p.data.fill_(1.0)
         elif "hc_" in name and name.endswith("_fn"):
@@ -50,14 +57,40 @@ def init_model(model: Transformer, seed: int) -> None:
         elif name == "embed.weight":
             p.data.normal_(0, 1.0, generator=gen)
         elif p.dim() == 2:
-            p.data.normal_(0, p.shape[1] ** -0.5, generator=gen)
+            fan_in = p.shape[1] * (model.par.size if ".wo_b." in name else 1)
+            p.data.normal_(0, fan_in ** -0.5, generator=gen)
         else:
             p.data.normal_(0, 0.1, generator=gen)
+    routing = torch.Generator().manual_seed(seed) if per_name else None
     for block in model.layers:
         if block.ffn.gate.hash:
-            tid = torch.stack([torch.randperm(cfg.n_routed_experts)[:cfg.n_activated_experts]
+            tid = torch.stack([torch.randperm(cfg.n_routed_experts, generator=routing)[:cfg.n_activated_experts]
                                for _ in range(cfg.vocab_size)])
             block.ffn.gate.tid2eid.copy_(tid)
+
+
+def add_model_args(ap: argparse.ArgumentParser, lengths: str) -> None:
+    """The flags bench/ttft.py and bench/ttft_tp.py share: the request, the model's size, the profile, reps."""
+    ap.add_argument("--lengths", default=lengths)
+    ap.add_argument("--experts", type=int, default=16, help="routed experts kept (Flash has 256)")
+    ap.add_argument("--layers", type=int, default=43)
+    ap.add_argument("--docs", type=int, default=8)
+    ap.add_argument("--question", type=int, default=64)
+    ap.add_argument("--budget", type=float, default=0.25)
+    ap.add_argument("--global-picks", default="artifact", choices=["online", "artifact"])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--q-chunk", type=int, default=4096)
+    ap.add_argument("--small", action="store_true", help="tiny dims for a CPU smoke run (not a measurement)")
+
+
+def model_config(args):
+    """(ModelConfig, ReuseProfile) of the benchmark from add_model_args' flags."""
+    cfg = FLASH.replace(n_routed_experts=args.experts, n_layers=args.layers,
+                        compress_ratios=FLASH.compress_ratios[:args.layers])
+    if args.small:
+        cfg = cfg.replace(dim=256, n_heads=16, head_dim=128, rope_head_dim=32, q_lora_rank=128, o_lora_rank=128,
+                          index_n_heads=8, index_head_dim=32, index_topk=64, moe_inter_dim=128, vocab_size=1024)
+    return cfg, FLASH_PROFILE.replace(budget=args.budget, global_picks=args.global_picks)
 
 
 def timed(fn, device) -> tuple[float, object]:
@@ -126,21 +159,12 @@ def main() -> int:
         return tp_main()
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=1, help="> 1: one process per GPU over NCCL (bench/ttft_tp.py)")
-    ap.add_argument("--lengths", default="16384,32768,65536,131072")
-    ap.add_argument("--experts", type=int, default=16, help="routed experts kept (Flash has 256)")
-    ap.add_argument("--layers", type=int, default=43)
-    ap.add_argument("--docs", type=int, default=8)
-    ap.add_argument("--question", type=int, default=64)
-    ap.add_argument("--budget", type=float, default=0.25)
-    ap.add_argument("--global-picks", default="artifact", choices=["online", "artifact"])
-    ap.add_argument("--reps", type=int, default=3)
+    add_model_args(ap, lengths="16384,32768,65536,131072")
     ap.add_argument("--cold-at", type=int, default=65536)
     ap.add_argument("--profile-at", type=int, default=0, help="print a torch.profiler table of both arms at this length")
     ap.add_argument("--check-at", type=int, default=0,
                     help="at this length, compare first-token logits of the kernel path against the reference path")
-    ap.add_argument("--q-chunk", type=int, default=4096)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--small", action="store_true", help="tiny dims for a CPU smoke run")
     ap.add_argument("--host-budget-gib", type=float, default=100.0,
                     help="pinned host memory the hot artifacts may take; a length needing more is skipped")
     ap.add_argument("--json", default=None)
@@ -148,12 +172,7 @@ def main() -> int:
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    cfg = FLASH.replace(n_routed_experts=args.experts, n_layers=args.layers,
-                        compress_ratios=FLASH.compress_ratios[:args.layers])
-    if args.small:
-        cfg = cfg.replace(dim=256, n_heads=16, head_dim=128, rope_head_dim=32, q_lora_rank=128, o_lora_rank=128,
-                          index_n_heads=8, index_head_dim=32, index_topk=64, moe_inter_dim=128, vocab_size=1024)
-    prof = FLASH_PROFILE.replace(budget=args.budget, global_picks=args.global_picks)
+    cfg, prof = model_config(args)
     with torch.device(device):
         model = Transformer(cfg, dtype=dtype, q_chunk=args.q_chunk)
     init_model(model, 0)

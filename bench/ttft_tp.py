@@ -23,19 +23,16 @@ import statistics
 import sys
 import tempfile
 import time
-import zlib
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.ttft import request  # noqa: E402
-from runtime.model.config import FLASH  # noqa: E402
+from bench.ttft import add_model_args, init_model, model_config, request  # noqa: E402
 from runtime.model.deepseek_v4 import Transformer  # noqa: E402
 from runtime.reuse.consumer import ReuseEngine  # noqa: E402
 from runtime.reuse.prefetch import LayerPrefetcher, pin  # noqa: E402
-from runtime.reuse.profile import FLASH_PROFILE  # noqa: E402
 from runtime.reuse.request import ServingIdentity, answer, build  # noqa: E402
 from runtime.reuse.certificate import token_hash  # noqa: E402
 from runtime.reuse.producer import pad_document  # noqa: E402
@@ -44,31 +41,6 @@ from runtime.reuse.store import load_artifact  # noqa: E402
 
 IDENT = ServingIdentity("f" * 64, "bench-tokenizer")
 TENANT = "bench"
-
-
-def init_model(model: Transformer, seed: int) -> None:
-    """Random weights seeded by parameter name, so that every rank holds the same replicated tensors."""
-    cfg = model.cfg
-    dev = model.embed.weight.device
-    for name, p in model.named_parameters():
-        gen = torch.Generator(device=dev).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        if name.endswith("norm.weight"):
-            p.data.fill_(1.0)
-        elif "hc_" in name and name.endswith("_fn"):
-            p.data.normal_(0, 0.02, generator=gen)
-        elif name == "embed.weight":
-            p.data.normal_(0, 1.0, generator=gen)
-        elif p.dim() == 2:
-            fan_in = p.shape[1] * (model.par.size if ".wo_b." in name else 1)
-            p.data.normal_(0, fan_in ** -0.5, generator=gen)
-        else:
-            p.data.normal_(0, 0.1, generator=gen)
-    g = torch.Generator().manual_seed(seed)
-    for block in model.layers:
-        if block.ffn.gate.hash:
-            tid = torch.stack([torch.randperm(cfg.n_routed_experts, generator=g)[:cfg.n_activated_experts]
-                               for _ in range(cfg.vocab_size)])
-            block.ffn.gate.tid2eid.copy_(tid)
 
 
 class LocalStore:
@@ -135,16 +107,11 @@ def rank_main(group, args, store_target: str, token: str, workdir: str) -> None:
     from services.store.artifact_dir import document_key, read_rank_dir
     torch.manual_seed(0)
     dev = group.device
-    cfg = FLASH.replace(n_routed_experts=args.experts, n_layers=args.layers,
-                        compress_ratios=FLASH.compress_ratios[:args.layers])
-    prof = FLASH_PROFILE.replace(budget=args.budget, global_picks=args.global_picks)
-    if args.small:          # tiny dims: a CPU smoke run of this script's logic (gloo), not a measurement
-        cfg = cfg.replace(dim=256, n_heads=16, head_dim=128, rope_head_dim=32, q_lora_rank=128, o_lora_rank=128,
-                          index_n_heads=8, index_head_dim=32, index_topk=64, moe_inter_dim=128, vocab_size=1024)
+    cfg, prof = model_config(args)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     with torch.device(dev):
         model = Transformer(cfg, group.par, dtype, q_chunk=args.q_chunk)
-    init_model(model, 0)
+    init_model(model, 0, per_name=True)       # the same replicated tensors on every rank
     model.eval()
     lead = group.rank == 0
     if lead:
@@ -236,23 +203,15 @@ def rank_main(group, args, store_target: str, token: str, workdir: str) -> None:
             torch.cuda.empty_cache()
     if lead and args.json:
         with open(args.json, "w") as fh:
-            json.dump(dict(device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", tp=group.size, torch=torch.__version__,
-                           experts=args.experts, layers=cfg.n_layers, profile=prof.to_dict(),
+            json.dump(dict(device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", tp=group.size,
+                           torch=torch.__version__, experts=args.experts, layers=cfg.n_layers, profile=prof.to_dict(),
                            store=bool(store_target), rows=rows), fh, indent=1)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=2)
-    ap.add_argument("--lengths", default="65536,131072")
-    ap.add_argument("--experts", type=int, default=16, help="routed experts kept (Flash has 256)")
-    ap.add_argument("--layers", type=int, default=43)
-    ap.add_argument("--docs", type=int, default=8)
-    ap.add_argument("--question", type=int, default=64)
-    ap.add_argument("--budget", type=float, default=0.25)
-    ap.add_argument("--global-picks", default="artifact", choices=["online", "artifact"])
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--q-chunk", type=int, default=4096)
+    add_model_args(ap, lengths="65536,131072")
     ap.add_argument("--store", default="auto", choices=["auto", "local", "none"],
                     help="local: a redis-server + store process on loopback; auto: local if redis-server is on PATH")
     ap.add_argument("--redis-url", default="")
@@ -261,7 +220,6 @@ def main() -> int:
                          "request's artifacts are ~80 GB)")
     ap.add_argument("--workdir", default="")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--small", action="store_true", help="tiny dims, for a CPU smoke run of the script")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.tp < 2:
