@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.ttft import add_model_args, init_model, model_config, request  # noqa: E402
+from bench.ttft import add_model_args, init_model, model_config, request, timed  # noqa: E402
 from runtime.model.deepseek_v4 import Transformer  # noqa: E402
 from runtime.reuse.consumer import ReuseEngine  # noqa: E402
 from runtime.reuse.prefetch import LayerPrefetcher, pin  # noqa: E402
@@ -47,7 +47,7 @@ class LocalStore:
     """redis-server and `redknot store serve` as child processes on loopback, for the benchmark's ranks."""
 
     def __init__(self, workdir: Path, redis_url: str = ""):
-        from services.common.stack import Service, free_port, grpc_serving, redis_ok
+        from services.common.stack import free_port, redis_service, store_service
         self.token = "bench-" + secrets.token_hex(16)
         tokens = workdir / "tokens"
         tokens.write_text(f"{TENANT} {self.token}\n")
@@ -55,21 +55,11 @@ class LocalStore:
         self.target = f"127.0.0.1:{free_port()}"
         self.services = []
         if not redis_url:
-            exe = shutil.which("redis-server")
-            if exe is None:
-                raise SystemExit("--store local needs redis-server on PATH or --redis-url")
             port = free_port()
             redis_url = f"redis://127.0.0.1:{port}/0"
-            (workdir / "redis").mkdir()
-            self.services.append(Service("redis", [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                                   "--appendonly", "no", "--dir", str(workdir / "redis")],
-                                         {}, workdir / "redis.log", lambda: redis_ok(redis_url)))
-        env = {"PYTHONUNBUFFERED": "1", "REDIS_URL": redis_url, "REDKNOT_STORE_REDIS_PREFIX": "bench-store",
-               "REDKNOT_STORE_BLOB_ROOT": str(workdir / "blobs"), "REDKNOT_STORE_TOKENS_FILE": str(tokens)}
-        self.services.append(Service(
-            "store", [sys.executable, "-m", "runtime.cli", "store", "serve", "--listen", self.target,
-                      "--metrics-listen", f"127.0.0.1:{free_port()}"], env, workdir / "store.log",
-            lambda: grpc_serving(self.target)))
+            self.services.append(redis_service(port, workdir / "redis", workdir / "redis.log"))
+        self.services.append(store_service(self.target, f"127.0.0.1:{free_port()}", redis_url, "bench-store",
+                                           workdir / "blobs", tokens, workdir / "store.log"))
         root = Path(__file__).resolve().parent.parent
         for s in self.services:
             s.start(root)
@@ -81,22 +71,9 @@ class LocalStore:
 
 
 def _timed(fn, group) -> tuple[float, object]:
-    """The slowest rank's time of fn() (CUDA events on GPU), every rank starting together."""
-    cuda = group.device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
+    """The slowest rank's `timed` fn() (CUDA events on GPU), every rank starting together."""
     dist.barrier()
-    if cuda:
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        out = fn()
-        b.record()
-        torch.cuda.synchronize()
-        secs = a.elapsed_time(b) / 1000
-    else:
-        t0 = time.perf_counter()
-        out = fn()
-        secs = time.perf_counter() - t0
+    secs, out = timed(fn, group.device)
     t = torch.tensor([secs], dtype=torch.float64, device=group.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item()), out

@@ -159,6 +159,27 @@ class StackConfig:
     worker_env: dict[str, str] = field(default_factory=dict)
 
 
+def redis_service(port: int, data_dir: Path, log: Path) -> Service:
+    """A redis-server of our own on loopback, without persistence, serving redis://127.0.0.1:port/0."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise StackError("no redis-server on PATH: install it (apt-get install redis-server) or give a "
+                         "Redis URL (REDIS_URL)")
+    data_dir.mkdir(parents=True, exist_ok=True)
+    url = f"redis://127.0.0.1:{port}/0"
+    return Service("redis", [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(data_dir)], {"PYTHONUNBUFFERED": "1"}, log, lambda: redis_ok(url))
+
+
+def store_service(listen: str, metrics_listen: str, redis_url: str, redis_prefix: str, blob_root: Path,
+                  tokens_file: Path, log: Path) -> Service:
+    """`redknot store serve` on filesystem blobs, ready once its gRPC health service answers SERVING."""
+    env = {"PYTHONUNBUFFERED": "1", "REDIS_URL": redis_url, "REDKNOT_STORE_REDIS_PREFIX": redis_prefix,
+           "REDKNOT_STORE_BLOB_ROOT": str(blob_root), "REDKNOT_STORE_TOKENS_FILE": str(tokens_file)}
+    return Service("store", [sys.executable, "-m", "runtime.cli", "store", "serve", "--listen", listen,
+                             "--metrics-listen", metrics_listen], env, log, lambda: grpc_serving(listen))
+
+
 class LocalStack:
     def __init__(self, cfg: StackConfig):
         self.cfg = cfg
@@ -197,24 +218,12 @@ class LocalStack:
         py = [sys.executable, "-m", "runtime.cli"]
         base = {"PYTHONUNBUFFERED": "1"}
         if not c.redis_url:
-            exe = shutil.which("redis-server")
-            if exe is None:
-                raise StackError("no redis-server on PATH: install it (apt-get install redis-server) or give a "
-                                 "Redis URL (REDIS_URL)")
-            rdir = self.workdir / "redis"
-            rdir.mkdir(exist_ok=True)
-            self.services["redis"] = Service(
-                "redis", [exe, "--port", str(p["redis"]), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                          "--dir", str(rdir)], base, logs / "redis.log", lambda: redis_ok(self.redis_url))
+            self.services["redis"] = redis_service(p["redis"], self.workdir / "redis", logs / "redis.log")
         common = dict(redis_url=self.redis_url, redis_prefix=c.prefix, tokens_file=str(self.tokens_file),
                       model=str(Path(c.model).resolve()), profile=c.profile, tp=c.tp, store=self.store_target)
-        store_env = {"REDIS_URL": self.redis_url, "REDKNOT_STORE_REDIS_PREFIX": f"{c.prefix}-store",
-                     "REDKNOT_STORE_BLOB_ROOT": str(self.workdir / "store"),
-                     "REDKNOT_STORE_TOKENS_FILE": str(self.tokens_file)}
-        self.services["store"] = Service(
-            "store", py + ["store", "serve", "--listen", self.store_target, "--metrics-listen",
-                           f"127.0.0.1:{p['store_metrics']}"], {**base, **store_env}, logs / "store.log",
-            lambda: grpc_serving(self.store_target))
+        self.services["store"] = store_service(self.store_target, f"127.0.0.1:{p['store_metrics']}", self.redis_url,
+                                               f"{c.prefix}-store", self.workdir / "store", self.tokens_file,
+                                               logs / "store.log")
         api = ApiSettings(**common, listen=f"127.0.0.1:{p['api']}", worker_url=self.worker_url)
         self.services["api"] = Service("api", py + ["api", "serve"], {**base, **api.to_env(), **c.api_env},
                                        logs / "api.log",
