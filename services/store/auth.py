@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 
+from .errors import Unauthenticated
 from .keys import check_tenant
 
 TENANT: contextvars.ContextVar[str] = contextvars.ContextVar("redknot_store_tenant")
@@ -80,7 +81,14 @@ def wrap_handler(handler: grpc.RpcMethodHandler, decorate) -> grpc.RpcMethodHand
                                                  handler.request_deserializer, handler.response_serializer)
 
 
+REFUSED = "missing or unknown bearer token"
+
+
 class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Resolves the bearer token to a tenant. A refusal is raised as `Unauthenticated`, not aborted here, so
+    the error interceptor outside it counts the call before the status reaches the client: an abort from
+    here would send the status first, and a scrape right after the refused call could miss it."""
+
     def __init__(self, tokens: TokenTable):
         self.tokens = tokens
 
@@ -96,7 +104,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             if streams:
                 async def stream_behavior(request, context):
                     if tenant is None:
-                        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown bearer token")
+                        raise Unauthenticated(REFUSED)
                     TENANT.set(tenant)
                     async for item in fn(request, context):
                         yield item
@@ -104,7 +112,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
             async def behavior(request, context):
                 if tenant is None:
-                    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown bearer token")
+                    raise Unauthenticated(REFUSED)
                 TENANT.set(tenant)
                 return await fn(request, context)
             return behavior

@@ -149,10 +149,16 @@ class LocalFetchServer:
                 log.exception("%s failed", method, exc_info=e)
                 err = StoreError(f"internal error: {type(e).__name__}")
             code = grpc_code(err).name
+            self._count(method, code, started)  # before the error frame: a client that sees it can scrape the count
+            started = None
             await self._send(conn, local_wire.error_bytes(err))
         finally:
-            self.store.metrics.rpcs.labels(method, code).inc()
-            self.store.metrics.latency.labels(method).observe(time.perf_counter() - started)
+            if started is not None:
+                self._count(method, code, started)
+
+    def _count(self, method: str, code: str, started: float) -> None:
+        self.store.metrics.rpcs.labels(method, code).inc()
+        self.store.metrics.latency.labels(method).observe(time.perf_counter() - started)
 
     async def _fetch(self, conn: socket.socket, tenant: str, p: FetchParams) -> None:
         generation, shards = await self.store.select(tenant, p)
