@@ -134,7 +134,7 @@ def main() -> int:
     wrap(mode, LlamaReuseEngine, "prefill_cache", engine_label)
     wrap(mode, Llama, "greedy_many", "decode (all arms, batched)")
     import runtime.reuse.llama_engine as engine                 # the fast path runs the controller on host tensors
-    for f in ("choose_active", "choose_by_deviation"):
+    for f in ("choose_active", "choose_by_deviation", "choose_top"):
         wrap(mode, engine, f, "controller (host tensors)")
     budgets = [float(b) for b in args.budgets.split(",")]
     variants = [v for v in args.variants.split(",") if v]

@@ -9,8 +9,9 @@ B is a fraction (0.25) or a percentage (25%). Knobs, with the eval profile's val
   ffn=skip|native   FFN of non-active rows in reusable layers (skip)
   lastkv=recompute|artifact   non-active rows' K/V in the last fences: recomputed from their hidden states,
                     or the artifact's (recompute)
-  select=mixed|deviation      row selection: the shared controller (dirty rows, joins, recent rows, deviation)
-                    or the top rows by first-fence deviation only, CacheBlend-style (mixed)
+  select=mixed|deviation|attention   row selection: the shared controller (dirty rows, joins, recent rows,
+                    deviation), the top rows by first-fence deviation only (CacheBlend-style), or the rows the
+                    question attends to most in a draft pass over the artifacts (mixed)
   signal=k|kv       the deviation measured on K, or on K and V (k)
   join=N            join rows at each end of a relocated segment (16)
   recent=N          most recent request rows protected (64)

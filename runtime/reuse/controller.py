@@ -51,11 +51,17 @@ def choose_active(prof: ReuseProfile, deviation: torch.Tensor, idx_score: torch.
     return active
 
 
-def choose_by_deviation(prof: ReuseProfile, deviation: torch.Tensor) -> torch.Tensor:
-    """CacheBlend's rule: the whole budget (ceil(budget x candidates)) goes to the rows whose first-fence K/V
-    deviate most from their artifact; no protected classes. Question and new rows are not candidates."""
-    n = deviation.shape[0]
-    active = torch.zeros(n, dtype=torch.bool, device=deviation.device)
+def choose_top(prof: ReuseProfile, score: torch.Tensor) -> torch.Tensor:
+    """The whole budget (ceil(budget x candidates)) to the rows of highest `score`, ties to the earlier row; no
+    protected classes. Question and new rows are not candidates."""
+    n = score.shape[0]
+    active = torch.zeros(n, dtype=torch.bool, device=score.device)
     budget = min(n, math.ceil(prof.budget * n - 1e-9))
-    active[torch.argsort(deviation, descending=True, stable=True)[:budget]] = True
+    active[torch.argsort(score, descending=True, stable=True)[:budget]] = True
     return active
+
+
+def choose_by_deviation(prof: ReuseProfile, deviation: torch.Tensor) -> torch.Tensor:
+    """CacheBlend's rule: the whole budget goes to the rows whose first-fence K/V deviate most from their
+    artifact (`choose_top` on the deviation)."""
+    return choose_top(prof, deviation)

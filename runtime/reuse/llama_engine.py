@@ -12,8 +12,15 @@ Profile values this path honours: fences, budget, `global_per_group`, `join_rows
 and `last_fence_kv` ("recompute": the last fences recompute every row from its hidden state; "artifact":
 non-active rows keep their artifact K/V there too, and only active and new rows are computed). Two consumer
 knobs need no certificate because artifacts do not depend on them: `select` ("mixed": the shared controller;
-"deviation": the budget goes to the rows that deviate most, CacheBlend-style) and `signal` (the deviation is
+"deviation": the budget goes to the rows that deviate most, CacheBlend-style; "attention": the budget goes to
+the rows the question attends to most in a draft pass, `_draft_attention`) and `signal` (the deviation is
 measured on K, or on K and V, in the first fences).
+
+The draft is this family's stand-in for DeepSeek's native indexer (SPEC §5's I_top: rows the question picks).
+After the first fences, the question rows alone run on through the reusable layers over every relocated row's
+artifact K/V (what the naive arm sees); the attention probability their heads give each relocated row, summed
+over those layers, rows and heads, ranks the rows. Its cost (question rows x reusable layers, a few percent of
+the request at a 25% budget) is in the ledger.
 
 Arms: `reuse` (this path), `naive` (every document row's K/V from its artifact, relocated, only the new rows
 computed: what position-independent caches without recomputation do) and the caller's recompute arm."""
@@ -26,10 +33,10 @@ import torch
 
 from runtime.llama.model import KVCache, Llama, LayerCache, merge
 from .certificate import FallbackReason, Verdict, token_hash
-from .controller import choose_active, choose_by_deviation
+from .controller import choose_active, choose_by_deviation, choose_top
 from .profile import ProfileError, ReuseProfile
 
-SELECT_RULES = ("mixed", "deviation")
+SELECT_RULES = ("mixed", "deviation", "attention")
 DEVIATION_SIGNALS = ("k", "kv")
 
 
@@ -259,12 +266,10 @@ class LlamaReuseEngine:
                             deviation[a:a + d.n] += _rel_dev(v_req[a:a + d.n], d.v[i])
                         a += d.n
                 continue
-            if active is None and self.select == "deviation":
-                active = choose_by_deviation(prof, deviation)
-                led.active = int(active.sum())
-            elif active is None:
-                active = choose_active(prof, deviation, torch.zeros_like(deviation), [d.n for d in reloc],
-                                       deltas[1:], q_start, len(question))
+            if active is None:
+                active = self._choose(deviation.cpu(), x, positions,
+                                      relocate(m, docs) if n_reloc and self.select == "attention" else None,
+                                      docs, q_start, len(question), led).to(dev)
                 led.active = int(active.sum())
             x = self._layer(i, layer, x, positions, docs, deltas, active, n_rc, state, led)
         logits = m.logits(x[-1:])[0]
@@ -324,12 +329,7 @@ class LlamaReuseEngine:
                 continue
             if active is None:
                 # the controller ranks and fills classes row by row: on a host copy (one transfer), not the device
-                dev_h = deviation.cpu()
-                if self.select == "deviation":
-                    active = choose_by_deviation(prof, dev_h)
-                else:
-                    active = choose_active(prof, dev_h, torch.zeros_like(dev_h), [d.n for d in docs[1:]],
-                                           reloc.deltas[1:], q_start, nq)
+                active = self._choose(deviation.cpu(), x, positions, reloc, docs, q_start, nq, led)
                 computed = torch.cat([active, torch.ones(nq, dtype=torch.bool)])              # rows of x
                 sel = computed.nonzero().flatten().to(dev)
                 computed, active = computed.to(dev), active.to(dev)
@@ -367,6 +367,43 @@ class LlamaReuseEngine:
                 n_rest * self._flops_row(Hg, keys, self.prof.ffn_mode == "native" and not full, qkv_heads=Hg)
         cache.pos = T_all
         return m.logits(x[-1:])[0], cache, led
+
+    def _choose(self, dev_h: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, reloc: Relocated | None,
+                docs: list[LlamaArtifact], q_start: int, nq: int, led: LlamaLedger) -> torch.Tensor:
+        """The active relocated rows (a host bool mask) by this engine's `select` rule. `x` holds the computed
+        rows' hidden states after the first fences (relocated rows, then the question rows) at `positions`."""
+        if self.select == "deviation":
+            return choose_by_deviation(self.prof, dev_h)
+        if self.select == "attention":
+            score = self._draft_attention(x[x.shape[0] - nq:], positions[positions.shape[0] - nq:], reloc,
+                                          docs[0].n, q_start, led) if dev_h.numel() else dev_h
+            return choose_top(self.prof, score.cpu())
+        return choose_active(self.prof, dev_h, torch.zeros_like(dev_h), [d.n for d in docs[1:]],
+                             _offsets(docs)[1:], q_start, nq)
+
+    def _draft_attention(self, xq: torch.Tensor, pos_q: torch.Tensor, reloc: Relocated, n0: int, q_start: int,
+                         led: LlamaLedger) -> torch.Tensor:
+        """The question rows alone, from their exact hidden states after the first fences, through every
+        reusable layer over the relocated artifact K/V of all document rows (the naive arm's view) and their own
+        K/V, with the model's own layer math. Returns, per relocated row [n_reloc] float32, the attention
+        probability the question rows' heads give it, summed over those layers, rows and heads. Its FLOPs are
+        added to the ledger (every head of the question rows in each drafted layer)."""
+        m = self.model
+        T = q_start + xq.shape[0]
+        k_pos = torch.arange(T, device=xq.device)
+        score = torch.zeros(q_start - n0, dtype=torch.float32, device=xq.device)
+        layers = range(self.prof.first_fences, self.n_layers - self.prof.last_fences)
+        for i in layers:
+            layer = m.layers[i]
+            attn = layer.self_attn
+            q, k, v = attn.qkv(layer.input_layernorm(xq), pos_q)
+            keys = torch.cat([reloc.k[i], k.to(reloc.k[i].dtype)])
+            o, lse = attn.attend(q, keys, torch.cat([reloc.v[i], v.to(reloc.v[i].dtype)]), pos_q, k_pos)
+            score += _attention_mass(q, keys[n0:q_start], lse, attn.scale)
+            h = xq + attn.project(o.to(xq.dtype))
+            xq = h + layer.mlp(layer.post_attention_layernorm(h))
+        led.flops += len(layers) * xq.shape[0] * self._flops_row(self.H, (q_start + T + 1) / 2, True)
+        return score
 
     def _reusable_attention(self, attn, q, lc, positions, k_pos, sel, heads) -> torch.Tensor:
         """Per-head outputs [R,H,D] of a reusable layer's rows: every head of the computed rows `sel`, the
@@ -529,6 +566,25 @@ def _fence_layer(layer, x: torch.Tensor, positions: torch.Tensor, prefix: LlamaA
     x = layer(x, positions, lc)
     k, v, lc.capture = lc.capture["k"], lc.capture["v"], None
     return x, lc, k, v
+
+
+def _offsets(docs: list[LlamaArtifact]) -> list[int]:
+    """Each segment's request offset: documents back to back from 0."""
+    out, pos = [], 0
+    for d in docs:
+        out.append(pos)
+        pos += d.n
+    return out
+
+
+def _attention_mass(q: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor, scale: float) -> torch.Tensor:
+    """Per key row [S] float32: the attention probability exp(q.k x scale - lse) summed over query rows and
+    heads, for queries q [T,H,D] (query head h reads KV head h // G) whose softmax normalizers are lse [T,H]
+    (natural log) and keys [S,KV,D] that every query sees."""
+    T, H, D = q.shape
+    KV = keys.shape[1]
+    s = torch.einsum("tkgd,skd->tkgs", q.view(T, KV, H // KV, D).float(), keys.float()) * scale
+    return torch.exp(s - lse.view(T, KV, H // KV, 1)).sum((0, 1, 2))
 
 
 def _rel_dev(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,7 @@ def full(m, docs, question):
 
 
 @pytest.mark.parametrize("last_fence_kv", ["recompute", "artifact"])
-@pytest.mark.parametrize("select", ["mixed", "deviation"])
+@pytest.mark.parametrize("select", ["mixed", "deviation", "attention"])
 def test_degenerate_profile_equals_full_recompute_prefill_and_decode(setup, last_fence_kv, select):
     m, docs, question = setup
     G = m.cfg.num_attention_heads // m.cfg.num_key_value_heads
@@ -133,6 +133,53 @@ def test_deviation_selection_takes_the_most_deviating_rows(setup):
     assert not torch.equal(mixed[0], top[0]) and not torch.equal(top[0], kv[0])
 
 
+def test_attention_selection_takes_the_rows_the_question_drafts_to(setup):
+    """select=attention: the question rows alone, from their exact hidden states after the first fences, run on
+    through the reusable layers over the relocated artifact K/V; the budget goes to the relocated rows their
+    heads attend to most. The draft's scores equal an independent computation with the model's own layers and
+    an explicit softmax; the selection is those scores' top rows, differs from the other rules, and its cost is
+    in the ledger."""
+    m, docs, question = setup
+    from runtime.llama.model import LayerCache
+    from runtime.reuse.controller import choose_top
+    from runtime.reuse.llama_engine import LlamaLedger, relocate
+    p = ReuseProfile(**BASE, budget=0.25)
+    arts = [produce_llama(m, d, p) for d in docs]
+    reloc = relocate(m, arts)
+    n0, q_start, nq = len(docs[0]), reloc.n, len(question)
+    T, G = q_start + nq, m.cfg.num_attention_heads // m.cfg.num_key_value_heads
+    # the question rows' exact hidden states after the first fences = the full model's at that depth
+    pos = torch.arange(T)
+    x = m.embed(torch.tensor([t for d in docs for t in d] + question))
+    for layer in m.layers[:p.first_fences]:
+        x = layer(x, pos, LayerCache())
+    xq, want = x[q_start:], torch.zeros(q_start - n0)
+    for layer in m.layers[p.first_fences:len(m.layers) - p.last_fences]:
+        lc = LayerCache()
+        lc.append(reloc.k[layer.self_attn.layer], reloc.v[layer.self_attn.layer])
+        lc.capture = {}
+        xq_next = layer(xq, pos[q_start:], lc)
+        q, k = lc.capture["q"], lc.k[:T].repeat_interleave(G, dim=1)
+        s = torch.einsum("thd,shd->ths", q, k) * m.cfg.head_dim ** -0.5
+        s = s.masked_fill(pos[None, None, :] > pos[q_start:, None, None], float("-inf"))
+        want += torch.softmax(s, -1)[:, :, n0:q_start].sum((0, 1))
+        xq = xq_next
+    eng = LlamaReuseEngine(m, p, select="attention")
+    led = LlamaLedger(n0, q_start - n0, nq, len(m.layers), m.cfg.num_attention_heads)
+    got = eng._draft_attention(x[q_start:], pos[q_start:], reloc, n0, q_start, led)
+    assert rel_err(got, want) <= TOL and led.flops > 0
+    # the budget goes to the top rows by that score; the rules pick different rows and give different logits
+    top = choose_top(p, got)
+    assert int(top.sum()) == -(-(q_start - n0) // 4) and got[top].min() >= got[~top].max()
+    outs = {r: LlamaReuseEngine(m, p, select=r).prefill_cache(arts, question) for r in ("mixed", "attention")}
+    assert outs["mixed"][2].active == outs["attention"][2].active == int(top.sum())
+    assert not torch.equal(outs["mixed"][0], outs["attention"][0])
+    # the same active count, so the ledgers differ by the draft alone: question rows x reusable layers
+    R = len(m.layers) - p.first_fences - p.last_fences
+    draft = R * nq * eng._flops_row(m.cfg.num_attention_heads, (q_start + T + 1) / 2, True)
+    assert outs["attention"][2].flops - outs["mixed"][2].flops == pytest.approx(draft)
+
+
 def test_profiles_a_llama_cannot_run_are_refused(setup):
     m, _, _ = setup
     from runtime.reuse.profile import ProfileError
@@ -167,6 +214,7 @@ def test_decoding_on_the_assembled_cache_equals_the_segment_path(setup, mode, la
 @pytest.mark.parametrize("mode, last_fence_kv, ffn, select, signal", [
     ("reuse", "recompute", "skip", "mixed", "k"), ("reuse", "artifact", "skip", "mixed", "k"),
     ("reuse", "recompute", "native", "deviation", "kv"), ("reuse", "artifact", "native", "deviation", "k"),
+    ("reuse", "recompute", "skip", "attention", "k"), ("reuse", "artifact", "skip", "attention", "k"),
     ("naive", "recompute", "skip", "mixed", "k")])
 @pytest.mark.parametrize("split_heads", [False, True])
 def test_prefill_on_the_request_cache_equals_the_segment_path(setup, mode, last_fence_kv, ffn, select, signal,
