@@ -276,7 +276,8 @@ class LlamaReuseEngine:
         return logits, state, led
 
     @torch.inference_mode()
-    def prefill_cache(self, docs: list[LlamaArtifact], question: list[int], reloc: Relocated | None = None):
+    def prefill_cache(self, docs: list[LlamaArtifact], question: list[int], reloc: Relocated | None = None,
+                      active: torch.Tensor | None = None):
         """`prefill` on the request's own KV cache: every layer's K/V held at request positions (relocated rows'
         artifact K rotated once, `relocate`), active and new rows' K/V computed at their request positions and
         written over them, and each layer's rows attending once over the whole cache with the causal mask
@@ -284,7 +285,8 @@ class LlamaReuseEngine:
         rounding). The naive arm is the model's own prefill of the question on the relocated cache.
         Returns (logits of the last row [V], the KVCache that plain decoding continues, ledger); the same
         ledger as `prefill`; two host syncs (the deviations to the host controller, the mean key count) instead
-        of several per layer."""
+        of several per layer. `active` (a bool mask over the relocated rows, reuse mode) replaces the select
+        rule's choice: for studies that compare a rule with an oracle (bench/row_selection.py)."""
         m, prof = self.model, self.prof
         dev = next(m.parameters()).device
         reloc = reloc if reloc is not None else relocate(m, docs)
@@ -293,6 +295,9 @@ class LlamaReuseEngine:
         led = LlamaLedger(n0, n_reloc, nq, self.n_layers, self.H)
         led.flops_recompute = self.n_layers * (T_all * self._flops_row(self.H, 0, True)
                                                + 4 * self.H * self.D * T_all * (T_all + 1) / 2)
+        if active is not None and (self.mode == "naive" or active.shape != (n_reloc,)):
+            raise ValueError(f"an active mask of shape {tuple(active.shape)}: the reuse arm takes one bool per "
+                             f"relocated row ({n_reloc}); the naive arm takes none")
         Hg = int(self.gmask.sum())
         layers = []
         for i in range(self.n_layers):                       # the relocated rows, room for the new ones
@@ -315,7 +320,7 @@ class LlamaReuseEngine:
         k_pos = torch.arange(T_all, device=dev)
         x = m.embed(tokens)
         deviation = torch.zeros(n_reloc, device=dev)
-        active = None
+        given, active = active, None
         for i, layer in enumerate(m.layers):
             attn = layer.self_attn
             if self._fence(i):
@@ -329,7 +334,8 @@ class LlamaReuseEngine:
                 continue
             if active is None:
                 # the controller ranks and fills classes row by row: on a host copy (one transfer), not the device
-                active = self._choose(deviation.cpu(), x, positions, reloc, docs, q_start, nq, led)
+                active = self._choose(deviation.cpu(), x, positions, reloc, docs, q_start, nq, led) \
+                    if given is None else given.cpu().bool()
                 computed = torch.cat([active, torch.ones(nq, dtype=torch.bool)])              # rows of x
                 sel = computed.nonzero().flatten().to(dev)
                 computed, active = computed.to(dev), active.to(dev)

@@ -180,6 +180,31 @@ def test_attention_selection_takes_the_rows_the_question_drafts_to(setup):
     assert outs["attention"][2].flops - outs["mixed"][2].flops == pytest.approx(draft)
 
 
+def test_a_given_active_mask_replaces_the_rule_and_bad_masks_are_refused(setup):
+    """prefill_cache(active=...): the rule's own rows give the rule's result; other rows give another result
+    with the same ledger counts; a mask of the wrong shape, or one given to the naive arm, is refused."""
+    m, docs, question = setup
+    from runtime.reuse.controller import choose_top
+    p = ReuseProfile(**BASE, budget=0.25)
+    arts = [produce_llama(m, d, p) for d in docs]
+    n_reloc = sum(len(d) for d in docs[1:])
+    eng = LlamaReuseEngine(m, p, select="deviation")
+    seen = {}
+    orig = eng._choose
+    eng._choose = lambda *a, **k: seen.setdefault("mask", orig(*a, **k))
+    ref, _, ref_led = eng.prefill_cache(arts, question)
+    same, _, led = LlamaReuseEngine(m, p, select="deviation").prefill_cache(arts, question, active=seen["mask"])
+    assert torch.equal(same, ref) and led.__dict__ == ref_led.__dict__
+    other = choose_top(p, torch.arange(n_reloc, dtype=torch.float32))          # the last rows instead
+    assert not torch.equal(other, seen["mask"])
+    got, _, led = LlamaReuseEngine(m, p).prefill_cache(arts, question, active=other)
+    assert not torch.equal(got, ref) and led.active == ref_led.active
+    with pytest.raises(ValueError, match="one bool per relocated row"):
+        LlamaReuseEngine(m, p).prefill_cache(arts, question, active=other[:-1])
+    with pytest.raises(ValueError, match="naive arm takes none"):
+        LlamaReuseEngine(m, p, mode="naive").prefill_cache(arts, question, active=other)
+
+
 def test_profiles_a_llama_cannot_run_are_refused(setup):
     m, _, _ = setup
     from runtime.reuse.profile import ProfileError
