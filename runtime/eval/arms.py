@@ -9,9 +9,11 @@ B is a fraction (0.25) or a percentage (25%). Knobs, with the eval profile's val
   ffn=skip|native   FFN of non-active rows in reusable layers (skip)
   lastkv=recompute|artifact   non-active rows' K/V in the last fences: recomputed from their hidden states,
                     or the artifact's (recompute)
-  select=mixed|deviation|attention   row selection: the shared controller (dirty rows, joins, recent rows,
-                    deviation), the top rows by first-fence deviation only (CacheBlend-style), or the rows the
-                    question attends to most in a draft pass over the artifacts (mixed)
+  select=attention|mixed|deviation   row selection: the rows the question attends to most in a draft pass
+                    over the artifacts (the engine's stand-in for DeepSeek's indexer picks), the shared
+                    controller (dirty rows, joins, recent rows, deviation), or the top rows by first-fence
+                    deviation only, CacheBlend-style (attention: on SmolLM2 it cut the first-token KL 2-4x
+                    against mixed at the same budget, docs/QUALITY.md "Row selection")
   signal=k|kv       the deviation measured on K, or on K and V (k)
   join=N            join rows at each end of a relocated segment (16)
   recent=N          most recent request rows protected (64)
@@ -48,7 +50,7 @@ KNOBS = {
     "join": ("join_rows", int),
     "recent": ("recent_rows", int),
 }
-DEFAULTS = {"gpg": "1", "ffn": "skip", "lastkv": "recompute", "select": "mixed", "signal": "k",
+DEFAULTS = {"gpg": "1", "ffn": "skip", "lastkv": "recompute", "select": "attention", "signal": "k",
             "join": str(JOIN_ROWS), "recent": str(RECENT_ROWS)}
 
 
@@ -82,7 +84,12 @@ class Arm:
         return base.replace(**kw)
 
     def engine_kwargs(self) -> dict:
-        return {KNOBS[k][0]: v for k, v in self.knobs if k in ("select", "signal")}
+        """The engine's keywords: the reuse arm's row-selection rule and deviation signal, defaults included
+        (the eval's defaults are not necessarily the engine's); none for the baselines."""
+        if self.kind != "reuse":
+            return {}
+        knobs = dict(self.knobs)
+        return {KNOBS[k][0]: knobs.get(k, DEFAULTS[k]) for k in ("select", "signal")}
 
 
 def parse_arm(spec: str, fences: tuple[int, int] = (3, 3)) -> Arm:

@@ -23,7 +23,7 @@ def add_arguments(e: argparse.ArgumentParser) -> None:
     e.add_argument("--variants", default="", help="extra reuse arms beside the default ones, comma-separated: "
                                                   "reuse@B[:knob=value]... with knobs fences=F+L, gpg=N, "
                                                   "ffn=skip|native, lastkv=recompute|artifact, "
-                                                  "select=mixed|deviation|attention, signal=k|kv, join=N, recent=N "
+                                                  "select=attention|mixed|deviation, signal=k|kv, join=N, recent=N "
                                                   "(runtime/eval/arms.py)")
     e.add_argument("--max-new-tokens", type=int, default=32)
     e.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")

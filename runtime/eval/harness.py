@@ -7,7 +7,7 @@ Each segment is tokenized on its own and the token lists are concatenated, ident
 
 Arms: recompute (the plain model), prefix-only (document 1 reused exactly, the rest recomputed), naive reuse
 (every document row's K/V from its artifact, relocated, only new rows computed), and the reuse arm at each
-budget; optional variants of the reuse arm with other profile knobs (`arms.py`). Per arm: F1 and EM against gold (LongBench normalization), answer agreement with the recompute arm,
+budget (rows chosen by the question's draft attention, `select=attention`, unless a variant names another rule); optional variants of the reuse arm with other profile knobs (`arms.py`). Per arm: F1 and EM against gold (LongBench normalization), answer agreement with the recompute arm,
 first-token KL(recompute || arm), the ledger. Paired bootstrap 95% CIs of the F1/EM deltas against recompute.
 A run whose reuse arm fell back on any example is rejected."""
 from __future__ import annotations

@@ -26,6 +26,10 @@ def test_knobs_reach_the_profile_and_the_engine():
             p.join_rows, p.recent_rows) == (0.2, 4, 2, 2, "native", "artifact", 8, 0)
     assert a.engine_kwargs() == {"select": "deviation", "signal": "kv"}
     assert Arm("naive").profile(base) == base and Arm("naive").engine_kwargs() == {}
+    # the eval's default rule is the question's draft attention; the shared controller is a named variant
+    assert parse_arm("reuse@0.25").engine_kwargs() == {"select": "attention", "signal": "k"}
+    assert parse_arm("reuse@0.25:select=mixed").name == "reuse@25%:select=mixed"
+    assert parse_arm("reuse@0.25:select=attention").name == "reuse@25%"
 
 
 @pytest.mark.parametrize("spec, match", [

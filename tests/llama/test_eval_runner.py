@@ -26,6 +26,16 @@ def test_the_chunk_key_names_every_setting(tmp_path):
         assert dataclasses.replace(a, **change).key() != a.key(), change
 
 
+def test_a_changed_default_knob_changes_the_chunk_key(tmp_path, monkeypatch):
+    """The key holds every arm as it resolves, so chunks run under an older default (the eval's rows were once
+    chosen by the shared controller) are not reused when the default changes."""
+    import runtime.eval.arms as arms
+    a = RunSpec(model_dir=str(tmp_path), task="hotpotqa", data=None, budgets=(0.25,), fences=(3, 3), max_new_tokens=4)
+    before = a.key()
+    monkeypatch.setitem(arms.DEFAULTS, "select", "mixed")
+    assert a.key() != before
+
+
 @pytest.fixture(scope="module")
 def small_data(tmp_path_factory):
     """Two HotpotQA questions cut to three paragraphs each, as an examples file."""
