@@ -143,10 +143,8 @@ class Relocated:
 
 @torch.inference_mode()
 def relocate(model: Llama, docs: list[LlamaArtifact]) -> Relocated:
-    deltas, pos = [], 0
-    for d in docs:
-        deltas.append(pos)
-        pos += d.n
+    deltas = _offsets(docs)
+    pos = deltas[-1] + docs[-1].n
     dev = docs[0].k[0].device
     shift = torch.tensor([dl for d, dl in zip(docs, deltas) for _ in range(d.n)], device=dev)
     L = len(model.layers)
@@ -229,11 +227,8 @@ class LlamaReuseEngine:
     def prefill(self, docs: list[LlamaArtifact], question: list[int]):
         m, prof = self.model, self.prof
         dev = next(m.parameters()).device
-        deltas, pos = [], 0
-        for d in docs:
-            deltas.append(pos)
-            pos += d.n
-        q_start = pos
+        deltas = _offsets(docs)
+        q_start = deltas[-1] + docs[-1].n
         n_reloc = q_start - docs[0].n
         reloc = docs[1:]
         led = LlamaLedger(docs[0].n, n_reloc, len(question), self.n_layers, self.H)
