@@ -82,16 +82,15 @@ PHASES = {"_greedy": "recompute", "_prefix_only": "prefix-only", "produce_llama"
 
 
 def engine_label(eng, *a, **kw) -> str:
+    """The arm's canonical name (`runtime.eval.arms`, which leaves out knobs at the eval's defaults) from the
+    engine's profile and keywords, so the counts line up with the harness's arms."""
     if eng.mode == "naive":
         return "naive"
-    name = f"reuse@{eng.prof.budget * 100:g}%"
-    if eng.prof.last_fence_kv != "recompute":
-        name += f":lastkv={eng.prof.last_fence_kv}"
-    if eng.select != "mixed":
-        name += f":select={eng.select}"
-    if eng.signal != "k":
-        name += f":signal={eng.signal}"
-    return name
+    from runtime.eval.arms import parse_arm
+    p = eng.prof
+    return parse_arm(f"reuse@{p.budget}:fences={p.first_fences}+{p.last_fences}:gpg={p.global_per_group}"
+                     f":ffn={p.ffn_mode}:lastkv={p.last_fence_kv}:select={eng.select}:signal={eng.signal}"
+                     f":join={p.join_rows}:recent={p.recent_rows}").name
 
 
 def main() -> int:
