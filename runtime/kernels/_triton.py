@@ -27,3 +27,10 @@ def check_runnable(t: torch.Tensor) -> None:
         raise RuntimeError("triton is not importable here; use the reference path (runtime.kernels.reference)")
     if not (t.is_cuda or INTERPRET):
         raise RuntimeError("Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 for a CPU debug run)")
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """Input precision of the kernels' tl.dot: float32 operands are multiplied in full float32 ("ieee"), so that
+    the float32 path equals the float32 reference to rounding (Triton's default for float32 is TF32, a 10-bit
+    mantissa); for bf16/fp16 operands "tf32" is Triton's own default and changes nothing."""
+    return "ieee" if dtype == torch.float32 else "tf32"

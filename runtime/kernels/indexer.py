@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import HAVE_TRITON, check_runnable, tl, triton
+from ._triton import HAVE_TRITON, check_runnable, dot_precision, tl, triton
 
 if HAVE_TRITON:
 
     @triton.jit
     def _indexer_scores_kernel(q_ptr, k_ptr, w_ptr, cpos_ptr, o_ptr, T, N, ratio, scale,
                                stride_qt, stride_qh, stride_wt, stride_ot,
-                               IH: tl.constexpr, ID: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
+                               IH: tl.constexpr, ID: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                               PREC: tl.constexpr):
         pid_n = tl.program_id(0)                  # entries fastest: programs of one row block run together
         pid_t = tl.program_id(1)
         offs_t = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
@@ -39,7 +40,7 @@ if HAVE_TRITON:
             for h in range(IH):
                 qh = tl.load(q_ptr + offs_t[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
                              mask=tmask[:, None], other=0.0)             # [BLOCK_T, ID]
-                s = tl.dot(qh, kt)
+                s = tl.dot(qh, kt, input_precision=PREC)
                 wh = tl.load(w_ptr + offs_t * stride_wt + h, mask=tmask, other=0.0)
                 acc += wh[:, None] * tl.maximum(s, 0.0)
             res = tl.where(offs_n[None, :] < ready[:, None], acc * scale, float("-inf"))
@@ -80,6 +81,7 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, c
     _indexer_scores_kernel[grid](q, keys, weights, cpos, out, T, N, int(ratio), ID ** -0.5,
                                  q.stride(0), q.stride(1), weights.stride(0), out.stride(0),
                                  IH=IH, ID=ID, BLOCK_T=cfg["BLOCK_T"], BLOCK_N=cfg["BLOCK_N"],
+                                 PREC=dot_precision(q.dtype),
                                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 

@@ -40,7 +40,7 @@ def window_part(q: torch.Tensor, keys: torch.Tensor, cpos: torch.Tensor, window:
 
 
 def sparse_mqa_reference(q, keys, cpos, window, entries=None, mode="none", ratio=1, picks=None, scale=None,
-                         chunk: int = 4096) -> Part:
+                         chunk: int = 4096, pos_shift: int = 0) -> Part:
     """Same contract as `sparse_mqa_attention`: window part + entry part (causal or picks) merged by LSE."""
     D = q.shape[-1]
     scale = D ** -0.5 if scale is None else scale
@@ -51,7 +51,7 @@ def sparse_mqa_reference(q, keys, cpos, window, entries=None, mode="none", ratio
         qc, pc = q[a:b], cpos[a:b]
         parts = [window_part(qc, keys, pc, window, scale)]
         if mode == "causal" and entries is not None and entries.shape[0]:
-            visible = torch.arange(entries.shape[0], device=q.device)[None, :] < ((pc + 1) // ratio)[:, None]
+            visible = torch.arange(entries.shape[0], device=q.device)[None, :] < ((pc + pos_shift + 1) // ratio)[:, None]
             parts.append(entry_attention(qc, entries, visible, scale))
         elif mode == "picks" and entries is not None and picks is not None and picks.shape[1]:
             parts.append(gathered_attention(qc, entries, picks[a:b].long(), scale))

@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from ._triton import HAVE_TRITON, check_runnable, tl, triton
+from ._triton import HAVE_TRITON, check_runnable, dot_precision, tl, triton
 
 MODES = {"none": 0, "causal": 1, "picks": 2}
 LN2 = math.log(2.0)
@@ -37,17 +37,17 @@ LOG2E = 1.0 / LN2
 if HAVE_TRITON:
 
     @triton.jit
-    def _online_block(q, k, v, valid, m_i, l_i, acc, qk_scale):
+    def _online_block(q, k, v, valid, m_i, l_i, acc, qk_scale, PREC: tl.constexpr):
         """One key tile: q [BH, D], k [BN, D], v [BN, DV] (K = V: v is k or its column slice), valid [BN];
-        the softmax state is kept in the log2 domain."""
-        s = tl.dot(q, tl.trans(k)) * qk_scale                             # [BH, BN] fp32
+        the softmax state is kept in the log2 domain. PREC: the dots' input precision (see `dot_precision`)."""
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale                             # [BH, BN] fp32
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)                                      # 0 while m_i is -inf
         p = tl.exp2(s - m_safe[:, None])                                   # 0 at masked keys
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         return m_new, l_i, acc
 
     @triton.jit
@@ -63,10 +63,10 @@ if HAVE_TRITON:
 
     @triton.jit
     def _sparse_mqa_kernel(q_ptr, k_ptr, e_ptr, cpos_ptr, picks_ptr, o_ptr, lse_ptr,
-                           H, n_keys, n_entries, n_picks, ratio, window, qk_scale,
+                           H, n_keys, n_entries, n_picks, ratio, window, qk_scale, pos_shift,
                            stride_qt, stride_qh, stride_pt,
                            MODE: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_H: tl.constexpr,
-                           BLOCK_N: tl.constexpr):
+                           BLOCK_N: tl.constexpr, PREC: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         hb = tl.program_id(1)
         offs_v = tl.program_id(2) * DV + tl.arange(0, DV)                 # this program's output columns
@@ -89,23 +89,24 @@ if HAVE_TRITON:
             rows = start + offs_n
             valid = rows < hi
             k, v = _tile(k_ptr, rows, valid, offs_d, offs_v, D, DV)
-            m_i, l_i, acc = _online_block(q, k, v, valid, m_i, l_i, acc, qk_scale)
+            m_i, l_i, acc = _online_block(q, k, v, valid, m_i, l_i, acc, qk_scale, PREC)
 
         if MODE == 1:
             # every entry complete before the query: w < (cpos+1)//ratio (an empty range when cpos+1 <= 0)
-            nvis = tl.minimum(tl.maximum(cp + 1, 0) // ratio, n_entries)
+            # (the query's position is cp + pos_shift: the keys may start after position 0)
+            nvis = tl.minimum(tl.maximum(cp + pos_shift + 1, 0) // ratio, n_entries)
             for start in range(0, nvis, BLOCK_N):
                 rows = start + offs_n
                 valid = rows < nvis
                 k, v = _tile(e_ptr, rows, valid, offs_d, offs_v, D, DV)
-                m_i, l_i, acc = _online_block(q, k, v, valid, m_i, l_i, acc, qk_scale)
+                m_i, l_i, acc = _online_block(q, k, v, valid, m_i, l_i, acc, qk_scale, PREC)
         elif MODE == 2:
             for start in range(0, n_picks, BLOCK_N):
                 j = start + offs_n
                 idx = tl.load(picks_ptr + t * stride_pt + j, mask=j < n_picks, other=-1)
                 valid = (idx >= 0) & (idx < n_entries)
                 k, v = _tile(e_ptr, idx, valid, offs_d, offs_v, D, DV)
-                m_i, l_i, acc = _online_block(q, k, v, valid, m_i, l_i, acc, qk_scale)
+                m_i, l_i, acc = _online_block(q, k, v, valid, m_i, l_i, acc, qk_scale, PREC)
 
         empty = l_i == 0.0
         l_safe = tl.where(empty, 1.0, l_i)
@@ -131,11 +132,14 @@ def sparse_mqa_attention(q: torch.Tensor, keys: torch.Tensor, cpos: torch.Tensor
                          entries: torch.Tensor | None = None, mode: str = "none", ratio: int = 1,
                          picks: torch.Tensor | None = None, scale: float | None = None,
                          config: dict | None = None,
-                         out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                         pos_shift: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T,H,D] (roped, bf16/fp16), keys [n,D], cpos [T] (query position in the keys' frame), window W,
     entries [N,D] or None, mode "none" | "causal" | "picks", ratio (causal), picks [T,k] int (-1 = none),
     scale (default D^-0.5) -> (o [T,H,D] float32 normalized, lse [T,H] float32 natural log, -inf where no key).
-    `out`: contiguous (o [T,H,D] float32, lse [T,H] float32) to write into (a slice of a caller's buffer)."""
+    `out`: contiguous (o [T,H,D] float32, lse [T,H] float32) to write into (a slice of a caller's buffer).
+    `pos_shift`: the query's position minus cpos, for "causal" (entries complete before position p: (p+1)//ratio)
+    when the keys do not start at position 0 (a cache that keeps only the window's last rows)."""
     check_runnable(q)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
@@ -184,7 +188,8 @@ def sparse_mqa_attention(q: torch.Tensor, keys: torch.Tensor, cpos: torch.Tensor
     grid = (T, triton.cdiv(H, cfg["BLOCK_H"]), D // DV)
     _sparse_mqa_kernel[grid](q, k_arg, e, cpos, p, o, lse,
                              H, keys.shape[0], n_entries, n_picks, max(int(ratio), 1), int(window),
-                             scale * LOG2E, q.stride(0), q.stride(1), stride_pt,
+                             scale * LOG2E, int(pos_shift), q.stride(0), q.stride(1), stride_pt,
                              MODE=MODES[mode], D=D, DV=DV, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
+                             PREC=dot_precision(q.dtype),
                              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return o, lse

@@ -361,9 +361,14 @@ class Attention(nn.Module):
     def queries(self, x: torch.Tensor, positions: torch.Tensor):
         """x [T,d] -> (q [T,H,D] normed and roped, qr [T,q_lora_rank])."""
         qr = self.q_norm(self.wq_a(x))
-        q = self.wq_b(qr).view(x.shape[0], self.n_heads, self.cfg.head_dim)
+        return self.queries_from(qr, positions), qr
+
+    def queries_from(self, qr: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The normed, roped per-head queries [T,H,D] of `queries` from its low-rank qr [T, q_lora_rank]; row-wise,
+        so the forward computes them one query chunk at a time."""
+        q = self.wq_b(qr).view(qr.shape[0], self.n_heads, self.cfg.head_dim)
         q = unweighted_rms_norm(q, self.cfg.norm_eps)
-        return Rotary.apply(q, *self.rotary.cos_sin(positions)), qr
+        return Rotary.apply(q, *self.rotary.cos_sin(positions))
 
     def latent(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The one K=V row per token [T, D], RoPE on its last rope_head_dim channels."""
@@ -389,7 +394,12 @@ class Attention(nn.Module):
 
     # -- full forward --------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerCache, q_chunk: int) -> torch.Tensor:
-        q, qr = self.queries(x, positions)
+        """Queries, attention and W_a run one chunk of q_chunk rows at a time: the per-head tensors [rows, H, D]
+        (queries, outputs, their float32 temporaries) never exist for the whole request (at 128K tokens and
+        H x D = 64 x 512 each would be 8-17 GB); only the projected state [T, G*R] does. Rows are independent
+        in all three, so the result is the same as one pass. The producer (cache.capture) keeps every row's
+        output, as before."""
+        qr = self.q_norm(self.wq_a(x))
         kv = self.latent(x, positions)
         past = cache.window_kv
         keys = kv if past is None else torch.cat([past, kv])
@@ -404,34 +414,47 @@ class Attention(nn.Module):
             idx = self.indexer(x, qr, positions, cache.indexer, q_chunk)
 
         from runtime.kernels import enabled, sparse_mqa_attention
-        fast = enabled(q)
-        outs = []
-        for a in range(0, x.shape[0], q_chunk):
-            b = min(a + q_chunk, x.shape[0])
-            qc, pc = q[a:b], positions[a:b]
+        fast = enabled(x)
+        T = x.shape[0]
+        # the kernel sees key rows; HCA's entry visibility needs positions, which differ from key rows whenever the
+        # cache keeps only the window's last rows (decoding, the reuse arm's fence layers): one sync per HCA call
+        shift = int(positions[0]) - n_past if fast and self.kind == HCA and T else 0
+        o_all = None if cache.capture is None else \
+            torch.empty((T, self.n_heads, self.cfg.head_dim), dtype=x.dtype, device=x.device)
+        p = None
+        for a in range(0, T, q_chunk):
+            b = min(a + q_chunk, T)
+            pc = positions[a:b]
+            qc = self.queries_from(qr[a:b], pc)
             if fast:   # one fused pass over window rows and entries; the sink joins in the merge
                 mode = {WINDOW: "none", HCA: "causal", CSA: "picks"}[self.kind]
-                cpos = torch.arange(n_past + a, n_past + b, device=q.device)
+                cpos = torch.arange(n_past + a, n_past + b, device=x.device)
                 part = sparse_mqa_attention(qc, keys[: n_past + b], cpos, W, entries, mode, self.ratio or 1,
-                                            idx[a:b] if idx is not None else None, self.scale)
-                outs.append(merge_with_sink([part], self.attn_sink).to(x.dtype))
-                continue
-            parts = [window_attention(qc, keys[: n_past + b], n_past + a, W, self.scale)]
-            if self.kind == HCA:
-                visible = torch.arange(entries.shape[0], device=x.device)[None, :] < ((pc + 1) // self.ratio)[:, None]
-                parts.append(entry_attention(qc, entries, visible, self.scale))
-            elif self.kind == CSA:
-                parts.append(gathered_attention(qc, entries, idx[a:b], self.scale))
-            outs.append(merge_with_sink(parts, self.attn_sink).to(x.dtype))
-        o = torch.cat(outs)
+                                            idx[a:b] if idx is not None else None, self.scale, pos_shift=shift)
+                oc = merge_with_sink([part], self.attn_sink).to(x.dtype)
+            else:
+                parts = [window_attention(qc, keys[: n_past + b], n_past + a, W, self.scale)]
+                if self.kind == HCA:
+                    visible = torch.arange(entries.shape[0], device=x.device)[None, :] < \
+                        ((pc + 1) // self.ratio)[:, None]
+                    parts.append(entry_attention(qc, entries, visible, self.scale))
+                elif self.kind == CSA:
+                    parts.append(gathered_attention(qc, entries, idx[a:b], self.scale))
+                oc = merge_with_sink(parts, self.attn_sink).to(x.dtype)
+            if o_all is not None:
+                o_all[a:b] = oc
+            pch = self.project(oc, pc)
+            if p is None:
+                p = torch.empty((T, pch.shape[1]), dtype=pch.dtype, device=x.device)
+            p[a:b] = pch
         if cache.capture is not None:
             keep = cache.capture.get("local_mask")
             if keep is None:
-                cache.capture.update(latent=kv, o=o, topk=idx)
+                cache.capture.update(latent=kv, o=o_all, topk=idx)
             else:   # the producer's Local contribution, computed now so per-head outputs are not kept
-                local = self.project(o * keep.to(o.device, o.dtype)[None, :, None], positions)
+                local = self.project(o_all * keep.to(x.device, o_all.dtype)[None, :, None], positions)
                 cache.capture.update(latent=kv, local_p=local, topk=idx)
-        return self.output(self.project(o, positions))
+        return self.output(p)
 
 
 # ============================================================================ MoE

@@ -61,7 +61,8 @@ def causal_picks(cpos: torch.Tensor, n_entries: int, k: int, ratio: int = 4, gen
     return idx[:, torch.randperm(k, device=cpos.device, generator=gen)].to(torch.int32)
 
 
-def run_case(T, H, D, W, n, mode, N=0, ratio=4, k=0, cpos=None, seed=0, picks=None, config=None, chunk=1024):
+def run_case(T, H, D, W, n, mode, N=0, ratio=4, k=0, cpos=None, seed=0, picks=None, config=None, chunk=1024,
+             pos_shift=0):
     g = torch.Generator(device=DEV).manual_seed(seed)
     q = torch.randn(T, H, D, device=DEV, generator=g).to(DT)
     keys = torch.randn(n, D, device=DEV, generator=g).to(DT)
@@ -71,9 +72,9 @@ def run_case(T, H, D, W, n, mode, N=0, ratio=4, k=0, cpos=None, seed=0, picks=No
     if mode == "picks" and picks is None:
         picks = causal_picks(cpos, N, k, ratio, g)
     poison()
-    o, lse = sparse_mqa_attention(q, keys, cpos, W, ent, mode, ratio, picks, config=config)
+    o, lse = sparse_mqa_attention(q, keys, cpos, W, ent, mode, ratio, picks, config=config, pos_shift=pos_shift)
     ro, rl = sparse_mqa_reference(q.float(), keys.float(), cpos, W, None if ent is None else ent.float(), mode, ratio,
-                                  picks, chunk=chunk)
+                                  picks, chunk=chunk, pos_shift=pos_shift)
     err = rel_err(o, ro)
     assert err < TOL, f"rel err {err:.2e}"
     check_lse(lse, rl)
@@ -106,6 +107,15 @@ def test_sparse_real_dims_long_prefix():
     # rows deep in a long segment: every window full, 512 picks of 4K visible entries
     T, n = 2048, 16384
     run_case(T, 64, 512, 128, n, "picks", N=n // 4, ratio=4, k=512, seed=3, cpos=torch.arange(n - T, n, device=DEV))
+
+
+@pytest.mark.parametrize("shift", [1, 127, 4097])
+def test_sparse_causal_keys_after_position_zero(shift):
+    """A cache holding only the window's last rows: key row r is position r + shift, so entry visibility reads
+    (cpos + shift + 1) // ratio (the fence layers of the reuse arm and decoding; wrong before 2026-11-30)."""
+    T, W = 200, 128
+    run_case(T, 64, 512, W, W - 1 + T, "causal", N=(W - 1 + T + shift) // 128 + 2, ratio=128, seed=8,
+             cpos=torch.arange(W - 1, W - 1 + T, device=DEV), pos_shift=shift)
 
 
 def test_sparse_edge_cases():
