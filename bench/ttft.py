@@ -6,11 +6,15 @@ analytic FLOP ratio. Also the cold arm (artifact construction included) at --col
 
     python bench/ttft.py --lengths 16384,32768,65536,131072 --experts 16 --json ttft.json --plot ttft.png
 
-Wall time on one H200 grows with the recompute arm (~3.4 s at 16K, roughly linear): per length about 5 recompute
-runs (build, warm-up, 3 reps) plus 4 reuse runs, and pinning the hot artifacts (37.5 GiB at 64K, 74.9 GiB at 128K).
-On 2026-11-30 `--lengths 16384,65536 --cold-at 65536` did not finish within 280 s (the 64K point was still
-building), so give each length its own command under a 10-minute limit (e.g. --lengths 65536 --cold-at 65536,
-then --lengths 131072 --cold-at 0). `--tp N` (N > 1) runs bench/ttft_tp.py: one process per GPU over NCCL.
+    python bench/ttft.py --lengths 131072 --cold-at 0 --extra-budgets 0.1 --json a.json   # one length per call
+    python bench/ttft.py --plot-from a.json b.json --plot ttft.png                         # plot earlier runs
+
+Wall time on one H200 (2026-11-30): 16K + 32K with a second budget ~3 min, 64K with the cold arm ~4.5 min, 128K
+~6.5 min (per length: artifact build and pinning, a warm-up and --reps interleaved runs of every arm; the recompute
+arm takes 3.3 s at 16K and 28 s at 128K). Give each long length its own call under a 10-minute limit.
+`--extra-budgets` times more reuse budgets on the same artifacts (they do not depend on the budget). `--tp N`
+(N > 1) runs bench/ttft_tp.py: one process per GPU over NCCL. Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+at 128K (peak 128 GiB of the H200's 140).
 
 Memory: at 128K the hot artifacts are ~75 GiB (Local W_a,L O_L 65 GiB of it: 8 x 1024 bf16 per relocated row and
 reusable layer), all in pinned host memory; each length prints its breakdown, a length whose artifacts exceed
@@ -151,7 +155,53 @@ def release_pinned() -> None:
         torch._C._host_emptyCache()
 
 
+def plot(rows: list[dict], name: str, out: str) -> None:
+    """TTFT per arm against request tokens (log-log): recompute, the hot reuse arm per budget, the cold arm.
+    Needs matplotlib (`pip install -e .[bench]`); without it the JSON is still written and the plot can be drawn
+    later with --plot-from."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"## no plot: matplotlib is not installed (pip install -e .[bench]); draw it later with "
+              f"python bench/ttft.py --plot-from RUN.json ... --plot {out}", flush=True)
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    plt.figure(figsize=(6.4, 4.4))
+    rec = sorted({(r["tokens"], r["recompute_s"]) for r in rows})
+    plt.plot([p[0] for p in rec], [p[1] for p in rec], "o-", label="recompute arm")
+    arms: dict[float, list] = {}
+    for r in rows:
+        arms.setdefault(r.get("budget", 0.25), []).append((r["tokens"], r["reuse_s"]))
+        for e in r.get("extra", []):
+            arms.setdefault(e["budget"], []).append((r["tokens"], e["reuse_s"]))
+    for (b, pts), mark in zip(sorted(arms.items(), reverse=True), "sdv<>"):
+        pts.sort()
+        plt.plot([p[0] for p in pts], [p[1] for p in pts], mark + "-", label=f"reuse arm, hot, budget {b:.0%}")
+    for r in rows:
+        if "cold_s" in r:
+            plt.plot([r["tokens"]], [r["cold_s"]], "^", color="tab:red",
+                     label=f"reuse arm, cold (artifacts built), {r['tokens'] // 1024}K")
+    plt.xscale("log", base=2)
+    plt.yscale("log")
+    plt.xlabel("request tokens")
+    plt.ylabel("TTFT (s)")
+    plt.title(f"{name}: TTFT per arm")
+    plt.legend(fontsize=8)
+    plt.grid(alpha=0.3)
+    plt.tight_layout()
+    plt.savefig(out, dpi=120)
+
+
 def main() -> int:
+    if "--plot-from" in sys.argv:            # no run: one plot from the --json files of earlier runs
+        pp = argparse.ArgumentParser()
+        pp.add_argument("--plot-from", nargs="+", required=True)
+        pp.add_argument("--plot", required=True)
+        pa = pp.parse_args()
+        runs = [json.load(open(f)) for f in pa.plot_from]
+        plot([r for run in runs for r in run["rows"]], runs[0]["device"], pa.plot)
+        return 0
     tp = argparse.ArgumentParser(add_help=False)
     tp.add_argument("--tp", type=int, default=1)
     if tp.parse_known_args()[0].tp > 1:       # tensor parallel over NCCL: bench/ttft_tp.py (same flags, plus store)
@@ -167,9 +217,15 @@ def main() -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--host-budget-gib", type=float, default=100.0,
                     help="pinned host memory the hot artifacts may take; a length needing more is skipped")
+    ap.add_argument("--extra-budgets", default="",
+                    help="comma list: also time the reuse arm at these budgets, on the same artifacts and tokens, "
+                         "interleaved with the arms above (the artifacts do not depend on the budget)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
+    extra = [float(v) for v in args.extra_budgets.split(",") if v.strip()]
+    if any(not 0 < b <= 1 for b in extra):
+        ap.error(f"--extra-budgets must lie in (0, 1], got {args.extra_budgets!r}")
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg, prof = model_config(args)
@@ -209,27 +265,42 @@ def main() -> int:
         t_build = time.perf_counter() - t_build
         full = torch.tensor([t for a in arts for t in a.tokens] + question, device=device)
         engine = ReuseEngine(model, prof)
+        others = {b: ReuseEngine(model, prof.replace(budget=b)) for b in extra}
 
-        def reuse():
+        def reuse(eng=engine):
             pf = LayerPrefetcher(arts, device)
-            return engine.prefill(pf.documents(), question)
+            return eng.prefill(pf.documents(), question)
 
         rec_t, reu_t = [], []
-        timed(lambda: model(full), device)                       # warm-up, both arms
+        other_t, other_res = {b: [] for b in extra}, {}
+        timed(lambda: model(full), device)                       # warm-up, every arm
         _, res = timed(reuse, device)
+        for b, eng in others.items():
+            timed(lambda: reuse(eng), device)
         for _ in range(args.reps):                               # interleaved, side by side
             rec_t.append(timed(lambda: model(full), device)[0])
             t, res = timed(reuse, device)
             reu_t.append(t)
+            for b, eng in others.items():
+                t, other_res[b] = timed(lambda: reuse(eng), device)
+                other_t[b].append(t)
         led = res.ledger.summary()
         # the reuse arm really reused: rows were restored and heads skipped, no silent recomputation
         assert 0 < led["rows"]["active"] < led["rows"]["relocated"] and led["head_row_saving"] > 0, led
         rec, reu = statistics.median(rec_t), statistics.median(reu_t)
-        row = dict(tokens=int(full.numel()), recompute_s=rec, reuse_s=reu, speedup=rec / reu,
+        row = dict(tokens=int(full.numel()), budget=prof.budget, recompute_s=rec, reuse_s=reu, speedup=rec / reu,
                    flop_ratio=led["flop_saving"]["ratio"], head_row_saving=led["head_row_saving"],
                    structural_ceiling=led["structural_ceiling"], token_row_saving=led["token_row_saving"],
                    flop_saving=led["flop_saving"], build_s=t_build, active=led["rows"]["active"],
-                   relocated=led["rows"]["relocated"], recompute_all=rec_t, reuse_all=reu_t)
+                   relocated=led["rows"]["relocated"], recompute_all=rec_t, reuse_all=reu_t, extra=[])
+        for b in extra:
+            lb = other_res[b].ledger.summary()
+            assert 0 < lb["rows"]["active"] < lb["rows"]["relocated"] and lb["head_row_saving"] > 0, lb
+            rb = statistics.median(other_t[b])
+            row["extra"].append(dict(budget=b, reuse_s=rb, speedup=rec / rb, flop_ratio=lb["flop_saving"]["ratio"],
+                                     head_row_saving=lb["head_row_saving"], token_row_saving=lb["token_row_saving"],
+                                     flop_saving=lb["flop_saving"], active=lb["rows"]["active"],
+                                     relocated=lb["rows"]["relocated"], reuse_all=other_t[b]))
         if L == args.check_at and device.type == "cuda":
             got = {}
             for flag in ("1", "0"):
@@ -265,7 +336,12 @@ def main() -> int:
               f"{row['structural_ceiling']:.1%}; token-row {row['token_row_saving']:.1%}; active "
               f"{row['active']}/{row['relocated']})" + (f"  cold {row['cold_s']:.3f} s" if "cold_s" in row else ""),
               flush=True)
-        del arts, engine, res
+        for e in row["extra"]:
+            print(f"T={row['tokens']:7d}  budget {e['budget']:.0%}: reuse {e['reuse_s']:7.3f} s  speedup "
+                  f"{e['speedup']:5.2f}x  (analytic FLOP ratio {e['flop_ratio']:.2f}x; head-row "
+                  f"{e['head_row_saving']:.1%}; token-row {e['token_row_saving']:.1%}; active "
+                  f"{e['active']}/{e['relocated']})", flush=True)
+        del arts, engine, others, res, other_res
         release_pinned()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -276,25 +352,7 @@ def main() -> int:
             json.dump(dict(device=name, torch=torch.__version__, experts=args.experts, layers=cfg.n_layers,
                            profile=prof.to_dict(), rows=rows), fh, indent=1)
     if args.plot:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        x = [r["tokens"] for r in rows]
-        plt.figure(figsize=(6, 4))
-        plt.plot(x, [r["recompute_s"] for r in rows], "o-", label="recompute arm")
-        plt.plot(x, [r["reuse_s"] for r in rows], "s-", label="reuse arm (hot)")
-        for r in rows:
-            if "cold_s" in r:
-                plt.plot([r["tokens"]], [r["cold_s"]], "^", label="reuse arm (cold, 64K)")
-        plt.xscale("log", base=2)
-        plt.yscale("log")
-        plt.xlabel("request tokens")
-        plt.ylabel("TTFT (s)")
-        plt.title(f"{name}: TTFT per arm")
-        plt.legend()
-        plt.grid(alpha=0.3)
-        plt.tight_layout()
-        plt.savefig(args.plot, dpi=120)
+        plot(rows, name, args.plot)
     return 0
 
 
