@@ -152,3 +152,23 @@ def test_bf16_kernel_path_is_as_close_to_exact_as_the_bf16_reference(state, toke
     e_ref, e_ker = rel_err(ref.logits, exact.logits), rel_err(res.logits, exact.logits)
     print(f"reuse arm vs exact (same rows): bf16 reference {e_ref:.2e}, bf16 kernels {e_ker:.2e}")
     assert e_ker <= e_ref + 2e-2
+
+
+@torch.no_grad()
+def test_chunked_prefill_and_decode_with_kernels_equal_one_shot(state, counted, monkeypatch):
+    """Decoding keeps only the window's last rows as keys, so key rows and positions differ in every layer after
+    the first call: the case the HCA kernel got wrong before pos_shift. Chunks of 37 rows, then one row at a time,
+    against one prefill of all rows, kernels on (float32). Added after this session's device time was spent: its
+    logic passes on the CPU reference path (1e-6); its first GPU run is due."""
+    monkeypatch.setenv("REDKNOT_KERNELS", "1")
+    model = build(state, "cuda", torch.float32)
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(2, CFG.vocab_size, (300,), generator=g).cuda()
+    ref = model(tokens, all_logits=True)
+    cache, rows = model.new_cache(), []
+    for a in range(0, 260, 37):
+        rows.append(model(tokens[a:min(a + 37, 260)], cache, all_logits=True))
+    for t in range(260, 300):
+        rows.append(model(tokens[t:t + 1], cache, all_logits=True))
+    assert counted["attention"] > 0
+    assert rel_err(torch.cat(rows), ref) <= F32
