@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from runtime.eval.data import load_task  # noqa: E402
-from runtime.eval.harness import _greedy, _kl, layout  # noqa: E402
+from runtime.eval.harness import _greedy, _kl, layout, stop_tokens  # noqa: E402
 from runtime.eval.metrics import answers_agree  # noqa: E402
 from runtime.llama.loader import load_llama  # noqa: E402
 from runtime.llama.tokenizer import ChatTokenizer  # noqa: E402
@@ -42,8 +42,7 @@ def main() -> int:
         model_dir = str(convert_gguf().out)
     tok = ChatTokenizer.from_dir(model_dir)
     models = {d: load_llama(model_dir, dtype=getattr(torch, d)) for d in ("float32", "bfloat16")}
-    stop = set(models["float32"].cfg.eos_token_ids) | {t for t in (tok.token_id("<|im_end|>"),
-                                                                   tok.token_id("<|endoftext|>")) if t is not None}
+    stop = stop_tokens(models["float32"], tok)
     exs = list(itertools.islice(load_task(args.task, None, None), args.offset, args.offset + args.limit))
     rows = []
     t0 = time.time()

@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime.eval.data import load_task                                               # noqa: E402
-from runtime.eval.harness import _kl, eval_profile, layout                            # noqa: E402
+from runtime.eval.harness import _kl, eval_profile, layout, stop_tokens                # noqa: E402
 from runtime.eval.metrics import answers_agree                                        # noqa: E402
 from runtime.reuse.controller import choose_top                                       # noqa: E402
 from runtime.reuse.llama_engine import LlamaReuseEngine, _rel_dev, produce_llama_packed, relocate  # noqa: E402
@@ -127,8 +127,7 @@ def main(argv=None) -> int:
     mdir = a.model or str(convert_gguf().out)
     model = load_llama(mdir, dtype=torch.float32, device="cpu")
     tok = ChatTokenizer.from_dir(mdir)
-    stop = set(model.cfg.eos_token_ids) | {t for t in (tok.token_id("<|im_end|>"), tok.token_id("<|endoftext|>"))
-                                           if t is not None}
+    stop = stop_tokens(model, tok)
     rows = []
     for ex in itertools.islice(load_task(a.task), a.offset, a.offset + a.limit):
         t = time.perf_counter()

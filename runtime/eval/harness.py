@@ -70,6 +70,12 @@ def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
     return float((lp.exp() * (lp - lq)).sum())
 
 
+def stop_tokens(model: Llama, tok: ChatTokenizer) -> set[int]:
+    """Token ids that end a greedy answer: the model's EOS ids and the chat template's end-of-turn tokens."""
+    return set(model.cfg.eos_token_ids) | {t for t in (tok.token_id("<|im_end|>"), tok.token_id("<|endoftext|>"))
+                                           if t is not None}
+
+
 def run_eval(model: Llama, tok: ChatTokenizer, examples: list[QAExample], budgets: list[float],
              max_new_tokens: int = 32, fences: tuple[int, int] = (3, 3), progress=None,
              variants: list[str] = (), reference: bool = False) -> dict:
@@ -79,8 +85,7 @@ def run_eval(model: Llama, tok: ChatTokenizer, examples: list[QAExample], budget
     engine arm's prefill on its own KV cache (`prefill_cache`), and one batched greedy decode for all arms
     (`Llama.greedy_many`); an arm's `seconds` is its prefill plus an equal share of that decode.
     `reference`: each arm on its own, as first written (per-segment attention, one decode per arm)."""
-    stop = set(model.cfg.eos_token_ids) | {t for t in (tok.token_id("<|im_end|>"), tok.token_id("<|endoftext|>"))
-                                           if t is not None}
+    stop = stop_tokens(model, tok)
     arms = arm_list(budgets, list(variants), fences)
     res = {a.name: ArmResult() for a in arms}
     base = eval_profile(fences)
