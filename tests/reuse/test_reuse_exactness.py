@@ -152,6 +152,38 @@ def test_controller_priority_order(model):
     assert set(torch.nonzero(act).flatten().tolist()) == {5, 20, 9, 0, 15, 16, 31, 1}
 
 
+@pytest.mark.parametrize("seed,budget", [(0, 0.05), (1, 0.25), (2, 0.5), (3, 1.0)])
+def test_controller_fill_equals_walking_the_classes(seed, budget):
+    """The controller fills the budget without a per-row loop; its set equals walking the priority classes row by
+    row and skipping rows already taken, on random deviations, picks and segment lengths (classes overlap)."""
+    from runtime.reuse.controller import choose_active
+    g = torch.Generator().manual_seed(seed)
+    lens = [int(v) * 16 for v in torch.randint(1, 9, (5,), generator=g)]
+    deltas = [64 + sum(lens[:k]) for k in range(len(lens))]
+    n, q_start = sum(lens), 64 + sum(lens)
+    dev = torch.rand(n, generator=g).round(decimals=1)            # ties: the stable order decides
+    idx = torch.randint(0, 4, (n,), generator=g).float() * (torch.rand(n, generator=g) < 0.2)
+    prof = ReuseProfile(**BASE, budget=budget, join_rows=8, recent_rows=100)
+    got = choose_active(prof, dev, idx, lens, deltas, q_start, 4)
+    # the rule spelled out as a walk
+    k = min(n, math.ceil(budget * n - 1e-9))
+    order = torch.argsort(dev, descending=True, stable=True)[: (k + 1) // 2].tolist()
+    dist = []
+    for ln in lens:
+        dist += [min(r, ln - 1 - r) if min(r, ln - 1 - r) < 8 else 1 << 30 for r in range(ln)]
+    order += [r for r in sorted(range(n), key=lambda r: dist[r]) if dist[r] < 1 << 30]
+    order += [r for r in torch.argsort(idx, descending=True, stable=True).tolist() if idx[r] > 0]
+    req = [dl + r for ln, dl in zip(lens, deltas) for r in range(ln)]
+    order += [r for r in sorted(range(n), key=lambda r: -req[r]) if req[r] >= q_start + 4 - 100]
+    order += torch.argsort(dev, descending=True, stable=True).tolist()
+    want = []
+    for r in order:
+        if len(want) < k and r not in want:
+            want.append(r)
+    assert int(got.sum()) == k
+    assert set(torch.nonzero(got).flatten().tolist()) == set(want)
+
+
 def test_structural_ceilings():
     assert FLASH_PROFILE.structural_ceiling(FLASH) == pytest.approx(0.7529, abs=5e-5)
     assert PRO_PROFILE.structural_ceiling(PRO) == pytest.approx(0.7889, abs=5e-5)
