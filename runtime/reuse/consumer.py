@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from torch.profiler import record_function as phase   # labels for bench/ttft.py --profile-at
 
 from runtime.model.config import CSA, HCA, WINDOW
 from runtime.model.deepseek_v4 import (NEG_INF, Block, CompressorState, LayerCache, Rotary, Transformer,
@@ -283,7 +284,8 @@ class ReuseEngine:
             if prof.is_fence(cfg, i) and not artifact_fence:
                 lc = self._prefix_cache(block, prefix.layers[i])
                 lc.capture = {}
-                x = block(x, tokens, positions, lc, m.q_chunk)
+                with phase("rk.fence"):
+                    x = block(x, tokens, positions, lc, m.q_chunk)
                 cap, lc.capture = lc.capture, None
                 state.fence_caches[i] = lc
                 ledger.fence_layer(i, rows=len(tokens), total_rows=q_start + len(question))
@@ -294,8 +296,9 @@ class ReuseEngine:
                                                                                 len(question), block))
                 continue
             if active is None:
-                active = self._choose_active(deviation, idx_score, reloc, deltas[1:], q_start, len(question))
-                split = self._split(active, positions, reloc, len(question))
+                with phase("rk.select"):
+                    active = self._choose_active(deviation, idx_score, reloc, deltas[1:], q_start, len(question))
+                    split = self._split(active, positions, reloc, len(question))
                 ledger.set_active(split.act_reloc.shape[0])
             x = self._reusable_layer(i, block, x, tokens, positions, docs, deltas, split, state, ledger,
                                      fence=artifact_fence)
@@ -443,9 +446,11 @@ class ReuseEngine:
         artifact): build the relocated segments' keys, then one pass over the rows."""
         attn = block.attn
         n_reloc = sum(n for _, n in split.seg_ranges)
-        h, post, comb = block.hc_pre(x, "attn")
-        hn = block.attn_norm(h)
-        segs, comp_state, idx_state = self._relocated_keys(i, attn, hn, docs, deltas, split, ledger)
+        with phase("rk.hc"):
+            h, post, comb = block.hc_pre(x, "attn")
+            hn = block.attn_norm(h)
+        with phase("rk.keys"):
+            segs, comp_state, idx_state = self._relocated_keys(i, attn, hn, docs, deltas, split, ledger)
         state.seg_keys[i] = segs
         state.new_comp[i], state.new_index[i] = comp_state, idx_state
         state.new_latent[i] = hn.new_zeros((0, self.cfg.head_dim))
@@ -545,50 +550,57 @@ class ReuseEngine:
         cfg, prof, attn = self.cfg, self.profile, block.attn
         M = x.shape[0]
         nrows = slice(n_reloc, M)
-        base = state.new_latent[i].shape[0]
-        ncpos = torch.arange(base, base + M - n_reloc, device=x.device)
-        state.new_latent[i] = torch.cat([state.new_latent[i], attn.latent(hn[nrows], ncpos).to(hn.dtype)])
-        new_seg = SegmentKeys(state.new_delta, state.new_latent[i])
-        if attn.compressor is not None:
-            new_seg.entries = attn.compressor(hn[nrows], state.new_comp[i])
-        if attn.indexer is not None:
-            new_seg.index_keys = attn.indexer.compressor(hn[nrows], state.new_index[i])
-        all_segs = state.seg_keys[i] + [new_seg]
+        with phase("rk.new_keys"):
+            base = state.new_latent[i].shape[0]
+            ncpos = torch.arange(base, base + M - n_reloc, device=x.device)
+            state.new_latent[i] = torch.cat([state.new_latent[i], attn.latent(hn[nrows], ncpos).to(hn.dtype)])
+            new_seg = SegmentKeys(state.new_delta, state.new_latent[i])
+            if attn.compressor is not None:
+                new_seg.entries = attn.compressor(hn[nrows], state.new_comp[i])
+            if attn.indexer is not None:
+                new_seg.index_keys = attn.indexer.compressor(hn[nrows], state.new_index[i])
+            all_segs = state.seg_keys[i] + [new_seg]
 
-        qr = attn.q_norm(attn.wq_a(hn))
+        with phase("rk.wq_a"):
+            qr = attn.q_norm(attn.wq_a(hn))
         act, rest = sp.act, (None if fence else sp.rest)
         pairs = 0
         P = (hn.new_zeros if sp.rest is not None and fence else hn.new_empty)((M, attn.n_groups * cfg.o_lora_rank))
         if act is not None:                        # every head, native W_a
-            qa = act.take(qr)
-            q = unweighted_rms_norm(attn.wq_b(qa).view(-1, attn.n_heads, cfg.head_dim), cfg.norm_eps)
-            o, p = self._attend(attn, q, act, all_segs, attn.attn_sink, act.take(hn) if attn.indexer else None, qa)
-            P = act.put_(P, attn.project_relative(o.to(hn.dtype)))
-            pairs = pairs + p * attn.n_heads
+            with phase("rk.attn.active"):
+                qa = act.take(qr)
+                q = unweighted_rms_norm(attn.wq_b(qa).view(-1, attn.n_heads, cfg.head_dim), cfg.norm_eps)
+                o, p = self._attend(attn, q, act, all_segs, attn.attn_sink, act.take(hn) if attn.indexer else None,
+                                    qa)
+                P = act.put_(P, attn.project_relative(o.to(hn.dtype)))
+                pairs = pairs + p * attn.n_heads
         if rest is not None:                       # Global heads only, their slice of wq_b and of W_a
-            gm = self._global_heads(x.device)
-            Hg = gm.numel()
-            wq = attn.wq_b.weight.view(attn.n_heads, cfg.head_dim, -1).index_select(0, gm)
-            wq = wq.reshape(Hg * cfg.head_dim, -1)
-            qg = rest.take(qr)
-            q = unweighted_rms_norm(torch.nn.functional.linear(qg.to(wq.dtype), wq).view(-1, Hg, cfg.head_dim),
-                                    cfg.norm_eps)
-            own = None
-            if attn.kind == CSA and prof.global_picks == "artifact" and docs is not None:
-                own = self._own_picks(i, sp)
-            o, p = self._attend(attn, q, rest, all_segs, attn.attn_sink.index_select(0, gm),
-                                rest.take(hn) if attn.indexer else None, qg, own)
-            pg = self._project_global(attn, o.to(hn.dtype))
+            with phase("rk.attn.global"):
+                gm = self._global_heads(x.device)
+                Hg = gm.numel()
+                wq = attn.wq_b.weight.view(attn.n_heads, cfg.head_dim, -1).index_select(0, gm)
+                wq = wq.reshape(Hg * cfg.head_dim, -1)
+                qg = rest.take(qr)
+                q = unweighted_rms_norm(torch.nn.functional.linear(qg.to(wq.dtype), wq).view(-1, Hg, cfg.head_dim),
+                                        cfg.norm_eps)
+                own = None
+                if attn.kind == CSA and prof.global_picks == "artifact" and docs is not None:
+                    own = self._own_picks(i, sp)
+                o, p = self._attend(attn, q, rest, all_segs, attn.attn_sink.index_select(0, gm),
+                                    rest.take(hn) if attn.indexer else None, qg, own)
+                pg = self._project_global(attn, o.to(hn.dtype))
             if docs is not None:                   # restore W_a,L O_L of these rows from their documents
-                for j, ids, off in sp.rest_local:
-                    pg[off:off + ids.numel()] += docs[j].layers[i].local_p.index_select(0, ids).to(pg.dtype)
+                with phase("rk.restore"):
+                    for j, ids, off in sp.rest_local:
+                        pg[off:off + ids.numel()] += docs[j].layers[i].local_p.index_select(0, ids).to(pg.dtype)
             P = rest.put_(P, pg)
             pairs = pairs + p * Hg
         par = self.model.par.size                  # every rank holds its own heads
         self._defer(ledger, "reusable_layer", i, act.n if act else 0, 0 if fence or not sp.rest else sp.rest.n,
                     (0 if fence else int(self.gmask.sum())) * par, pairs * par,
                     (act.n if act else 0) if (fence or prof.global_picks == "artifact") else M)
-        x_attn = block.hc_post(attn.output(P), x, post, comb)
+        with phase("rk.output"):
+            x_attn = block.hc_post(attn.output(P), x, post, comb)
 
         if fence or prof.ffn_mode == "skip":
             # only active rows have an FFN: the others keep the attention sub-block's output (residual identity),
@@ -596,17 +608,18 @@ class ReuseEngine:
             keep = x if fence and sp.rest is not None else x_attn
             if act is None:
                 return keep
-            xa = act.take(x_attn)
-            h2, post2, comb2 = block.hc_pre(xa, "ffn")
-            hn2, ta = block.ffn_norm(h2), act.take(tokens)
-            if fence:
-                w, idx = block.ffn.gate(hn2, ta)
-                y = block.ffn.routed(hn2, w, idx) + block.ffn.shared_experts(hn2).float()
-                self._defer(ledger, "moe_rows", act.n, cfg.n_activated_experts)
-            else:
-                y = self._moe_adaptive(block, hn2, ta, ledger)
-            y = block.ffn.par.all_reduce(y).to(x.dtype)
-            mixed = block.hc_post(y, xa, post2, comb2)
+            with phase("rk.ffn"):
+                xa = act.take(x_attn)
+                h2, post2, comb2 = block.hc_pre(xa, "ffn")
+                hn2, ta = block.ffn_norm(h2), act.take(tokens)
+                if fence:
+                    w, idx = block.ffn.gate(hn2, ta)
+                    y = block.ffn.routed(hn2, w, idx) + block.ffn.shared_experts(hn2).float()
+                    self._defer(ledger, "moe_rows", act.n, cfg.n_activated_experts)
+                else:
+                    y = self._moe_adaptive(block, hn2, ta, ledger)
+                y = block.ffn.par.all_reduce(y).to(x.dtype)
+                mixed = block.hc_post(y, xa, post2, comb2)
             return act.put(keep, mixed) if keep is x else act.put_(keep, mixed)
         h2, post2, comb2 = block.hc_pre(x_attn, "ffn")
         hn2 = block.ffn_norm(h2)
