@@ -531,12 +531,20 @@ class MoE(nn.Module):
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        # an id of -1 marks a slot the caller dropped (adaptive fanout): it runs no expert
-        hit = torch.bincount(idx[idx >= 0].flatten(), minlength=self.gate.cfg.n_routed_experts).tolist()
+        # an id of -1 marks a slot the caller dropped (adaptive fanout): it runs no expert. One stable sort of the
+        # (row, slot) ids by expert and one host read of the counts replace a torch.where (a host sync) per expert;
+        # each expert's (row, slot) list comes out in row-major order, exactly what torch.where(idx == e) gives, so
+        # every expert sees the same rows and y sums them in the same order.
+        flat = idx.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat + 1, minlength=self.gate.cfg.n_routed_experts + 1).tolist()
+        starts = [sum(counts[:e + 1]) for e in range(len(counts))]      # expert e's run begins after the -1s
+        k = idx.shape[1]
         for e in self.local:
-            if hit[e] == 0:
+            if counts[e + 1] == 0:
                 continue
-            rows, slot = torch.where(idx == e)
+            sel = order[starts[e]:starts[e] + counts[e + 1]]
+            rows, slot = sel // k, sel % k
             y.index_add_(0, rows, self.experts[str(e)](x[rows], weights[rows, slot, None]).float())
         return y
 
@@ -581,6 +589,12 @@ class Block(nn.Module):
 
     def hc_pre(self, x: torch.Tensor, site: str):
         c = self.cfg
+        from runtime.kernels import enabled, mhc
+        if enabled(x) and mhc.supported(x):    # the same math fused (runtime/kernels/mhc.py)
+            collapsed, pre, post, comb = mhc.hc_pre(x, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
+                                                    getattr(self, f"hc_{site}_scale"), c.hc_sinkhorn_iters, c.hc_eps,
+                                                    c.norm_eps)
+            return collapsed, post, comb
         pre, post, comb = hc_mix_weights(x, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
                                          getattr(self, f"hc_{site}_scale"), c.hc_mult, c.hc_sinkhorn_iters,
                                          c.hc_eps, c.norm_eps)
@@ -590,6 +604,9 @@ class Block(nn.Module):
     @staticmethod
     def hc_post(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """New streams: post * block output + comb^T @ old streams (comb is doubly stochastic, not symmetric)."""
+        from runtime.kernels import enabled, mhc
+        if enabled(x) and mhc.supported(x):
+            return mhc.hc_post(y, x, post, comb)
         dt = x.dtype
         return post.to(dt).unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(comb.to(dt).transpose(-1, -2), x)
 

@@ -507,9 +507,11 @@ class ReuseEngine:
         index_keys = {j: docs[j].layers[i].index_keys for j in range(1, len(docs))}
         comp_state, idx_state = CompressorState(), CompressorState()
         if attn.compressor is not None:
-            comp_state = self._overlay_entries(attn.compressor, hn, sp, entries, arts0.comp_prev)
+            with phase("rk.keys.comp"):
+                comp_state = self._overlay_entries(attn.compressor, hn, sp, entries, arts0.comp_prev)
         if attn.indexer is not None:
-            idx_state = self._overlay_entries(attn.indexer.compressor, hn, sp, index_keys, arts0.index_prev)
+            with phase("rk.keys.index"):
+                idx_state = self._overlay_entries(attn.indexer.compressor, hn, sp, index_keys, arts0.index_prev)
         for j, delta in zip(range(1, len(docs)), deltas[1:]):
             segs.append(SegmentKeys(delta, latents[j], entries[j], index_keys[j]))
         return segs, comp_state, idx_state
@@ -525,7 +527,8 @@ class ReuseEngine:
                                   prev_gate=None if prefix_prev is None else prefix_prev[1])
         if plan.n_need == 0:
             return carried
-        kv, gate = comp.project(hn.index_select(0, plan.need_rows))
+        with phase("rk.pool.project"):
+            kv, gate = comp.project(hn.index_select(0, plan.need_rows))
         ck, cg = kv.view(plan.n_need, r, -1), gate.view(plan.n_need, r, -1) + comp.ape
         if plan.dirty_src.numel():
             prev_kv = prev_gate = None
@@ -534,10 +537,12 @@ class ReuseEngine:
                 pg0 = cg.new_full((1, r, D), NEG_INF) if prefix_prev is None else prefix_prev[1].to(cg.dtype)[None]
                 prev_kv = torch.cat([pk0, ck[:, :, :D]]).index_select(0, plan.prev_src)
                 prev_gate = torch.cat([pg0, cg[:, :, :D]]).index_select(0, plan.prev_src)
-            fresh = comp.pool(ck.index_select(0, plan.dirty_src), cg.index_select(0, plan.dirty_src), prev_kv,
-                              prev_gate, plan.dirty_pos)
-            for j, B, off in plan.per_doc:
-                entries[j] = entries[j].clone().index_copy_(0, B, fresh[off:off + B.numel()].to(entries[j].dtype))
+            with phase("rk.pool.pool"):
+                fresh = comp.pool(ck.index_select(0, plan.dirty_src), cg.index_select(0, plan.dirty_src), prev_kv,
+                                  prev_gate, plan.dirty_pos)
+            with phase("rk.pool.copy"):
+                for j, B, off in plan.per_doc:
+                    entries[j] = entries[j].clone().index_copy_(0, B, fresh[off:off + B.numel()].to(entries[j].dtype))
         if comp.overlap:
             carried.prev_kv, carried.prev_gate = ck[plan.carry, :, :D].clone(), cg[plan.carry, :, :D].clone()
         return carried

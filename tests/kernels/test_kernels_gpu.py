@@ -295,3 +295,30 @@ def test_sparse_out_buffers_equal_fresh_outputs():
     o, lse = sparse_mqa_attention(q, keys, cpos, 128, ent, "picks", 4, picks)
     assert torch.equal(o_buf[1, 7:], o) and torch.equal(l_buf[1, 7:], lse)
     assert torch.isnan(o_buf[0]).all() and torch.isnan(o_buf[1, :7]).all()
+
+
+@pytest.mark.parametrize("T,D", [(1, 4096), (37, 64), (1000, 4096), (4099, 256)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mhc_kernels_equal_model_hc(T, D, dtype):
+    """runtime/kernels/mhc.py against the model's torch path (`hc_mix_weights`, `Block.hc_pre`'s collapse,
+    `Block.hc_post`) on the same inputs, computed in float64: pre/post/comb to 1e-5 (float32 math in both), the
+    collapsed and new streams to 1e-6 in float32 and the bf16 tolerance otherwise; Sinkhorn's last step leaves
+    every column of comb summing to 1."""
+    from runtime.kernels import mhc
+    from runtime.model.deepseek_v4 import Block, hc_mix_weights
+    g = torch.Generator(device=DEV).manual_seed(T + D)
+    hc, mix = 4, 24
+    x = torch.randn(T, hc, D, device=DEV, generator=g).to(dtype)
+    fn = torch.randn(mix, hc * D, device=DEV, generator=g) * (hc * D) ** -0.5
+    base = torch.randn(mix, device=DEV, generator=g) * 0.3
+    scale = torch.tensor([0.8, 1.1, 2.0], device=DEV)
+    y = torch.randn(T, D, device=DEV, generator=g).to(dtype)
+    poison()
+    col, pre, post, comb = mhc.hc_pre(x, fn, base, scale, 20, 1e-6, 1e-6)
+    new = mhc.hc_post(y, x, post, comb)
+    rpre, rpost, rcomb = hc_mix_weights(x.double(), fn.double(), base.double(), scale.double(), hc, 20, 1e-6, 1e-6)
+    assert rel_err(pre, rpre) < 1e-5 and rel_err(post, rpost) < 1e-5 and rel_err(comb, rcomb) < 1e-5
+    assert float((comb.sum(-2) - 1).abs().max()) < 1e-4
+    tol = 1e-6 if dtype == torch.float32 else TOL
+    assert rel_err(col, (rpre.unsqueeze(-1) * x.double()).sum(1)) < tol
+    assert rel_err(new, Block.hc_post(y.double(), x.double(), post.double(), comb.double())) < tol

@@ -118,3 +118,25 @@ def test_fp8_activation_simulation_is_a_switch():
     x = torch.randn(5, cfg.dim)
     from runtime.model.quant import fake_quant_fp8_act
     assert torch.equal(lin(x), torch.nn.functional.linear(fake_quant_fp8_act(x), lin.weight))
+
+
+def test_moe_routed_equals_a_pass_per_expert():
+    """MoE.routed groups (row, slot) pairs by one stable sort (one host read per call): the result is bitwise the
+    per-expert `torch.where(idx == e)` formulation it replaced, dropped slots (-1) included."""
+    from runtime.model.deepseek_v4 import Transformer
+    cfg = tiny(n_layers=2)
+    m = Transformer(cfg)
+    m.load_state_dict(random_state(cfg, seed=3))
+    moe = m.layers[1].ffn
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(97, cfg.dim, generator=g)
+    w, idx = moe.gate(x, torch.randint(0, cfg.vocab_size, (97,), generator=g))
+    idx = torch.where(torch.rand(idx.shape, generator=g) < 0.3, torch.full_like(idx, -1), idx)
+    want = torch.zeros(x.shape)
+    for e in range(cfg.n_routed_experts):
+        rows, slot = torch.where(idx == e)
+        if rows.numel():
+            want.index_add_(0, rows, moe.experts[str(e)](x[rows], w[rows, slot, None]).float())
+    got = moe.routed(x, w, idx)
+    assert (idx >= 0).any() and (idx < 0).any()
+    assert torch.equal(got, want)
