@@ -16,6 +16,7 @@ re-pool, RoPE angles) is built once per request, so a reusable layer makes no ho
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,6 +27,7 @@ from runtime.model.config import CSA, HCA, WINDOW
 from runtime.model.deepseek_v4 import (NEG_INF, Block, CompressorState, LayerCache, Rotary, Transformer,
                                        unweighted_rms_norm)
 from runtime.kernels import enabled, merge_stacked, rope_, sparse_mqa_attention
+from runtime.kernels.multiseg import multi_segment_attention
 from runtime.kernels.reference import sparse_mqa_reference
 from .artifact import DocumentArtifact, LayerArtifact
 from .controller import choose_active
@@ -103,6 +105,8 @@ def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: l
     T, H, D = q_raw.shape
     W = attn.cfg.window_size
     host = qpos.cpu().numpy() if qpos_host is None else qpos_host      # host arithmetic: numpy, never a launch
+    if enabled(q_raw) and picks is None and os.environ.get("REDKNOT_FUSED_SEGMENTS", "1") != "0":
+        return _fused_segment_attention(attn, q_raw, qpos, segments, sink, idx_inputs, host, own_picks, trig)
     if attn.kind == CSA and picks is None and own_picks is None:
         picks = _indexer_picks(attn, qpos, [qpos - s.delta for s in segments], segments, idx_inputs, trig)
     plan = _plan(attn, host, segments, picks, own_picks)
@@ -134,6 +138,72 @@ def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: l
             pairs = pairs + (pk >= 0).sum()
     out = merge_stacked(o_buf, lse_buf, sink, q_raw.dtype, [(lo, hi) for _, lo, hi, _, _ in plan])
     return out, pairs + pairs_host
+
+
+def _pairs_host(attn, host: np.ndarray, segments: list[SegmentKeys], causal: bool) -> int:
+    """(query, key) pairs of the window parts, and of the entry parts in "causal" mode, counted on the host."""
+    W, pairs = attn.cfg.window_size, 0
+    for seg in segments:
+        n = seg.latent.shape[0]
+        ch = host - seg.delta
+        pairs += int((np.minimum(ch, n - 1) - np.maximum(ch - W + 1, 0) + 1).clip(min=0).sum())
+        if causal and seg.entries is not None:
+            pairs += int(np.minimum(np.maximum(ch + 1, 0) // attn.ratio, seg.entries.shape[0]).sum())
+    return pairs
+
+
+def _fused_segment_attention(attn, q_raw, qpos, segments, sink, idx_inputs, host, own_picks, trig):
+    """`segment_attention` on CUDA: one launch of the fused multi-segment kernel (runtime/kernels/multiseg.py) over
+    every segment each row reaches. CSA picks (the native indexer's top-k over the union of all segments, or each
+    row's own document's offline picks) go to it as one sorted list of global entry ids per row."""
+    mode = {HCA: "causal", CSA: "picks"}.get(attn.kind, "none")
+    if mode != "none" and all(s.entries is None or s.entries.shape[0] == 0 for s in segments):
+        mode = "none"
+    first, gp, bounds = None, None, None
+    pairs = torch.zeros((), dtype=torch.long, device=q_raw.device)
+    if mode == "picks":
+        first, total = [], 0
+        for s in segments:
+            first.append(total)
+            total += 0 if s.entries is None else s.entries.shape[0]
+        if own_picks is not None:                # each row's own segment: the one holding its position
+            starts = torch.tensor([s.delta for s in segments], device=qpos.device)
+            own = torch.searchsorted(starts, qpos, right=True) - 1
+            base = torch.tensor(first, device=qpos.device)[own]
+            gp = torch.where(own_picks >= 0, own_picks.long() + base[:, None], total)
+        else:
+            gp = _indexer_global_picks(attn, qpos, segments, idx_inputs, first, total, trig)
+        if gp.shape[1] == 0:                     # no slot to pick from: the windows only
+            mode, first, gp = "none", None, None
+        else:
+            gp = gp.sort(dim=1).values
+            edges = torch.tensor(first + [total], device=qpos.device).expand(gp.shape[0], -1).contiguous()
+            bounds = torch.searchsorted(gp.contiguous(), edges)
+            pairs = pairs + bounds[:, -1].sum()
+    out = multi_segment_attention(q_raw, qpos, segments, sink, attn.cfg.window_size, mode, attn.ratio or 1,
+                                  attn.scale, attn.rotary.inv_freq, gp, first, bounds)
+    return out, pairs + _pairs_host(attn, host, segments, mode == "causal")
+
+
+def _indexer_global_picks(attn, qpos, segments, idx_inputs, first, total, trig=None):
+    """Native lightning-indexer top-k over the union of every segment's visible entries (the indexer query rotated
+    per segment) as global ids (segment j's entry w = first[j] + w; `total` where a slot picked nothing)."""
+    h, qr = idx_inputs
+    q, w = attn.indexer.query(h, qr)
+    qs = q.clone()
+    scores, ids = [], []
+    for j, seg in enumerate(segments):
+        if seg.index_keys is None or seg.index_keys.shape[0] == 0:
+            continue
+        cos, sin = _angles(attn, qpos, 0, qpos.shape[0], seg.delta, trig)
+        rope_(qs, cos, sin, src=q)
+        scores.append(attn.indexer.scores_roped(qs, w, qpos - seg.delta, seg.index_keys))
+        ids.append(first[j] + torch.arange(seg.index_keys.shape[0], device=h.device))
+    if not scores:
+        return torch.full((qpos.shape[0], 0), total, dtype=torch.long, device=qpos.device)
+    s = torch.cat(scores, dim=1)
+    top = s.topk(min(attn.indexer.topk, s.shape[1]), dim=-1)
+    return torch.where(torch.isinf(top.values), total, torch.cat(ids)[top.indices])
 
 
 def _indexer_picks(attn, qpos, cpos_all, segments, idx_inputs, trig=None):

@@ -322,3 +322,54 @@ def test_mhc_kernels_equal_model_hc(T, D, dtype):
     tol = 1e-6 if dtype == torch.float32 else TOL
     assert rel_err(col, (rpre.unsqueeze(-1) * x.double()).sum(1)) < tol
     assert rel_err(new, Block.hc_post(y.double(), x.double(), post.double(), comb.double())) < tol
+
+
+@pytest.mark.parametrize("kind,H", [("window", 64), ("hca", 64), ("hca", 8), ("csa-own", 64), ("csa-own", 8)])
+def test_fused_multi_segment_equals_reference(kind, H, monkeypatch):
+    """runtime/kernels/multiseg.py through runtime/reuse/consumer.py `segment_attention` at real dims (D = 512,
+    64 rope channels, window 128; 64 heads, or the 8 Global heads), five segments at their offsets (a prefix, three
+    relocated documents, new rows), bf16, against the reference path (per-segment torch attention, query rotation,
+    de-rotation, stacked merge with the sink) on the float32 upcast inputs."""
+    import types
+    import runtime.reuse.consumer as C
+    from runtime.model.config import CSA, HCA, WINDOW
+    from runtime.model.deepseek_v4 import Rotary
+    g = torch.Generator(device=DEV).manual_seed(H + len(kind))
+    D, W, ratio = 512, 128, {"window": 1, "hca": 128, "csa-own": 4}[kind]
+    lens = [256, 384, 512, 256, 40]
+    deltas = [sum(lens[:j]) for j in range(len(lens))]
+    rot = Rotary(1.0 / (10000.0 ** (torch.arange(0, 64, 2, device=DEV).float() / 64)))
+    attn = types.SimpleNamespace(kind={"window": WINDOW, "hca": HCA, "csa-own": CSA}[kind],
+                                 ratio=ratio if kind != "window" else 0, scale=D ** -0.5, rotary=rot, indexer=None,
+                                 cfg=types.SimpleNamespace(window_size=W))
+    segs = []
+    for n, d in zip(lens, deltas):
+        lat = torch.randn(n, D, device=DEV, generator=g).to(DT)
+        ent = torch.randn(n // ratio, D, device=DEV, generator=g).to(DT) if kind != "window" else None
+        segs.append(C.SegmentKeys(d, lat, ent))
+    rows = torch.sort(torch.randperm(sum(lens), device=DEV, generator=g)[:700]).values
+    q = torch.randn(rows.numel(), H, D, device=DEV, generator=g).to(DT)
+    sink = torch.randn(H, device=DEV, generator=g)
+    own = None
+    if kind == "csa-own":                       # each row's picks among its own segment's entries, -1 padded
+        seg_of = torch.searchsorted(torch.tensor(deltas, device=DEV), rows, right=True) - 1
+        n_ent = torch.tensor([n // 4 for n in lens], device=DEV)[seg_of]
+        own = (torch.rand(rows.numel(), 64, device=DEV, generator=g) * n_ent[:, None]).long()
+        own = torch.where(torch.rand(own.shape, device=DEV, generator=g) < 0.2, -1, own)
+    hostpos = rows.cpu().numpy()
+    counted = {"fused": 0}
+    real = C.multi_segment_attention
+
+    def count(*a, **kw):
+        counted["fused"] += 1
+        return real(*a, **kw)
+    monkeypatch.setattr(C, "multi_segment_attention", count)
+    poison()
+    out, pairs = C.segment_attention(attn, q, rows, segs, sink, qpos_host=hostpos, own_picks=own)
+    assert counted["fused"] == 1 and out.dtype == DT
+    monkeypatch.setenv("REDKNOT_KERNELS", "0")
+    up = [C.SegmentKeys(s.delta, s.latent.float(), None if s.entries is None else s.entries.float()) for s in segs]
+    ref, ref_pairs = C.segment_attention(attn, q.float(), rows, up, sink, qpos_host=hostpos, own_picks=own)
+    assert counted["fused"] == 1
+    assert int(pairs) == int(ref_pairs)
+    assert rel_err(out.float(), ref) < TOL

@@ -61,7 +61,7 @@ def tokens():
 @pytest.fixture
 def counted(monkeypatch):
     """Counts the Triton calls, so that a pass cannot come from the reference path silently standing in."""
-    calls = {"attention": 0, "merge": 0}
+    calls = {"attention": 0, "merge": 0, "fused": 0}
 
     def wrap(fn, key):
         def inner(*a, **kw):
@@ -71,6 +71,7 @@ def counted(monkeypatch):
     monkeypatch.setattr(K, "sparse_mqa_attention", wrap(K.sparse_mqa_attention, "attention"))
     monkeypatch.setattr(consumer_mod, "sparse_mqa_attention", wrap(consumer_mod.sparse_mqa_attention, "attention"))
     monkeypatch.setattr(consumer_mod, "merge_stacked", wrap(consumer_mod.merge_stacked, "merge"))
+    monkeypatch.setattr(consumer_mod, "multi_segment_attention", wrap(consumer_mod.multi_segment_attention, "fused"))
     return calls
 
 
@@ -98,16 +99,27 @@ PROFILES = {
 }
 
 
+def path_used(counted, fused: str) -> None:
+    """The consumer's segments went through the fused multi-segment kernel, or through the stacked parts + merge."""
+    if fused == "1":
+        assert counted["fused"] > 0 and counted["merge"] == 0, counted
+    else:
+        assert counted["fused"] == 0 and counted["merge"] > 0, counted
+
+
 @torch.no_grad()
+@pytest.mark.parametrize("fused", ["1", "0"])
 @pytest.mark.parametrize("name", sorted(PROFILES))
-def test_kernel_path_equals_reference_float32(state, tokens, counted, monkeypatch, name):
+def test_kernel_path_equals_reference_float32(state, tokens, counted, monkeypatch, name, fused):
     docs, question = tokens
     prof = PROFILES[name]
     ref_full, ref = both_arms(build(state, "cpu", torch.float32), docs, question, prof)
     monkeypatch.setenv("REDKNOT_KERNELS", "1")
+    monkeypatch.setenv("REDKNOT_FUSED_SEGMENTS", fused)
     model = build(state, "cuda", torch.float32)
     full, res = both_arms(model, docs, question, prof)
-    assert counted["attention"] > 0 and counted["merge"] > 0, counted
+    assert counted["attention"] > 0, counted
+    path_used(counted, fused)
     assert rel_err(full, ref_full) <= F32
     # the controller's own choice on the GPU: the same rows but for near-ties of its float32 scores (on the
     # device, 2026-11-30: one row of 80 differed at the 10% budget)
@@ -135,7 +147,8 @@ def test_degenerate_profile_is_exact_with_kernels(state, tokens, counted, monkey
 
 
 @torch.no_grad()
-def test_bf16_kernel_path_is_as_close_to_exact_as_the_bf16_reference(state, tokens, counted, monkeypatch):
+@pytest.mark.parametrize("fused", ["1", "0"])
+def test_bf16_kernel_path_is_as_close_to_exact_as_the_bf16_reference(state, tokens, counted, monkeypatch, fused):
     docs, question = tokens
     prof = PROFILES["budget25"]
     exact_full, exact = both_arms(build(state, "cpu", torch.float32), docs, question, prof)
@@ -144,8 +157,10 @@ def test_bf16_kernel_path_is_as_close_to_exact_as_the_bf16_reference(state, toke
     ref_full, ref = both_arms(model, docs, question, prof, force=exact.chosen)     # the exact run's rows
     assert counted["attention"] == 0
     monkeypatch.setenv("REDKNOT_KERNELS", "1")
+    monkeypatch.setenv("REDKNOT_FUSED_SEGMENTS", fused)
     full, res = both_arms(model, docs, question, prof, force=exact.chosen)
     assert counted["attention"] > 0
+    path_used(counted, fused)
     e_ref, e_ker = rel_err(ref_full, exact_full), rel_err(full, exact_full)
     print(f"recompute arm vs exact: bf16 reference {e_ref:.2e}, bf16 kernels {e_ker:.2e}")
     assert e_ker <= e_ref + 2e-2
@@ -172,3 +187,40 @@ def test_chunked_prefill_and_decode_with_kernels_equal_one_shot(state, counted, 
         rows.append(model(tokens[t:t + 1], cache, all_logits=True))
     assert counted["attention"] > 0
     assert rel_err(torch.cat(rows), ref) <= F32
+
+
+@torch.no_grad()
+def test_decode_after_reuse_prefill_with_fused_kernel_equals_reference(state, tokens, counted, monkeypatch):
+    """Greedy decoding after a reuse prefill runs every reusable layer's single new row through the fused kernel
+    over the kept segment keys; on the CPU reference's active rows, 6 steps' logits equal the float32 CPU reference
+    path's to 1e-3."""
+    docs, question = tokens
+    prof = PROFILES["budget10-artifact-picks"]
+    cpu = build(state, "cpu", torch.float32)
+    arts = [produce(cpu, d, prof) for d in docs]
+    ref_eng = ReuseEngine(cpu, prof)
+    chosen = ref_eng._choose_active
+    rows = {}
+
+    def remember(*a):
+        rows["active"] = chosen(*a)
+        return rows["active"]
+    ref_eng._choose_active = remember
+    ref_res = ref_eng.prefill(arts, question)
+    ref_logits, state_ref = [ref_res.logits], ref_res.state
+    monkeypatch.setenv("REDKNOT_KERNELS", "1")
+    monkeypatch.setenv("REDKNOT_FUSED_SEGMENTS", "1")
+    model = build(state, "cuda", torch.float32)
+    g_arts = [produce(model, d, prof) for d in docs]
+    eng = ReuseEngine(model, prof)
+    eng._choose_active = lambda *a: rows["active"].cuda()
+    res = eng.prefill(g_arts, question)
+    got = [res.logits]
+    for _ in range(6):
+        nxt = int(ref_logits[-1].argmax())
+        ref_logits.append(ref_eng.decode(state_ref, nxt))
+        got.append(eng.decode(res.state, nxt))
+    path_used(counted, "1")
+    errs = [rel_err(a, b) for a, b in zip(got, ref_logits)]
+    print("decode after reuse prefill, fused kernel vs CPU reference per step:", ", ".join(f"{e:.1e}" for e in errs))
+    assert max(errs) <= F32
