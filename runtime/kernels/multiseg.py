@@ -81,8 +81,6 @@ if HAVE_TRITON:
         offs_n = tl.arange(0, BLOCK_N)
         dt = q_ptr.dtype.element_ty
         qp = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + 2 * offs_i[None, :]
-        qe = tl.load(qp, mask=hmask[:, None], other=0.0)
-        qo = tl.load(qp + 1, mask=hmask[:, None], other=0.0)
         rope = offs_i >= DH - HALF_R                      # the trailing rope channels
         freq = tl.load(freq_ptr + (offs_i - (DH - HALF_R)), mask=rope, other=0.0)
         pos = tl.load(qpos_ptr + t)
@@ -111,7 +109,9 @@ if HAVE_TRITON:
                 ang = c.to(tl.float32) * freq
                 cs = tl.where(rope, tl.cos(ang), 1.0)[None, :]
                 sn = tl.where(rope, tl.sin(ang), 0.0)[None, :]
-                qef, qof = qe.to(tl.float32), qo.to(tl.float32)
+                # the unturned query is read again per segment (a cache hit) rather than held in registers
+                qef = tl.load(qp, mask=hmask[:, None], other=0.0).to(tl.float32)
+                qof = tl.load(qp + 1, mask=hmask[:, None], other=0.0).to(tl.float32)
                 qre = (qef * cs - qof * sn).to(dt)
                 qro = (qof * cs + qef * sn).to(dt)
                 for start in range(lo, hi, BLOCK_N):
