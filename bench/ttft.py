@@ -220,9 +220,9 @@ def main() -> int:
     ap.add_argument("--extra-budgets", default="",
                     help="comma list: also time the reuse arm at these budgets, on the same artifacts and tokens, "
                          "interleaved with the arms above (the artifacts do not depend on the budget)")
-    ap.add_argument("--stacked-too", action="store_true",
-                    help="also time the reuse arm at --budget with the stacked per-segment parts and merge "
-                         "(REDKNOT_FUSED_SEGMENTS=0) instead of the fused multi-segment kernel, interleaved")
+    ap.add_argument("--fused-too", action="store_true",
+                    help="also time the reuse arm at --budget with the fused multi-segment kernel "
+                         "(REDKNOT_FUSED_SEGMENTS=1) instead of the stacked per-segment parts and merge, interleaved")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
@@ -274,8 +274,8 @@ def main() -> int:
             pf = LayerPrefetcher(arts, device)
             return eng.prefill(pf.documents(), question)
 
-        def stacked():
-            os.environ["REDKNOT_FUSED_SEGMENTS"] = "0"
+        def fused():
+            os.environ["REDKNOT_FUSED_SEGMENTS"] = "1"
             try:
                 return reuse()
             finally:
@@ -287,15 +287,15 @@ def main() -> int:
         _, res = timed(reuse, device)
         for b, eng in others.items():
             timed(lambda: reuse(eng), device)
-        stk_t = []
-        if args.stacked_too:
-            timed(stacked, device)
+        fus_t = []
+        if args.fused_too:
+            timed(fused, device)
         for _ in range(args.reps):                               # interleaved, side by side
             rec_t.append(timed(lambda: model(full), device)[0])
             t, res = timed(reuse, device)
             reu_t.append(t)
-            if args.stacked_too:
-                stk_t.append(timed(stacked, device)[0])
+            if args.fused_too:
+                fus_t.append(timed(fused, device)[0])
             for b, eng in others.items():
                 t, other_res[b] = timed(lambda: reuse(eng), device)
                 other_t[b].append(t)
@@ -308,8 +308,8 @@ def main() -> int:
                    structural_ceiling=led["structural_ceiling"], token_row_saving=led["token_row_saving"],
                    flop_saving=led["flop_saving"], build_s=t_build, active=led["rows"]["active"],
                    relocated=led["rows"]["relocated"], recompute_all=rec_t, reuse_all=reu_t, extra=[])
-        if stk_t:
-            row.update(stacked_s=statistics.median(stk_t), stacked_all=stk_t)
+        if fus_t:
+            row.update(fused_s=statistics.median(fus_t), fused_all=fus_t)
         for b in extra:
             lb = other_res[b].ledger.summary()
             assert 0 < lb["rows"]["active"] < lb["rows"]["relocated"] and lb["head_row_saving"] > 0, lb
@@ -358,7 +358,7 @@ def main() -> int:
               f"(analytic FLOP ratio {row['flop_ratio']:.2f}x; head-row {row['head_row_saving']:.1%} of ceiling "
               f"{row['structural_ceiling']:.1%}; token-row {row['token_row_saving']:.1%}; active "
               f"{row['active']}/{row['relocated']})" + (f"  cold {row['cold_s']:.3f} s" if "cold_s" in row else "")
-              + (f"  stacked parts {row['stacked_s']:.3f} s" if "stacked_s" in row else ""), flush=True)
+              + (f"  fused kernel {row['fused_s']:.3f} s" if "fused_s" in row else ""), flush=True)
         for e in row["extra"]:
             print(f"T={row['tokens']:7d}  budget {e['budget']:.0%}: reuse {e['reuse_s']:7.3f} s  speedup "
                   f"{e['speedup']:5.2f}x  (analytic FLOP ratio {e['flop_ratio']:.2f}x; head-row "

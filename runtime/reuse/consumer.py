@@ -105,7 +105,7 @@ def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: l
     T, H, D = q_raw.shape
     W = attn.cfg.window_size
     host = qpos.cpu().numpy() if qpos_host is None else qpos_host      # host arithmetic: numpy, never a launch
-    if enabled(q_raw) and picks is None and os.environ.get("REDKNOT_FUSED_SEGMENTS", "1") != "0":
+    if enabled(q_raw) and picks is None and os.environ.get("REDKNOT_FUSED_SEGMENTS", "0") == "1":
         return _fused_segment_attention(attn, q_raw, qpos, segments, sink, idx_inputs, host, own_picks, trig)
     if attn.kind == CSA and picks is None and own_picks is None:
         picks = _indexer_picks(attn, qpos, [qpos - s.delta for s in segments], segments, idx_inputs, trig)
@@ -153,8 +153,9 @@ def _pairs_host(attn, host: np.ndarray, segments: list[SegmentKeys], causal: boo
 
 
 def _fused_segment_attention(attn, q_raw, qpos, segments, sink, idx_inputs, host, own_picks, trig):
-    """`segment_attention` on CUDA: one launch of the fused multi-segment kernel (runtime/kernels/multiseg.py) over
-    every segment each row reaches. CSA picks (the native indexer's top-k over the union of all segments, or each
+    """`segment_attention` on CUDA with REDKNOT_FUSED_SEGMENTS=1: one launch of the fused multi-segment kernel
+    (runtime/kernels/multiseg.py) over every segment each row reaches. Opt-in: on the H200 it was 1.5x slower than
+    the stacked parts + merge it replaces (docs/BENCHMARKS.md, run 7). CSA picks (the native indexer's top-k over the union of all segments, or each
     row's own document's offline picks) go to it as one sorted list of global entry ids per row."""
     mode = {HCA: "causal", CSA: "picks"}.get(attn.kind, "none")
     if mode != "none" and all(s.entries is None or s.entries.shape[0] == 0 for s in segments):

@@ -75,6 +75,11 @@ def counted(monkeypatch):
     return calls
 
 
+def fresh(counted) -> None:
+    for k in counted:
+        counted[k] = 0
+
+
 def both_arms(model, docs, question, prof, force=None):
     """(recompute logits, reuse result); `force`: the active-row choice to use instead of the controller's, so
     that two paths are compared on the same rows (res.chosen is the choice made, res.relocated the row count)."""
@@ -100,7 +105,8 @@ PROFILES = {
 
 
 def path_used(counted, fused: str) -> None:
-    """The consumer's segments went through the fused multi-segment kernel, or through the stacked parts + merge."""
+    """The consumer's segments went through the fused multi-segment kernel, or through the stacked parts + merge.
+    Call `fresh(counted)` before the GPU run: the CPU reference path calls merge_stacked too."""
     if fused == "1":
         assert counted["fused"] > 0 and counted["merge"] == 0, counted
     else:
@@ -117,6 +123,7 @@ def test_kernel_path_equals_reference_float32(state, tokens, counted, monkeypatc
     monkeypatch.setenv("REDKNOT_KERNELS", "1")
     monkeypatch.setenv("REDKNOT_FUSED_SEGMENTS", fused)
     model = build(state, "cuda", torch.float32)
+    fresh(counted)
     full, res = both_arms(model, docs, question, prof)
     assert counted["attention"] > 0, counted
     path_used(counted, fused)
@@ -158,6 +165,7 @@ def test_bf16_kernel_path_is_as_close_to_exact_as_the_bf16_reference(state, toke
     assert counted["attention"] == 0
     monkeypatch.setenv("REDKNOT_KERNELS", "1")
     monkeypatch.setenv("REDKNOT_FUSED_SEGMENTS", fused)
+    fresh(counted)
     full, res = both_arms(model, docs, question, prof, force=exact.chosen)
     assert counted["attention"] > 0
     path_used(counted, fused)
@@ -211,16 +219,17 @@ def test_decode_after_reuse_prefill_with_fused_kernel_equals_reference(state, to
     monkeypatch.setenv("REDKNOT_KERNELS", "1")
     monkeypatch.setenv("REDKNOT_FUSED_SEGMENTS", "1")
     model = build(state, "cuda", torch.float32)
+    fresh(counted)
     g_arts = [produce(model, d, prof) for d in docs]
     eng = ReuseEngine(model, prof)
     eng._choose_active = lambda *a: rows["active"].cuda()
     res = eng.prefill(g_arts, question)
     got = [res.logits]
+    path_used(counted, "1")
     for _ in range(6):
         nxt = int(ref_logits[-1].argmax())
         ref_logits.append(ref_eng.decode(state_ref, nxt))
         got.append(eng.decode(res.state, nxt))
-    path_used(counted, "1")
     errs = [rel_err(a, b) for a, b in zip(got, ref_logits)]
     print("decode after reuse prefill, fused kernel vs CPU reference per step:", ", ".join(f"{e:.1e}" for e in errs))
     assert max(errs) <= F32
