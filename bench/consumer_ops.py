@@ -1,7 +1,7 @@
 """Launch and host-sync counts of the reuse arm's reusable layers, measured on CPU (torch.profiler) at real head
 counts (64 heads of 512, 8 output groups, window 128) with a small model width, a few layers and a few thousand
 tokens. The consumer takes its GPU code path: `enabled()` is forced on and each GPU kernel (sparse attention, RoPE
-slice, stacked merge) is replaced by its torch reference wrapped as ONE counted launch; every other top-level aten
+slice, stacked merge, mHC pre/post) is replaced by its torch reference wrapped as ONE counted launch; every other top-level aten
 op inside a reusable layer counts as one launch, every `_local_scalar_dense` / `nonzero` as a host sync.
 Not a test.
 
@@ -62,6 +62,12 @@ def _gpu_path() -> None:
         from runtime.kernels.rope import rope_reference_
         consumer.rope_ = one("rope", rope_reference_)
         consumer.merge_stacked = one("merge", merge_stacked_reference)
+    # mHC: on CUDA `Block.hc_pre` is two launches (runtime/kernels/mhc.py) and `hc_post` one; counted as one each
+    from runtime.model.deepseek_v4 import Block
+    if not getattr(Block, "_counted", False):
+        Block.hc_pre = one("hc_pre", Block.hc_pre)
+        Block.hc_post = staticmethod(one("hc_post", Block.hc_post))
+        Block._counted = True
     layer = consumer.ReuseEngine._reusable_layer
 
     def counted(self, *a, **kw):

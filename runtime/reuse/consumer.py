@@ -668,7 +668,7 @@ class ReuseEngine:
             if docs is not None:                   # restore W_a,L O_L of these rows from their documents
                 with phase("rk.restore"):
                     for j, ids, off in sp.rest_local:
-                        pg[off:off + ids.numel()] += docs[j].layers[i].local_p.index_select(0, ids).to(pg.dtype)
+                        pg[off:off + ids.numel()].add_(docs[j].layers[i].local_p.index_select(0, ids))
             P = rest.put_(P, pg)
             pairs = pairs + p * Hg
         par = self.model.par.size                  # every rank holds its own heads
