@@ -535,19 +535,20 @@ class MoE(nn.Module):
         # (row, slot) ids by expert and one host read of the counts replace a torch.where (a host sync) per expert;
         # each expert's (row, slot) list comes out in row-major order, exactly what torch.where(idx == e) gives, so
         # every expert sees the same rows and y sums them in the same order.
-        # The gathers of rows and weights are made once for all experts, each expert reading its contiguous run.
+        # Row ids and weights are gathered once for all experts, each expert reading its contiguous run; the
+        # activations are gathered per expert (all at once they would be T x top-k rows: 6 GB at 128K tokens).
         flat = idx.flatten()
         counts = torch.bincount(flat + 1, minlength=self.gate.cfg.n_routed_experts + 1).tolist()
         k, skip = idx.shape[1], counts[0]                                 # the -1 slots sort first
         order = torch.argsort(flat, stable=True)[skip:]
-        rows = order // k
-        xs, ws = x[rows], weights.flatten()[order, None]
+        rows, ws = order // k, weights.flatten()[order, None]
         a = 0
         for e in range(self.gate.cfg.n_routed_experts):
             n, a = counts[e + 1], a + counts[e + 1]
             if n == 0 or e not in self.local:
                 continue
-            y.index_add_(0, rows[a - n:a], self.experts[str(e)](xs[a - n:a], ws[a - n:a]).float())
+            r = rows[a - n:a]
+            y.index_add_(0, r, self.experts[str(e)](x[r], ws[a - n:a]).float())
         return y
 
     def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
