@@ -108,7 +108,7 @@ def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: l
     if enabled(q_raw) and picks is None and os.environ.get("REDKNOT_FUSED_SEGMENTS", "0") == "1":
         return _fused_segment_attention(attn, q_raw, qpos, segments, sink, idx_inputs, host, own_picks, trig)
     if attn.kind == CSA and picks is None and own_picks is None:
-        picks = _indexer_picks(attn, qpos, [qpos - s.delta for s in segments], segments, idx_inputs, trig)
+        picks = _indexer_picks(attn, qpos, segments, idx_inputs, trig)
     plan = _plan(attn, host, segments, picks, own_picks)
     o_buf = torch.empty((len(plan), T, H, D), dtype=torch.float32, device=q_raw.device)
     lse_buf = torch.full((len(plan), T, H), NEG_INF, dtype=torch.float32, device=q_raw.device)
@@ -163,10 +163,7 @@ def _fused_segment_attention(attn, q_raw, qpos, segments, sink, idx_inputs, host
     first, gp, bounds = None, None, None
     pairs = torch.zeros((), dtype=torch.long, device=q_raw.device)
     if mode == "picks":
-        first, total = [], 0
-        for s in segments:
-            first.append(total)
-            total += 0 if s.entries is None else s.entries.shape[0]
+        first, total = _offsets(segments, "index_keys" if own_picks is None else "entries")
         if own_picks is not None:                # each row's own segment: the one holding its position
             starts = torch.tensor([s.delta for s in segments], device=qpos.device)
             own = torch.searchsorted(starts, qpos, right=True) - 1
@@ -207,33 +204,27 @@ def _indexer_global_picks(attn, qpos, segments, idx_inputs, first, total, trig=N
     return torch.where(torch.isinf(top.values), total, torch.cat(ids)[top.indices])
 
 
-def _indexer_picks(attn, qpos, cpos_all, segments, idx_inputs, trig=None):
-    """Native lightning-indexer top-k over the union of every segment's visible entries, the indexer query
-    rotated per segment; returns per segment the picked local entry ids [T, k] (-1 = none)."""
-    h, qr = idx_inputs
-    q, w = attn.indexer.query(h, qr)          # projected once; only its RoPE channels are turned per segment
-    qs = q.clone()
-    scores, seg_ids, local_ids = [], [], []
-    for j, seg in enumerate(segments):
-        if seg.index_keys is None or seg.index_keys.shape[0] == 0:
-            continue
-        N = seg.index_keys.shape[0]
-        cos, sin = _angles(attn, qpos, 0, qpos.shape[0], seg.delta, trig)     # the indexer shares attn.rotary
-        rope_(qs, cos, sin, src=q)
-        scores.append(attn.indexer.scores_roped(qs, w, cpos_all[j], seg.index_keys))
-        seg_ids.append(torch.full((N,), j, device=h.device))
-        local_ids.append(torch.arange(N, device=h.device))
-    out = [None] * len(segments)
-    if not scores:
-        return out
-    s = torch.cat(scores, dim=1)
-    seg_of, local = torch.cat(seg_ids), torch.cat(local_ids)
-    top = s.topk(min(attn.indexer.topk, s.shape[1]), dim=-1)
-    valid = ~torch.isinf(top.values)
-    owner = seg_of[top.indices]
-    for j in range(len(segments)):
-        out[j] = torch.where(valid & (owner == j), local[top.indices], torch.full_like(top.indices, -1))
-    return out
+def _offsets(segments: list[SegmentKeys], attr: str) -> tuple[list[int], int]:
+    """Global ids over every segment's `attr` ("entries" or "index_keys"): segment j's row w is first[j] + w; total
+    = all rows. (A segment's indexer keys and entries come from compressors of the same ratio over the same rows,
+    so the two numberings agree.)"""
+    first, total = [], 0
+    for s in segments:
+        first.append(total)
+        rows = getattr(s, attr)
+        total += 0 if rows is None else rows.shape[0]
+    return first, total
+
+
+def _indexer_picks(attn, qpos, segments, idx_inputs, trig=None):
+    """`_indexer_global_picks` split per segment: the picked local entry ids [T, k] (-1 = none) of each segment, in
+    the top-k order (None for every segment when no segment has indexer keys)."""
+    first, total = _offsets(segments, "index_keys")
+    if total == 0:
+        return [None] * len(segments)
+    gp = _indexer_global_picks(attn, qpos, segments, idx_inputs, first, total, trig)
+    ends = first[1:] + [total]
+    return [torch.where((gp >= f) & (gp < e), gp - f, -1) for f, e in zip(first, ends)]
 
 
 # ============================================================================ request state
