@@ -10,16 +10,23 @@ denominator once. The stored latents are read in place, never rewritten or conca
 runtime/reuse/consumer.py `segment_attention` on the reference path (one call of the model's attention functions
 per segment, then `merge_stacked_reference`).
 
-Per program (query row t, block of heads) the kernel keeps the query as its even and odd channels (qe, qo), so a
-RoPE pair (2i, 2i+1) is two elements at the same place of two tiles: the rotation is elementwise, and
-q.k = qe.ke + qo.ko with the key tile loaded as its even and odd channels likewise. For each segment it reaches
-(window rows t-Delta_j-W+1 .. t-Delta_j clipped to [0, n_j); with "causal" the entries complete before it; with
-"picks" its picks in that segment) it rotates the query to t - Delta_j and streams those keys through one online
-softmax shared by all segments of the row. K = V: the value tile is the key tile with its RoPE pairs turned back
-at t - Delta_j, which is the per-segment de-rotation of the output applied before the sum (rotation is linear), so
-no per-segment accumulator or fold is needed. Nothing per segment goes to HBM: the stacked path it replaces wrote
-one float32 [rows, heads, D] part per segment and merged them in a second pass. With bf16 operands the turned
-value rows are rounded to bf16 for the product (the stacked path turned the float32 part instead).
+Per program (query row t, block of heads), for each segment it reaches (window rows t-Delta_j-W+1 .. t-Delta_j
+clipped to [0, n_j); with "causal" the entries complete before it; with "picks" its picks in that segment), the
+key tiles stream through one online softmax shared by every segment of the row. Only the trailing rope channels
+depend on the segment, so the work splits:
+- non-rope channels: the query is loaded once with its rope channels zeroed; each key tile is read contiguously
+  ([BLOCK_N, D], vectorized) and serves the score's non-rope part and the value sum (K = V) of all D channels, of
+  which the rope channels are not used;
+- rope channels: the query's rope pairs (2r, 2r+1), as even and odd halves, are turned to t - Delta_j per
+  segment; the tile's rope pairs are read again as halves (a cache hit) for the rope part of the score and for a
+  per-segment rope value sum, which at the segment's end is turned back at t - Delta_j (the conjugate rotation:
+  the per-segment de-rotation of the output, which acts on the rope channels only) and added to the row's.
+Nothing per segment goes to HBM: the stacked path (runtime/reuse/consumer.py, the default) writes one float32
+[rows, heads, D] part per segment and merges them in a second pass.
+
+History: the first version of this kernel read every key tile as its even and odd channels (two stride-2 loads
+of 2-byte elements: nothing vectorized) and kept [heads, D/2] x 2 rotated value sums; on the H200 it was 1.5x
+slower than the stacked path (docs/BENCHMARKS.md, run 7). This version has not been timed on a GPU yet.
 
 Segments come as a table (one int64 row each: latent address, n, Delta, entries address, entries count, first
 global pick id); picks as one list per row of global entry ids (segment j's entry w is `first_j + w`) sorted
@@ -40,54 +47,58 @@ COLS = 6          # segment table: latent ptr, n, delta, entries ptr, n_entries,
 if HAVE_TRITON:
 
     @triton.jit
-    def _seg_block(qe, qo, ke, ko, cs, sn, valid, m_i, l_i, ae, ao, qk_scale, PREC: tl.constexpr):
-        """One key tile in even/odd halves, K = V. Scores use the rotated query and the canonical keys; the values
-        are the same rows with their RoPE pairs turned back at the query's shifted position (cs, sn: 1 and 0 off
-        the rope pairs), which de-rotates this segment's share of the output before it joins the running sum.
-        Online softmax state in the log2 domain, shared by every segment of the row."""
-        s = tl.dot(qe, tl.trans(ke), input_precision=PREC)
-        s = tl.dot(qo, tl.trans(ko), s, input_precision=PREC) * qk_scale
+    def _seg_tile(qn, qre, qro, base, rows, valid, offs_d, offs_r, rmask, m_i, l_i, acc, sr_e, sr_o, ar_e, ar_o,
+                  qk_scale, D: tl.constexpr, NOPE: tl.constexpr, PREC: tl.constexpr):
+        """One key tile of segment j. The tile is read contiguously (all D channels) for the scores' non-rope part
+        and the value sum; its rope pairs are read again as even/odd halves (a cache hit) for the rope part of the
+        score and of the value sum. qn: the query with its rope channels zeroed; qre/qro: its rope pairs turned
+        to t - Delta_j. sr_*: this segment's rope value sums; ar_*: the earlier segments' (already turned back).
+        K = V; online softmax in the log2 domain, shared by every segment of the row."""
+        ptr = base + rows[:, None].to(tl.int64) * D
+        k = tl.load(ptr + offs_d[None, :], mask=valid[:, None], other=0.0)
+        rp = ptr + NOPE + 2 * offs_r[None, :]
+        ke = tl.load(rp, mask=valid[:, None] & rmask[None, :], other=0.0)
+        ko = tl.load(rp + 1, mask=valid[:, None] & rmask[None, :], other=0.0)
+        s = tl.dot(qn, tl.trans(k), input_precision=PREC)
+        s = tl.dot(qre, tl.trans(ke), s, input_precision=PREC)
+        s = tl.dot(qro, tl.trans(ko), s, input_precision=PREC) * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        kef, kof = ke.to(tl.float32), ko.to(tl.float32)
-        ve = (kef * cs + kof * sn).to(ke.dtype)
-        vo = (kof * cs - kef * sn).to(ke.dtype)
-        pk = p.to(ke.dtype)
-        ae = ae * alpha[:, None] + tl.dot(pk, ve, input_precision=PREC)
-        ao = ao * alpha[:, None] + tl.dot(pk, vo, input_precision=PREC)
-        return m_new, l_i, ae, ao
-
-    @triton.jit
-    def _halves(base, rows, valid, offs_i, D: tl.constexpr):
-        ptr = base + rows[:, None].to(tl.int64) * D + 2 * offs_i[None, :]
-        ke = tl.load(ptr, mask=valid[:, None], other=0.0)
-        ko = tl.load(ptr + 1, mask=valid[:, None], other=0.0)
-        return ke, ko
+        pk = p.to(k.dtype)
+        acc = acc * alpha[:, None] + tl.dot(pk, k, input_precision=PREC)       # rope channels unused
+        sr_e = sr_e * alpha[:, None] + tl.dot(pk, ke, input_precision=PREC)
+        sr_o = sr_o * alpha[:, None] + tl.dot(pk, ko, input_precision=PREC)
+        ar_e = ar_e * alpha[:, None]
+        ar_o = ar_o * alpha[:, None]
+        return m_new, l_i, acc, sr_e, sr_o, ar_e, ar_o
 
     @triton.jit
     def _multiseg_kernel(q_ptr, qpos_ptr, tab_ptr, picks_ptr, bounds_ptr, freq_ptr, sink_ptr, o_ptr,
                          H, P, window, ratio, n_picks, qk_scale, sink_scale, stride_qt, stride_qh,
-                         MODE: tl.constexpr, D: tl.constexpr, HALF_R: tl.constexpr, BLOCK_H: tl.constexpr,
-                         BLOCK_N: tl.constexpr, PREC: tl.constexpr):
-        DH: tl.constexpr = D // 2
+                         MODE: tl.constexpr, D: tl.constexpr, HALF_R: tl.constexpr, RP: tl.constexpr,
+                         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+        NOPE: tl.constexpr = D - 2 * HALF_R
         t = tl.program_id(0).to(tl.int64)
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         hmask = offs_h < H
-        offs_i = tl.arange(0, DH)                         # RoPE pair index: channels 2i, 2i+1
+        offs_d = tl.arange(0, D)
+        offs_r = tl.arange(0, RP)                         # rope pair r: channels NOPE + 2r, NOPE + 2r + 1
+        rmask = offs_r < HALF_R                           # RP: HALF_R padded to the 16 a dot needs
         offs_n = tl.arange(0, BLOCK_N)
         dt = q_ptr.dtype.element_ty
-        qp = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + 2 * offs_i[None, :]
-        rope = offs_i >= DH - HALF_R                      # the trailing rope channels
-        freq = tl.load(freq_ptr + (offs_i - (DH - HALF_R)), mask=rope, other=0.0)
+        qrow = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh
+        qn = tl.load(qrow + offs_d[None, :], mask=hmask[:, None] & (offs_d[None, :] < NOPE), other=0.0)
+        freq = tl.load(freq_ptr + offs_r, mask=rmask, other=0.0)
         pos = tl.load(qpos_ptr + t)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-        ae = tl.zeros([BLOCK_H, DH], dtype=tl.float32)
-        ao = tl.zeros([BLOCK_H, DH], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
+        ar_e = tl.zeros([BLOCK_H, RP], dtype=tl.float32)
+        ar_o = tl.zeros([BLOCK_H, RP], dtype=tl.float32)
         for j in range(P):
             row = tab_ptr + j * 6
             lat = tl.load(row).to(tl.pointer_type(dt))
@@ -107,44 +118,49 @@ if HAVE_TRITON:
                 pe = tl.load(bounds_ptr + t * (P + 1) + j + 1).to(tl.int64)
             if (hi > lo) | (nvis > 0) | (pe > pb):
                 ang = c.to(tl.float32) * freq
-                cs = tl.where(rope, tl.cos(ang), 1.0)[None, :]
-                sn = tl.where(rope, tl.sin(ang), 0.0)[None, :]
-                # the unturned query is read again per segment (a cache hit) rather than held in registers
-                qef = tl.load(qp, mask=hmask[:, None], other=0.0).to(tl.float32)
-                qof = tl.load(qp + 1, mask=hmask[:, None], other=0.0).to(tl.float32)
-                qre = (qef * cs - qof * sn).to(dt)
-                qro = (qof * cs + qef * sn).to(dt)
+                cs = tl.cos(ang)[None, :]
+                sn = tl.sin(ang)[None, :]
+                qm = hmask[:, None] & rmask[None, :]
+                qe = tl.load(qrow + NOPE + 2 * offs_r[None, :], mask=qm, other=0.0).to(tl.float32)
+                qo = tl.load(qrow + NOPE + 2 * offs_r[None, :] + 1, mask=qm, other=0.0).to(tl.float32)
+                qre = (qe * cs - qo * sn).to(dt)
+                qro = (qo * cs + qe * sn).to(dt)
+                sr_e = tl.zeros([BLOCK_H, RP], dtype=tl.float32)
+                sr_o = tl.zeros([BLOCK_H, RP], dtype=tl.float32)
                 for start in range(lo, hi, BLOCK_N):
                     rows = start + offs_n
-                    valid = rows < hi
-                    ke, ko = _halves(lat, rows, valid, offs_i, D)
-                    m_i, l_i, ae, ao = _seg_block(qre, qro, ke, ko, cs, sn, valid, m_i, l_i, ae, ao, qk_scale,
-                                                  PREC)
+                    m_i, l_i, acc, sr_e, sr_o, ar_e, ar_o = _seg_tile(
+                        qn, qre, qro, lat, rows, rows < hi, offs_d, offs_r, rmask, m_i, l_i, acc, sr_e, sr_o, ar_e,
+                        ar_o, qk_scale, D, NOPE, PREC)
                 if MODE == 1:
                     for start in range(0, nvis, BLOCK_N):
                         rows = start + offs_n
-                        valid = rows < nvis
-                        ke, ko = _halves(ent, rows, valid, offs_i, D)
-                        m_i, l_i, ae, ao = _seg_block(qre, qro, ke, ko, cs, sn, valid, m_i, l_i, ae, ao, qk_scale,
-                                                      PREC)
+                        m_i, l_i, acc, sr_e, sr_o, ar_e, ar_o = _seg_tile(
+                            qn, qre, qro, ent, rows, rows < nvis, offs_d, offs_r, rmask, m_i, l_i, acc, sr_e, sr_o,
+                            ar_e, ar_o, qk_scale, D, NOPE, PREC)
                 if MODE == 2:
                     first = tl.load(row + 5)
                     for start in range(pb, pe, BLOCK_N):
                         k = start + offs_n
                         ids = tl.load(picks_ptr + t * n_picks + k, mask=k < pe, other=-1).to(tl.int64) - first
-                        valid = (k < pe) & (ids >= 0) & (ids < n_ent)
-                        ke, ko = _halves(ent, ids, valid, offs_i, D)
-                        m_i, l_i, ae, ao = _seg_block(qre, qro, ke, ko, cs, sn, valid, m_i, l_i, ae, ao, qk_scale,
-                                                      PREC)
+                        m_i, l_i, acc, sr_e, sr_o, ar_e, ar_o = _seg_tile(
+                            qn, qre, qro, ent, ids, (k < pe) & (ids >= 0) & (ids < n_ent), offs_d, offs_r, rmask,
+                            m_i, l_i, acc, sr_e, sr_o, ar_e, ar_o, qk_scale, D, NOPE, PREC)
+                # this segment's rope value sums turned back at t - Delta_j (the conjugate rotation), then kept
+                ar_e += sr_e * cs + sr_o * sn
+                ar_o += sr_o * cs - sr_e * sn
         # the sink's exp(sink) joins the denominator once (log2 domain: 2^(sink log2e - m))
         sink = tl.load(sink_ptr + offs_h, mask=hmask, other=0.0).to(tl.float32) * sink_scale
         m_safe = tl.maximum(m_i, sink)
         keep = tl.exp2(m_i - m_safe)
         scale_out = keep / (l_i * keep + tl.exp2(sink - m_safe))
-        scale_out = tl.where(l_i > 0.0, scale_out, 0.0)
-        op = o_ptr + t * (H * D) + offs_h[:, None] * D + 2 * offs_i[None, :]
-        tl.store(op, (ae * scale_out[:, None]).to(o_ptr.dtype.element_ty), mask=hmask[:, None])
-        tl.store(op + 1, (ao * scale_out[:, None]).to(o_ptr.dtype.element_ty), mask=hmask[:, None])
+        scale_out = tl.where(l_i > 0.0, scale_out, 0.0)[:, None]
+        out_dt = o_ptr.dtype.element_ty
+        orow = o_ptr + t * (H * D) + offs_h[:, None] * D
+        tl.store(orow + offs_d[None, :], (acc * scale_out).to(out_dt), mask=hmask[:, None] & (offs_d[None, :] < NOPE))
+        om = hmask[:, None] & rmask[None, :]
+        tl.store(orow + NOPE + 2 * offs_r[None, :], (ar_e * scale_out).to(out_dt), mask=om)
+        tl.store(orow + NOPE + 2 * offs_r[None, :] + 1, (ar_o * scale_out).to(out_dt), mask=om)
 
 
 def segment_table(segments, device, dtype, with_entries: bool, pick_first: list[int] | None = None):
@@ -184,8 +200,9 @@ def multi_segment_attention(q_raw: torch.Tensor, qpos: torch.Tensor, segments, s
         raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
     T, H, D = q_raw.shape
     half_r = inv_freq.numel()
-    if D & (D - 1) or D < 32 or 2 * half_r > D:
-        raise ValueError(f"head dim {D} must be a power of two >= 32 holding {2 * half_r} rope channels")
+    if D & (D - 1) or D < 32 or not 0 < 2 * half_r < D:
+        raise ValueError(f"head dim {D} must be a power of two >= 32 holding fewer than {D} rope channels "
+                         f"({2 * half_r} given)")
     if mode == "picks" and (picks is None or bounds is None or pick_first is None):
         raise ValueError("mode 'picks' needs picks, pick_first and bounds")
     dev = q_raw.device
@@ -203,8 +220,8 @@ def multi_segment_attention(q_raw: torch.Tensor, qpos: torch.Tensor, segments, s
     else:
         picks = bounds = qpos
         n_picks = 0
-    cfg = dict(BLOCK_H=min(64, max(16, triton.next_power_of_2(H))), BLOCK_N=32 if D >= 512 else 16,
-               num_warps=8 if D >= 512 and H > 16 else 4, num_stages=1)
+    cfg = dict(BLOCK_H=min(64, max(16, triton.next_power_of_2(H))), BLOCK_N=64 if D >= 512 else 16,
+               num_warps=8 if D >= 512 and H > 16 else 4, num_stages=2)
     cfg.update(config or {})
     grid = (T, triton.cdiv(H, cfg["BLOCK_H"]))
     _multiseg_kernel[grid](q_raw, qpos.to(device=dev, dtype=torch.int64).contiguous(), tab, picks, bounds,
@@ -212,6 +229,7 @@ def multi_segment_attention(q_raw: torch.Tensor, qpos: torch.Tensor, segments, s
                            sink.to(device=dev, dtype=torch.float32).contiguous(), out,
                            H, len(segments), int(window), max(int(ratio), 1), n_picks, float(scale) * LOG2E, LOG2E,
                            q_raw.stride(0), q_raw.stride(1), MODE=MODES[mode], D=D, HALF_R=half_r,
+                           RP=max(16, triton.next_power_of_2(half_r)),
                            BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], PREC=dot_precision(q_raw.dtype),
                            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     del keep

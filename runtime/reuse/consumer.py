@@ -154,8 +154,8 @@ def _pairs_host(attn, host: np.ndarray, segments: list[SegmentKeys], causal: boo
 
 def _fused_segment_attention(attn, q_raw, qpos, segments, sink, idx_inputs, host, own_picks, trig):
     """`segment_attention` on CUDA with REDKNOT_FUSED_SEGMENTS=1: one launch of the fused multi-segment kernel
-    (runtime/kernels/multiseg.py) over every segment each row reaches. Opt-in: on the H200 it was 1.5x slower than
-    the stacked parts + merge it replaces (docs/BENCHMARKS.md, run 7). CSA picks (the native indexer's top-k over the union of all segments, or each
+    (runtime/kernels/multiseg.py) over every segment each row reaches. Opt-in: its first version was 1.5x slower
+    on the H200 than the stacked parts + merge (docs/BENCHMARKS.md, run 7); the current one is not yet timed. CSA picks (the native indexer's top-k over the union of all segments, or each
     row's own document's offline picks) go to it as one sorted list of global entry ids per row."""
     mode = {HCA: "causal", CSA: "picks"}.get(attn.kind, "none")
     if mode != "none" and all(s.entries is None or s.entries.shape[0] == 0 for s in segments):
