@@ -1,0 +1,124 @@
+"""The Triton kernels' logic on a machine without a GPU: Triton's interpreter (TRITON_INTERPRET=1, set by
+tests/conftest.py) runs every kernel on CPU tensors, in float32, inside the 8-layer test model (every layer kind),
+against the torch reference path. It checks indexing, masking, the segment walk and the merges on every CI run;
+speed, bf16 rounding and compilation are the GPU tests' (test_kernels_gpu.py, test_reuse_gpu.py, on the device).
+Skipped where Triton is not installed or a GPU is present (there the compiled kernels are tested instead)."""
+import os
+
+import pytest
+import torch
+
+import runtime.kernels as K
+import runtime.kernels._triton as T
+import runtime.reuse.consumer as consumer_mod
+from runtime.model.checkpoint import random_state
+from runtime.model.config import tiny
+from runtime.model.deepseek_v4 import Block, Transformer, hc_mix_weights
+from runtime.reuse.consumer import ReuseEngine
+from runtime.reuse.producer import produce
+from runtime.reuse.profile import ReuseProfile
+
+pytestmark = pytest.mark.skipif(not (T.HAVE_TRITON and T.INTERPRET and not torch.cuda.is_available()),
+                                reason="needs Triton's interpreter on a machine without a GPU")
+
+CFG = tiny(n_layers=8, compress_ratios=(0, 4, 16, 4, 16, 4, 16, 4), n_hash_layers=2)
+TOL = 1e-5
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = Transformer(CFG)
+    m.load_state_dict(random_state(CFG, seed=1))
+    return m.eval()
+
+
+@pytest.fixture(scope="module")
+def request_tokens():
+    g = torch.Generator().manual_seed(3)
+    docs = [torch.randint(2, CFG.vocab_size, (n,), generator=g).tolist() for n in (40, 48, 32)]
+    return docs, torch.randint(2, CFG.vocab_size, (5,), generator=g).tolist()
+
+
+@pytest.fixture
+def kernels_on(monkeypatch):
+    """Route every caller to the Triton kernels on CPU tensors; REDKNOT_KERNELS=0 still selects the reference."""
+    calls = {"fused": 0, "sparse": 0}
+    on = (lambda t: os.environ.get("REDKNOT_KERNELS", "1") != "0")
+    monkeypatch.setattr(K, "enabled", on)
+    monkeypatch.setattr(consumer_mod, "enabled", on)
+
+    def count(key, fn):
+        def inner(*a, **kw):
+            calls[key] += 1
+            return fn(*a, **kw)
+        return inner
+    monkeypatch.setattr(consumer_mod, "multi_segment_attention", count("fused", consumer_mod.multi_segment_attention))
+    monkeypatch.setattr(consumer_mod, "sparse_mqa_attention", count("sparse", consumer_mod.sparse_mqa_attention))
+    return calls
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("fused,picks", [("1", "online"), ("1", "artifact"), ("0", "online")])
+def test_reuse_prefill_and_decode_through_the_kernels(model, request_tokens, kernels_on, monkeypatch, fused, picks):
+    """Reuse prefill at a 25% budget plus 2 greedy decode steps, every kernel on (fences and recompute included),
+    through the fused multi-segment kernel or the per-segment kernel + stacked merge, equals the reference path
+    on the same rows to 1e-5 (float32)."""
+    docs, question = request_tokens
+    prof = ReuseProfile(first_fences=2, last_fences=2, align=16, budget=0.25, global_picks=picks)
+    arts = [produce(model, d, prof) for d in docs]
+    eng = ReuseEngine(model, prof)
+    monkeypatch.setenv("REDKNOT_KERNELS", "0")
+    ref = eng.prefill(arts, question)
+    want, st = [ref.logits], ref.state
+    monkeypatch.setenv("REDKNOT_KERNELS", "1")
+    monkeypatch.setenv("REDKNOT_FUSED_SEGMENTS", fused)
+    rows = torch.zeros(sum(a.n for a in arts[1:]), dtype=torch.bool)
+    rows[ref.active_rows - arts[0].n] = True
+    eng._choose_active = lambda *a: rows                   # the reference's rows (near-ties may differ)
+    res = eng.prefill(arts, question)
+    got, st2 = [res.logits], res.state
+    assert torch.equal(res.active_rows, ref.active_rows)
+    for _ in range(2):
+        nxt = int(want[-1].argmax())
+        monkeypatch.setenv("REDKNOT_KERNELS", "0")
+        want.append(eng.decode(st, nxt))
+        monkeypatch.setenv("REDKNOT_KERNELS", "1")
+        got.append(eng.decode(st2, nxt))
+    used, unused = ("fused", "sparse") if fused == "1" else ("sparse", "fused")
+    assert kernels_on[used] > 0 and kernels_on[unused] == 0, kernels_on
+    errs = [rel_err(a, b) for a, b in zip(got, want)]
+    assert max(errs) <= TOL, errs
+
+
+@torch.no_grad()
+def test_recompute_arm_through_the_kernels(model, kernels_on, monkeypatch):
+    """The model alone (sparse attention with pos_shift, indexer top-k, mHC) in chunks then decoding, kernels on,
+    equals one reference prefill to 1e-5."""
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(2, CFG.vocab_size, (80,), generator=g)
+    monkeypatch.setenv("REDKNOT_KERNELS", "0")
+    ref = model(tokens, all_logits=True)
+    monkeypatch.setenv("REDKNOT_KERNELS", "1")
+    cache, rows = model.new_cache(), []
+    for a in range(0, 70, 37):
+        rows.append(model(tokens[a:min(a + 37, 70)], cache, all_logits=True))
+    for t in range(70, 73):
+        rows.append(model(tokens[t:t + 1], cache, all_logits=True))
+    assert rel_err(torch.cat(rows), ref[:73]) <= TOL
+
+
+def test_mhc_kernels_equal_the_torch_path():
+    from runtime.kernels import mhc
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 4, 64, generator=g)
+    fn, base = torch.randn(24, 256, generator=g) * 0.05, torch.randn(24, generator=g) * 0.3
+    scale, y = torch.tensor([0.8, 1.1, 2.0]), torch.randn(37, 64, generator=g)
+    col, pre, post, comb = mhc.hc_pre(x, fn, base, scale, 20, 1e-6, 1e-6)
+    rpre, rpost, rcomb = hc_mix_weights(x, fn, base, scale, 4, 20, 1e-6, 1e-6)
+    assert max(rel_err(pre, rpre), rel_err(post, rpost), rel_err(comb, rcomb)) <= TOL
+    assert rel_err(col, (rpre.unsqueeze(-1) * x).sum(1)) <= TOL
+    assert rel_err(mhc.hc_post(y, x, post, comb), Block.hc_post(y, x, rpost, rcomb)) <= TOL
