@@ -107,19 +107,20 @@ def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: l
     host = qpos.cpu().numpy() if qpos_host is None else qpos_host      # host arithmetic: numpy, never a launch
     if enabled(q_raw) and picks is None and os.environ.get("REDKNOT_FUSED_SEGMENTS", "0") == "1":
         return _fused_segment_attention(attn, q_raw, qpos, segments, sink, idx_inputs, host, own_picks, trig)
+    # pairs the kernel attends: clipped window rows plus visible entries (on the host where it can), plus picks
+    n_picks = None if own_picks is None else (own_picks >= 0).sum()
     if attn.kind == CSA and picks is None and own_picks is None:
-        picks = _indexer_picks(attn, qpos, segments, idx_inputs, trig)
+        picks, n_picks = _indexer_picks(attn, qpos, segments, idx_inputs, trig)
     plan = _plan(attn, host, segments, picks, own_picks)
     o_buf = torch.empty((len(plan), T, H, D), dtype=torch.float32, device=q_raw.device)
     lse_buf = torch.full((len(plan), T, H), NEG_INF, dtype=torch.float32, device=q_raw.device)
     q = q_raw.clone()                     # the 448 non-RoPE channels are shared by every part
     fast = enabled(q_raw)
-    pairs, pairs_host = torch.zeros((), dtype=torch.long, device=q_raw.device), 0
     for p, (j, lo, hi, mode, pk) in enumerate(plan):
         seg = segments[j]
         cos, sin = _angles(attn, qpos, lo, hi, seg.delta, trig)
         qs = rope_(q[lo:hi], cos, sin, src=q_raw[lo:hi])
-        cl = qpos[lo:hi] - seg.delta
+        cl = _shifted(qpos, lo, hi, seg.delta, trig)
         ent = seg.entries if mode != "none" else None
         o, lse = o_buf[p, lo:hi], lse_buf[p, lo:hi]
         if fast:
@@ -129,15 +130,24 @@ def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: l
             o.copy_(ro)
             lse.copy_(rl)
         rope_(o, cos, sin, inverse=True)
-        # pairs the kernel attends: clipped window rows plus visible entries (counted on the host where it can)
-        ch, n = host[lo:hi] - seg.delta, seg.latent.shape[0]
-        pairs_host += int((np.minimum(ch, n - 1) - np.maximum(ch - W + 1, 0) + 1).clip(min=0).sum())
-        if mode == "causal":
-            pairs_host += int(np.minimum((ch + 1) // attn.ratio, seg.entries.shape[0]).sum())
-        elif mode == "picks":
-            pairs = pairs + (pk >= 0).sum()
     out = merge_stacked(o_buf, lse_buf, sink, q_raw.dtype, [(lo, hi) for _, lo, hi, _, _ in plan])
-    return out, pairs + pairs_host
+    pairs = _pairs_host(attn, host, segments, attn.kind == HCA)
+    if n_picks is None:                  # picks handed in by the caller: count what each segment attends
+        n_picks = sum((pk >= 0).sum() for _, _, _, m, pk in plan if m == "picks")
+    if attn.kind == CSA and any(m == "picks" for _, _, _, m, _ in plan):
+        pairs = n_picks + pairs
+    return out, pairs
+
+
+def _shifted(qpos, lo, hi, delta, trig):
+    """Rows lo..hi's positions in a segment's frame (t - Delta), kept with the angles for the request's layers."""
+    key = ("pos", lo, hi, delta)
+    if trig is not None and key in trig:
+        return trig[key]
+    cl = qpos[lo:hi] - delta
+    if trig is not None:
+        trig[key] = cl
+    return cl
 
 
 def _pairs_host(attn, host: np.ndarray, segments: list[SegmentKeys], causal: bool) -> int:
@@ -218,13 +228,13 @@ def _offsets(segments: list[SegmentKeys], attr: str) -> tuple[list[int], int]:
 
 def _indexer_picks(attn, qpos, segments, idx_inputs, trig=None):
     """`_indexer_global_picks` split per segment: the picked local entry ids [T, k] (-1 = none) of each segment, in
-    the top-k order (None for every segment when no segment has indexer keys)."""
+    the top-k order (None for every segment when no segment has indexer keys), and the number of picks made."""
     first, total = _offsets(segments, "index_keys")
     if total == 0:
-        return [None] * len(segments)
+        return [None] * len(segments), 0
     gp = _indexer_global_picks(attn, qpos, segments, idx_inputs, first, total, trig)
     ends = first[1:] + [total]
-    return [torch.where((gp >= f) & (gp < e), gp - f, -1) for f, e in zip(first, ends)]
+    return [torch.where((gp >= f) & (gp < e), gp - f, -1) for f, e in zip(first, ends)], (gp < total).sum()
 
 
 # ============================================================================ request state
