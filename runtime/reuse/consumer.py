@@ -90,10 +90,10 @@ def _plan(attn, host, segments, picks, own_picks):
 def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: list[SegmentKeys], sink: torch.Tensor,
                       idx_inputs=None, picks: list | None = None, qpos_host: np.ndarray | None = None,
                       own_picks: torch.Tensor | None = None,
-                      trig: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      trig: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | int]:
     """q_raw [T,H,D] normed, not yet roped; qpos request positions (increasing). Returns the merged per-head output
     [T,H,D] in q_raw's dtype WITH the inverse output RoPE applied (ready for W_a), and the number of (query, key)
-    pairs attended (a tensor, so no host sync).
+    pairs attended (an int from host arithmetic, or a tensor where picks are counted: no host sync).
 
     Per segment j at Delta_j, only on the rows it serves: the query's RoPE channels are rotated to t - Delta_j (a
     64-channel write into one shared copy of q), the fused sparse attention (or its torch reference) writes the
@@ -165,8 +165,9 @@ def _pairs_host(attn, host: np.ndarray, segments: list[SegmentKeys], causal: boo
 def _fused_segment_attention(attn, q_raw, qpos, segments, sink, idx_inputs, host, own_picks, trig):
     """`segment_attention` on CUDA with REDKNOT_FUSED_SEGMENTS=1: one launch of the fused multi-segment kernel
     (runtime/kernels/multiseg.py) over every segment each row reaches. Opt-in: its first version was 1.5x slower
-    on the H200 than the stacked parts + merge (docs/BENCHMARKS.md, run 7); the current one is not yet timed. CSA picks (the native indexer's top-k over the union of all segments, or each
-    row's own document's offline picks) go to it as one sorted list of global entry ids per row."""
+    on the H200 than the stacked parts + merge (docs/BENCHMARKS.md, run 7); the current one is not yet timed.
+    CSA picks (the native indexer's top-k over the union of all segments, or each row's own document's offline
+    picks) go to it as one sorted list of global entry ids per row."""
     mode = {HCA: "causal", CSA: "picks"}.get(attn.kind, "none")
     if mode != "none" and all(s.entries is None or s.entries.shape[0] == 0 for s in segments):
         mode = "none"
