@@ -275,11 +275,15 @@ def main() -> int:
             return eng.prefill(pf.documents(), question)
 
         def fused():
+            before = os.environ.get("REDKNOT_FUSED_SEGMENTS")
             os.environ["REDKNOT_FUSED_SEGMENTS"] = "1"
             try:
                 return reuse()
-            finally:
-                os.environ.pop("REDKNOT_FUSED_SEGMENTS")
+            finally:                      # the caller's own setting, if any, as it was
+                if before is None:
+                    os.environ.pop("REDKNOT_FUSED_SEGMENTS")
+                else:
+                    os.environ["REDKNOT_FUSED_SEGMENTS"] = before
 
         rec_t, reu_t = [], []
         other_t, other_res = {b: [] for b in extra}, {}

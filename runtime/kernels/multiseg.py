@@ -80,7 +80,7 @@ if HAVE_TRITON:
     def _multiseg_kernel(q_ptr, qpos_ptr, tab_ptr, picks_ptr, bounds_ptr, freq_ptr, sink_ptr, o_ptr,
                          H, P, window, ratio, n_picks, qk_scale, sink_scale, stride_qt, stride_qh,
                          MODE: tl.constexpr, D: tl.constexpr, HALF_R: tl.constexpr, RP: tl.constexpr,
-                         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+                         COLS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr):
         NOPE: tl.constexpr = D - 2 * HALF_R
         t = tl.program_id(0).to(tl.int64)
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -100,7 +100,7 @@ if HAVE_TRITON:
         ar_e = tl.zeros([BLOCK_H, RP], dtype=tl.float32)
         ar_o = tl.zeros([BLOCK_H, RP], dtype=tl.float32)
         for j in range(P):
-            row = tab_ptr + j * 6
+            row = tab_ptr + j * COLS
             lat = tl.load(row).to(tl.pointer_type(dt))
             n = tl.load(row + 1)
             c = pos - tl.load(row + 2)                     # the query's position in segment j's frame
@@ -229,7 +229,7 @@ def multi_segment_attention(q_raw: torch.Tensor, qpos: torch.Tensor, segments, s
                            sink.to(device=dev, dtype=torch.float32).contiguous(), out,
                            H, len(segments), int(window), max(int(ratio), 1), n_picks, float(scale) * LOG2E, LOG2E,
                            q_raw.stride(0), q_raw.stride(1), MODE=MODES[mode], D=D, HALF_R=half_r,
-                           RP=max(16, triton.next_power_of_2(half_r)),
+                           RP=max(16, triton.next_power_of_2(half_r)), COLS=COLS,
                            BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], PREC=dot_precision(q_raw.dtype),
                            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     del keep

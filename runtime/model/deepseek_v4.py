@@ -592,15 +592,12 @@ class Block(nn.Module):
 
     def hc_pre(self, x: torch.Tensor, site: str):
         c = self.cfg
+        fn, base, scale = (getattr(self, f"hc_{site}_{name}") for name in ("fn", "base", "scale"))
         from runtime.kernels import enabled, mhc
         if enabled(x) and mhc.supported(x):    # the same math fused (runtime/kernels/mhc.py)
-            collapsed, pre, post, comb = mhc.hc_pre(x, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
-                                                    getattr(self, f"hc_{site}_scale"), c.hc_sinkhorn_iters, c.hc_eps,
-                                                    c.norm_eps)
+            collapsed, pre, post, comb = mhc.hc_pre(x, fn, base, scale, c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps)
             return collapsed, post, comb
-        pre, post, comb = hc_mix_weights(x, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
-                                         getattr(self, f"hc_{site}_scale"), c.hc_mult, c.hc_sinkhorn_iters,
-                                         c.hc_eps, c.norm_eps)
+        pre, post, comb = hc_mix_weights(x, fn, base, scale, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps)
         collapsed = (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
         return collapsed, post, comb
 

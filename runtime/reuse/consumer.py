@@ -47,16 +47,25 @@ class SegmentKeys:
     index_keys: torch.Tensor | None = None    # [N, id]
 
 
+def _memo(trig, key, make):
+    """`make()` once per key for all the request's layers: `trig` is the rows' per-request cache (None: none)."""
+    if trig is None:
+        return make()
+    if key not in trig:
+        trig[key] = make()
+    return trig[key]
+
+
+def _shifted(qpos, lo, hi, delta, trig):
+    """Rows lo..hi's positions in a segment's frame (t - Delta)."""
+    return _memo(trig, ("pos", lo, hi, delta), lambda: qpos[lo:hi] - delta)
+
+
 def _angles(attn, qpos, lo, hi, delta, trig):
     """cos/sin at t - delta for rows lo..hi. Every non-window layer has the same rotary (YaRN, compress theta) and
     every window layer the same plain one (Attention.__init__), so one cache per call's rows serves all layers."""
-    key = (attn.kind == WINDOW, lo, hi, delta)
-    if trig is not None and key in trig:
-        return trig[key]
-    cs = attn.rotary.cos_sin(qpos[lo:hi] - delta)
-    if trig is not None:
-        trig[key] = cs
-    return cs
+    return _memo(trig, (attn.kind == WINDOW, lo, hi, delta),
+                 lambda: attn.rotary.cos_sin(_shifted(qpos, lo, hi, delta, trig)))
 
 
 def _plan(attn, host, segments, picks, own_picks):
@@ -107,8 +116,7 @@ def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: l
     host = qpos.cpu().numpy() if qpos_host is None else qpos_host      # host arithmetic: numpy, never a launch
     if enabled(q_raw) and picks is None and os.environ.get("REDKNOT_FUSED_SEGMENTS", "0") == "1":
         return _fused_segment_attention(attn, q_raw, qpos, segments, sink, idx_inputs, host, own_picks, trig)
-    # pairs the kernel attends: clipped window rows plus visible entries (on the host where it can), plus picks
-    n_picks = None if own_picks is None else (own_picks >= 0).sum()
+    n_picks = None                       # the number of picks attended, where the indexer counted it
     if attn.kind == CSA and picks is None and own_picks is None:
         picks, n_picks = _indexer_picks(attn, qpos, segments, idx_inputs, trig)
     plan = _plan(attn, host, segments, picks, own_picks)
@@ -131,23 +139,14 @@ def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: l
             lse.copy_(rl)
         rope_(o, cos, sin, inverse=True)
     out = merge_stacked(o_buf, lse_buf, sink, q_raw.dtype, [(lo, hi) for _, lo, hi, _, _ in plan])
+    # pairs the kernel attends: clipped window rows plus visible entries (on the host), plus picks (on the device)
     pairs = _pairs_host(attn, host, segments, attn.kind == HCA)
-    if n_picks is None:                  # picks handed in by the caller: count what each segment attends
-        n_picks = sum((pk >= 0).sum() for _, _, _, m, pk in plan if m == "picks")
-    if attn.kind == CSA and any(m == "picks" for _, _, _, m, _ in plan):
+    if any(m == "picks" for _, _, _, m, _ in plan):
+        if n_picks is None:              # own picks: one count; picks handed in by a caller: what each part attends
+            n_picks = (own_picks >= 0).sum() if own_picks is not None else \
+                sum((pk >= 0).sum() for _, _, _, m, pk in plan if m == "picks")
         pairs = n_picks + pairs
     return out, pairs
-
-
-def _shifted(qpos, lo, hi, delta, trig):
-    """Rows lo..hi's positions in a segment's frame (t - Delta), kept with the angles for the request's layers."""
-    key = ("pos", lo, hi, delta)
-    if trig is not None and key in trig:
-        return trig[key]
-    cl = qpos[lo:hi] - delta
-    if trig is not None:
-        trig[key] = cl
-    return cl
 
 
 def _pairs_host(attn, host: np.ndarray, segments: list[SegmentKeys], causal: bool) -> int:
@@ -171,8 +170,7 @@ def _fused_segment_attention(attn, q_raw, qpos, segments, sink, idx_inputs, host
     mode = {HCA: "causal", CSA: "picks"}.get(attn.kind, "none")
     if mode != "none" and all(s.entries is None or s.entries.shape[0] == 0 for s in segments):
         mode = "none"
-    first, gp, bounds = None, None, None
-    pairs = torch.zeros((), dtype=torch.long, device=q_raw.device)
+    first, gp, bounds, pairs = None, None, None, 0
     if mode == "picks":
         first, total = _offsets(segments, "index_keys" if own_picks is None else "entries")
         if own_picks is not None:                # each row's own segment: the one holding its position
