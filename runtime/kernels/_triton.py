@@ -15,6 +15,21 @@ except Exception:  # ImportError, or a Triton that cannot initialise its backend
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
+if HAVE_TRITON and INTERPRET:  # pragma: no cover - depends on the Triton and numpy versions
+    try:
+        from triton.runtime import interpreter as _interp
+
+        _patch = _interp._patch_lang_tensor
+
+        def _patch_lang_tensor(tensor, scope):
+            """Triton 3.6's interpreter turns a scalar into a Python int with int(ndarray), which numpy >= 2.3
+            refuses for a 1-element array of ndim 1; .item() reads the same value."""
+            _patch(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+        _interp._patch_lang_tensor = _patch_lang_tensor
+    except (ImportError, AttributeError):   # another Triton: its interpreter as it is
+        pass
+
 
 def available() -> bool:
     """True when the Triton kernels can run here: Triton imports and a CUDA device is present."""
