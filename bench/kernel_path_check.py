@@ -16,13 +16,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from runtime.model.checkpoint import random_state  # noqa: E402
-from runtime.model.config import tiny  # noqa: E402
+from runtime.model.config import tiny_reuse  # noqa: E402
 from runtime.model.deepseek_v4 import Transformer  # noqa: E402
 from runtime.reuse.consumer import ReuseEngine  # noqa: E402
 from runtime.reuse.producer import produce  # noqa: E402
 from runtime.reuse.profile import ReuseProfile  # noqa: E402
 
-CFG = tiny(n_layers=8, compress_ratios=(0, 4, 16, 4, 16, 4, 16, 4), n_hash_layers=2)
+CFG = tiny_reuse()
 
 
 def run(model, arts, question, prof, force):

@@ -124,6 +124,13 @@ def tiny(n_layers: int = 6, **kw) -> ModelConfig:
     return ModelConfig(**base)
 
 
+def tiny_reuse() -> ModelConfig:
+    """The reuse tests' model (CPU reference, the kernels under the interpreter and on GPU, bench/kernel_path_check.py):
+    8 layers (window, then CSA and HCA alternating), room for 2 fences at each end around reusable layers of both
+    compressed kinds; hash routing in the first 2."""
+    return tiny(n_layers=8, n_hash_layers=2)
+
+
 def demo(vocab_size: int) -> ModelConfig:
     """Small enough to prefill a few thousand tokens on two CPU cores in seconds, with the real window (128),
     real compression ratios (4 and 128) and every layer kind."""

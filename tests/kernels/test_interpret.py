@@ -12,7 +12,7 @@ import runtime.kernels as K
 import runtime.kernels._triton as T
 import runtime.reuse.consumer as consumer_mod
 from runtime.model.checkpoint import random_state
-from runtime.model.config import tiny
+from runtime.model.config import tiny_reuse
 from runtime.model.deepseek_v4 import Block, Transformer, hc_mix_weights
 from runtime.reuse.consumer import ReuseEngine
 from runtime.reuse.producer import produce
@@ -21,7 +21,7 @@ from runtime.reuse.profile import ReuseProfile
 pytestmark = pytest.mark.skipif(not (T.HAVE_TRITON and T.INTERPRET and not torch.cuda.is_available()),
                                 reason="needs Triton's interpreter on a machine without a GPU")
 
-CFG = tiny(n_layers=8, compress_ratios=(0, 4, 16, 4, 16, 4, 16, 4), n_hash_layers=2)
+CFG = tiny_reuse()
 TOL = 1e-5
 
 

@@ -21,7 +21,7 @@ import torch
 import runtime.kernels as K
 import runtime.reuse.consumer as consumer_mod
 from runtime.model.checkpoint import random_state
-from runtime.model.config import tiny
+from runtime.model.config import tiny_reuse
 from runtime.model.deepseek_v4 import Transformer
 from runtime.reuse.consumer import ReuseEngine
 from runtime.reuse.producer import produce
@@ -29,7 +29,7 @@ from runtime.reuse.profile import ReuseProfile, degenerate
 
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and K.available()), reason="needs CUDA and Triton")
 
-CFG = tiny(n_layers=8, compress_ratios=(0, 4, 16, 4, 16, 4, 16, 4), n_hash_layers=2)
+CFG = tiny_reuse()
 BASE = dict(first_fences=2, last_fences=2, align=16)
 F32 = 1e-3
 

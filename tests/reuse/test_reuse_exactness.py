@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from runtime.model.checkpoint import random_state
-from runtime.model.config import FLASH, PRO, tiny
+from runtime.model.config import FLASH, PRO, tiny_reuse
 from runtime.model.deepseek_v4 import (Transformer, entry_attention, gathered_attention, merge_with_sink, Rotary,
                                        unweighted_rms_norm, window_attention)
 from runtime.reuse.consumer import ReuseEngine, SegmentKeys, segment_attention
@@ -14,7 +14,7 @@ from runtime.reuse.profile import FLASH_PROFILE, PRO_PROFILE, ReuseProfile, dege
 from runtime.reuse.roles import global_mask, local_mask
 
 TOL = 1e-4
-CFG = tiny(n_layers=8, compress_ratios=(0, 4, 16, 4, 16, 4, 16, 4), n_hash_layers=2)
+CFG = tiny_reuse()
 BASE = dict(first_fences=2, last_fences=2, align=16)
 
 
