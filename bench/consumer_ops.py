@@ -1,7 +1,7 @@
 """Launch and host-sync counts of the reuse arm's reusable layers, measured on CPU (torch.profiler) at real head
 counts (64 heads of 512, 8 output groups, window 128) with a small model width, a few layers and a few thousand
 tokens. The consumer takes its GPU code path: `enabled()` is forced on and each GPU kernel (sparse attention, RoPE
-slice, stacked merge, mHC pre/post) is replaced by its torch reference wrapped as ONE counted launch; every other top-level aten
+slice, stacked merge, the fused multi-segment kernel, mHC pre/post) is replaced by its torch reference wrapped as ONE counted launch; every other top-level aten
 op inside a reusable layer counts as one launch, every `_local_scalar_dense` / `nonzero` as a host sync.
 Not a test.
 
@@ -55,8 +55,29 @@ def _gpu_path() -> None:
         out[0].copy_(o)
         out[1].copy_(lse)
         return out
+    def multiseg(q_raw, qpos, segments, sink, window, mode, ratio, scale, inv_freq, picks=None, pick_first=None,
+                 bounds=None, **kw):
+        """The fused multi-segment kernel's output by the reference path: its global picks split per segment."""
+        import types
+        from runtime.model.config import CSA, HCA, WINDOW
+        from runtime.model.deepseek_v4 import Rotary
+        attn = types.SimpleNamespace(kind={"none": WINDOW, "causal": HCA, "picks": CSA}[mode], ratio=ratio,
+                                     scale=scale, rotary=Rotary(inv_freq), indexer=None,
+                                     cfg=types.SimpleNamespace(window_size=window))
+        per_seg = None
+        if mode == "picks":
+            last = segments[-1].entries
+            ends = pick_first[1:] + [pick_first[-1] + (0 if last is None else last.shape[0])]
+            per_seg = [torch.where((picks >= f) & (picks < e), picks - f, -1) for f, e in zip(pick_first, ends)]
+        consumer.enabled = lambda t: False
+        try:
+            return consumer.segment_attention(attn, q_raw, qpos, segments, sink, picks=per_seg,
+                                              qpos_host=qpos.cpu().numpy())[0]
+        finally:
+            consumer.enabled = lambda t: True
     consumer.enabled = lambda t: True
     consumer.sparse_mqa_attention = one("sparse_mqa", sparse)
+    consumer.multi_segment_attention = one("multiseg", multiseg)
     if hasattr(consumer, "rope_"):
         from runtime.kernels.merge import merge_stacked_reference
         from runtime.kernels.rope import rope_reference_

@@ -220,9 +220,10 @@ def main() -> int:
     ap.add_argument("--extra-budgets", default="",
                     help="comma list: also time the reuse arm at these budgets, on the same artifacts and tokens, "
                          "interleaved with the arms above (the artifacts do not depend on the budget)")
-    ap.add_argument("--fused-too", action="store_true",
-                    help="also time the reuse arm at --budget with the fused multi-segment kernel "
-                         "(REDKNOT_FUSED_SEGMENTS=1) instead of the stacked per-segment parts and merge, interleaved")
+    ap.add_argument("--fused-too", nargs="?", const="1", default=None, choices=["1", "auto", "0"],
+                    help="also time the reuse arm at --budget with REDKNOT_FUSED_SEGMENTS set to this (1: the fused "
+                         "multi-segment kernel for every call, auto: for calls of >= 16 heads; default 1) beside "
+                         "the run's own setting, interleaved")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
@@ -276,7 +277,7 @@ def main() -> int:
 
         def fused():
             before = os.environ.get("REDKNOT_FUSED_SEGMENTS")
-            os.environ["REDKNOT_FUSED_SEGMENTS"] = "1"
+            os.environ["REDKNOT_FUSED_SEGMENTS"] = args.fused_too
             try:
                 return reuse()
             finally:                      # the caller's own setting, if any, as it was
@@ -313,7 +314,7 @@ def main() -> int:
                    flop_saving=led["flop_saving"], build_s=t_build, active=led["rows"]["active"],
                    relocated=led["rows"]["relocated"], recompute_all=rec_t, reuse_all=reu_t, extra=[])
         if fus_t:
-            row.update(fused_s=statistics.median(fus_t), fused_all=fus_t)
+            row.update(fused_s=statistics.median(fus_t), fused_all=fus_t, fused_mode=args.fused_too)
         for b in extra:
             lb = other_res[b].ledger.summary()
             assert 0 < lb["rows"]["active"] < lb["rows"]["relocated"] and lb["head_row_saving"] > 0, lb
@@ -362,7 +363,7 @@ def main() -> int:
               f"(analytic FLOP ratio {row['flop_ratio']:.2f}x; head-row {row['head_row_saving']:.1%} of ceiling "
               f"{row['structural_ceiling']:.1%}; token-row {row['token_row_saving']:.1%}; active "
               f"{row['active']}/{row['relocated']})" + (f"  cold {row['cold_s']:.3f} s" if "cold_s" in row else "")
-              + (f"  fused kernel {row['fused_s']:.3f} s" if "fused_s" in row else ""), flush=True)
+              + (f"  fused={args.fused_too} {row['fused_s']:.3f} s" if "fused_s" in row else ""), flush=True)
         for e in row["extra"]:
             print(f"T={row['tokens']:7d}  budget {e['budget']:.0%}: reuse {e['reuse_s']:7.3f} s  speedup "
                   f"{e['speedup']:5.2f}x  (analytic FLOP ratio {e['flop_ratio']:.2f}x; head-row "

@@ -21,12 +21,18 @@ depend on the segment, so the work splits:
   segment; the tile's rope pairs are read again as halves (a cache hit) for the rope part of the score and for a
   per-segment rope value sum, which at the segment's end is turned back at t - Delta_j (the conjugate rotation:
   the per-segment de-rotation of the output, which acts on the rope channels only) and added to the row's.
-Nothing per segment goes to HBM: the stacked path (runtime/reuse/consumer.py, the default) writes one float32
-[rows, heads, D] part per segment and merges them in a second pass.
+Nothing per segment goes to HBM: the stacked path (runtime/reuse/consumer.py) writes one float32 [rows, heads, D]
+part per segment and merges them in a second pass.
 
-History: the first version of this kernel read every key tile as its even and odd channels (two stride-2 loads
-of 2-byte elements: nothing vectorized) and kept [heads, D/2] x 2 rotated value sums; on the H200 it was 1.5x
-slower than the stacked path (docs/BENCHMARKS.md, run 7). This version has not been timed on a GPU yet.
+Where it is used (REDKNOT_FUSED_SEGMENTS=auto, the default): calls of at least 16 heads, i.e. the active rows' 64,
+where it measured 1.2-2.1x faster than the stacked path on the H200; the 8 Global heads' calls keep the stacked
+path, where it measured 1.3-3.6x slower (half of each 16-row tile idle, and this kernel's extra rope dots and loads
+per tile). docs/BENCHMARKS.md runs 7 and 8 (bench/multiseg.py).
+
+History: the first version read every key tile as its even and odd channels (two stride-2 loads of 2-byte
+elements: nothing vectorized) and was 1.5x slower than the stacked path everywhere (run 7). A third, tried in run
+8, split the contiguous tile into its even and odd channels in registers (tl.reshape + tl.split, no rope-only
+dots); it was slower than this one.
 
 Segments come as a table (one int64 row each: latent address, n, Delta, entries address, entries count, first
 global pick id); picks as one list per row of global entry ids (segment j's entry w is `first_j + w`) sorted

@@ -96,6 +96,21 @@ def _plan(attn, host, segments, picks, own_picks):
     return plan
 
 
+FUSED_MIN_HEADS = 16     # the MMA tile's rows: fewer heads leave part of each fused program's tile idle
+
+
+def fused_segments(n_heads: int) -> bool:
+    """Whether a segment_attention call of `n_heads` heads on CUDA takes the fused multi-segment kernel, per
+    REDKNOT_FUSED_SEGMENTS: "auto" (default) calls of at least FUSED_MIN_HEADS heads, i.e. the active rows' 64
+    heads, where it measured 1.2-2.1x faster than the stacked parts (the 8 Global heads' calls keep the stacked
+    parts, where it measured 1.3-3.6x slower: bench/multiseg.py, docs/BENCHMARKS.md run 8); "1" every call; "0"
+    none."""
+    mode = os.environ.get("REDKNOT_FUSED_SEGMENTS", "auto")
+    if mode not in ("0", "1", "auto"):
+        raise ValueError(f"REDKNOT_FUSED_SEGMENTS must be 0, 1 or auto, got {mode!r}")
+    return mode == "1" or (mode == "auto" and n_heads >= FUSED_MIN_HEADS)
+
+
 def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: list[SegmentKeys], sink: torch.Tensor,
                       idx_inputs=None, picks: list | None = None, qpos_host: np.ndarray | None = None,
                       own_picks: torch.Tensor | None = None,
@@ -110,11 +125,12 @@ def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: l
     de-rotated at t - Delta_j (+Delta_j into the request frame, then the inverse output RoPE at t, in one
     rotation). One pass then merges every row's parts with the sink once. `own_picks` [T, k]: each row's entry
     picks in its own segment (the artifact's, global_picks="artifact"); else CSA picks are the native indexer's
-    top-k over the union of all segments' visible entries."""
+    top-k over the union of all segments' visible entries. On CUDA, a call that `fused_segments` sends to the fused
+    multi-segment kernel does all of this in one launch instead (`_fused_segment_attention`)."""
     T, H, D = q_raw.shape
     W = attn.cfg.window_size
     host = qpos.cpu().numpy() if qpos_host is None else qpos_host      # host arithmetic: numpy, never a launch
-    if enabled(q_raw) and picks is None and os.environ.get("REDKNOT_FUSED_SEGMENTS", "0") == "1":
+    if enabled(q_raw) and picks is None and fused_segments(H):
         return _fused_segment_attention(attn, q_raw, qpos, segments, sink, idx_inputs, host, own_picks, trig)
     n_picks = None                       # the number of picks attended, where the indexer counted it
     if attn.kind == CSA and picks is None and own_picks is None:
@@ -162,9 +178,8 @@ def _pairs_host(attn, host: np.ndarray, segments: list[SegmentKeys], causal: boo
 
 
 def _fused_segment_attention(attn, q_raw, qpos, segments, sink, idx_inputs, host, own_picks, trig):
-    """`segment_attention` on CUDA with REDKNOT_FUSED_SEGMENTS=1: one launch of the fused multi-segment kernel
-    (runtime/kernels/multiseg.py) over every segment each row reaches. Opt-in: its first version was 1.5x slower
-    on the H200 than the stacked parts + merge (docs/BENCHMARKS.md, run 7); the current one is not yet timed.
+    """`segment_attention` on CUDA where `fused_segments` says so: one launch of the fused multi-segment kernel
+    (runtime/kernels/multiseg.py) over every segment each row reaches; no per-segment part goes through HBM.
     CSA picks (the native indexer's top-k over the union of all segments, or each row's own document's offline
     picks) go to it as one sorted list of global entry ids per row."""
     mode = {HCA: "causal", CSA: "picks"}.get(attn.kind, "none")

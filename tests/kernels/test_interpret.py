@@ -62,12 +62,15 @@ def kernels_on(monkeypatch):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("fused,picks", [("1", "online"), ("1", "artifact"), ("0", "online")])
+@pytest.mark.parametrize("fused,picks", [("1", "online"), ("1", "artifact"), ("0", "online"), ("auto", "artifact")])
 def test_reuse_prefill_and_decode_through_the_kernels(model, request_tokens, kernels_on, monkeypatch, fused, picks):
     """Reuse prefill at a 25% budget plus 2 greedy decode steps, every kernel on (fences and recompute included),
-    through the fused multi-segment kernel or the per-segment kernel + stacked merge, equals the reference path
-    on the same rows to 1e-5 (float32)."""
+    through the fused multi-segment kernel, the per-segment kernel + stacked merge, or both ("auto": the fused
+    kernel for calls of every head, the stacked parts for the Global heads' calls; the threshold set to this
+    model's 8 heads, as 16 is to Flash's 64 and 8), equals the reference path on the same rows to 1e-5 (float32)."""
     docs, question = request_tokens
+    if fused == "auto":
+        monkeypatch.setattr(consumer_mod, "FUSED_MIN_HEADS", CFG.n_heads)
     prof = ReuseProfile(first_fences=2, last_fences=2, align=16, budget=0.25, global_picks=picks)
     arts = [produce(model, d, prof) for d in docs]
     eng = ReuseEngine(model, prof)
@@ -88,8 +91,11 @@ def test_reuse_prefill_and_decode_through_the_kernels(model, request_tokens, ker
         want.append(eng.decode(st, nxt))
         monkeypatch.setenv("REDKNOT_KERNELS", "1")
         got.append(eng.decode(st2, nxt))
-    used, unused = ("fused", "sparse") if fused == "1" else ("sparse", "fused")
-    assert kernels_on[used] > 0 and kernels_on[unused] == 0, kernels_on
+    if fused == "auto":
+        assert kernels_on["fused"] > 0 and kernels_on["sparse"] > 0, kernels_on
+    else:
+        used, unused = ("fused", "sparse") if fused == "1" else ("sparse", "fused")
+        assert kernels_on[used] > 0 and kernels_on[unused] == 0, kernels_on
     errs = [rel_err(a, b) for a, b in zip(got, want)]
     assert max(errs) <= TOL, errs
 

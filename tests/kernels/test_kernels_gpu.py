@@ -364,7 +364,7 @@ def test_fused_multi_segment_equals_reference(kind, H, monkeypatch):
         counted["fused"] += 1
         return real(*a, **kw)
     monkeypatch.setattr(C, "multi_segment_attention", count)
-    monkeypatch.setenv("REDKNOT_FUSED_SEGMENTS", "1")             # opt-in (docs/BENCHMARKS.md, run 7)
+    monkeypatch.setenv("REDKNOT_FUSED_SEGMENTS", "1")
     poison()
     out, pairs = C.segment_attention(attn, q, rows, segs, sink, qpos_host=hostpos, own_picks=own)
     assert counted["fused"] == 1 and out.dtype == DT

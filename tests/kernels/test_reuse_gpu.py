@@ -105,16 +105,20 @@ PROFILES = {
 
 
 def path_used(counted, fused: str) -> None:
-    """The consumer's segments went through the fused multi-segment kernel, or through the stacked parts + merge.
-    Call `fresh(counted)` before the GPU run: the CPU reference path calls merge_stacked too."""
-    if fused == "1":
+    """The consumer's segments went through the fused multi-segment kernel, through the stacked parts + merge, or
+    ("auto", the threshold set to this model's head count) through both: the fused kernel for the calls of every
+    head, the stacked parts for the Global heads' calls. Call `fresh(counted)` before the GPU run: the CPU
+    reference path calls merge_stacked too."""
+    if fused == "auto":
+        assert counted["fused"] > 0 and counted["merge"] > 0, counted
+    elif fused == "1":
         assert counted["fused"] > 0 and counted["merge"] == 0, counted
     else:
         assert counted["fused"] == 0 and counted["merge"] > 0, counted
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("fused", ["1", "0"])
+@pytest.mark.parametrize("fused", ["1", "0", "auto"])
 @pytest.mark.parametrize("name", sorted(PROFILES))
 def test_kernel_path_equals_reference_float32(state, tokens, counted, monkeypatch, name, fused):
     docs, question = tokens
@@ -122,6 +126,7 @@ def test_kernel_path_equals_reference_float32(state, tokens, counted, monkeypatc
     ref_full, ref = both_arms(build(state, "cpu", torch.float32), docs, question, prof)
     monkeypatch.setenv("REDKNOT_KERNELS", "1")
     monkeypatch.setenv("REDKNOT_FUSED_SEGMENTS", fused)
+    monkeypatch.setattr(consumer_mod, "FUSED_MIN_HEADS", CFG.n_heads)     # this model's 8 heads, as 16 is Flash's
     model = build(state, "cuda", torch.float32)
     fresh(counted)
     full, res = both_arms(model, docs, question, prof)

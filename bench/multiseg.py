@@ -1,0 +1,214 @@
+"""Multi-segment attention benchmark: the consumer's two paths over the same segments, rows and picks.
+
+    python3 bench/multiseg.py [--length 32768] [--docs 8] [--budget 0.1] [--sweep] [--json out.json]
+
+A request of --length tokens as --docs documents (the first is the prefix) plus 64 question rows, at real
+dimensions (D = 512, 64 rope channels, window 128, bf16). Two row sets, as runtime/reuse/consumer.py forms them:
+- "active": --budget of the relocated rows plus the question rows, all 64 heads; CSA picks are the online
+  indexer's top-512 over the union of every segment's visible entries (random ids here, drawn from the same range);
+- "global": the other relocated rows, the 8 Global heads; CSA picks are each row's own document's 512 (artifact).
+Per row set and layer kind (window, HCA ratio 128, CSA ratio 4): the stacked path (one sparse-attention launch per
+segment part into a float32 [parts, rows, heads, D] buffer, then the N-way merge; REDKNOT_FUSED_SEGMENTS=0) and
+the fused multi-segment kernel (runtime/kernels/multiseg.py, =1), each timed with CUDA events (median
+of --reps after a warm-up) on rows in chunks of --q-chunk x 64 / heads (as the consumer's `_attend`), plus the
+relative difference of their outputs. `--sweep` also times the fused kernel alone under a grid of block sizes.
+Not a test: run it through the device tool.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import sys
+import time
+import types
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import runtime.reuse.consumer as C  # noqa: E402
+from runtime.kernels.multiseg import multi_segment_attention  # noqa: E402
+from runtime.model.config import CSA, HCA, WINDOW  # noqa: E402
+from runtime.model.deepseek_v4 import Rotary  # noqa: E402
+
+D, W, ROPE, K = 512, 128, 64, 512
+DT = torch.bfloat16          # --fp32: float32 (the CPU smoke run: the interpreter has no bf16 of its own)
+RATIO = {"window": 0, "hca": 128, "csa": 4}
+
+
+def layer(kind: str, dev) -> types.SimpleNamespace:
+    rot = Rotary(1.0 / (10000.0 ** (torch.arange(0, ROPE, 2, device=dev).float() / ROPE)))
+    return types.SimpleNamespace(kind={"window": WINDOW, "hca": HCA, "csa": CSA}[kind], ratio=RATIO[kind],
+                                 scale=D ** -0.5, rotary=rot, indexer=None, cfg=types.SimpleNamespace(window_size=W))
+
+
+def request(args, dev, g):
+    per = (args.length // args.docs) // 128 * 128
+    lens = [per] * args.docs + [64]
+    deltas = [sum(lens[:j]) for j in range(len(lens))]
+    lat = [torch.randn(n, D, device=dev, generator=g).to(DT) for n in lens]
+    reloc = torch.arange(per, sum(lens) - 64, device=dev)
+    pick = torch.rand(reloc.numel(), device=dev, generator=g) < args.budget
+    question = torch.arange(sum(lens) - 64, sum(lens), device=dev)
+    rows = {"active": torch.cat([reloc[pick], question]), "global": reloc[~pick]}
+    return lens, deltas, lat, rows
+
+
+def segments(kind, lens, deltas, lat, dev, g):
+    r = RATIO[kind]
+    return [C.SegmentKeys(d, x, torch.randn(n // r, D, device=dev, generator=g).to(DT) if r else None)
+            for n, d, x in zip(lens, deltas, lat)]
+
+
+def online_picks(rows, deltas, lens, dev, g):
+    """[T, K] global entry ids (CSA, ratio 4) drawn from each row's visible entries over the union of segments."""
+    first = torch.tensor([sum(n // 4 for n in lens[:j]) for j in range(len(lens))], device=dev)
+    own = torch.searchsorted(torch.tensor(deltas, device=dev), rows, right=True) - 1
+    vis = first[own] + (rows - torch.tensor(deltas, device=dev)[own] + 1) // 4
+    ids = (torch.rand(rows.numel(), K, device=dev, generator=g) * vis[:, None]).long()
+    return torch.where(vis[:, None] > 0, ids, first[-1] + lens[-1] // 4), first.tolist(), sum(n // 4 for n in lens)
+
+
+def own_picks(rows, deltas, lens, dev, g):
+    own = torch.searchsorted(torch.tensor(deltas, device=dev), rows, right=True) - 1
+    vis = (rows - torch.tensor(deltas, device=dev)[own] + 1) // 4
+    ids = (torch.rand(rows.numel(), K, device=dev, generator=g) * vis[:, None]).long()
+    return torch.where(torch.arange(K, device=dev)[None, :] < vis[:, None], ids, -1)
+
+
+def fused_picks(gp, first, total):
+    """What consumer._fused_segment_attention hands the kernel: sorted global ids and each segment's bounds."""
+    gp = gp.sort(dim=1).values
+    edges = torch.tensor(first + [total], device=gp.device).expand(gp.shape[0], -1).contiguous()
+    return gp, torch.searchsorted(gp.contiguous(), edges)
+
+
+def cuda_time(fn, reps: int) -> float:
+    fn()
+    ts = []
+    for _ in range(reps):
+        if not torch.cuda.is_available():          # a CPU smoke run (TRITON_INTERPRET=1): wall clock
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+            continue
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b) / 1000)
+    return statistics.median(ts)
+
+
+def case(args, kind, which, lens, deltas, lat, rows_all, dev, g):
+    attn = layer(kind, dev)
+    segs = segments(kind, lens, deltas, lat, dev, g)
+    rows = rows_all[which]
+    H = 64 if which == "active" else 8
+    q = torch.randn(rows.numel(), H, D, device=dev, generator=g).to(DT)
+    sink = torch.randn(H, device=dev, generator=g)
+    host = rows.cpu().numpy()
+    step = max(1, args.q_chunk * 64 // H)
+    chunks = [slice(a, a + step) for a in range(0, rows.numel(), step)]
+    online = kind == "csa" and which == "active"
+    own = own_picks(rows, deltas, lens, dev, g) if kind == "csa" and which == "global" else None
+    if online:
+        gp, first, total = online_picks(rows, deltas, lens, dev, g)
+        ends = first[1:] + [total]
+        per_seg = [torch.where((gp >= f) & (gp < e), gp - f, -1) for f, e in zip(first, ends)]
+
+    def stacked():
+        os.environ["REDKNOT_FUSED_SEGMENTS"] = "0"
+        return torch.cat([C.segment_attention(attn, q[c], rows[c], segs, sink, qpos_host=host[c],
+                                              own_picks=None if own is None else own[c],
+                                              picks=[p[c] for p in per_seg] if online else None)[0]
+                          for c in chunks])
+
+    def fused(config=None):
+        os.environ["REDKNOT_FUSED_SEGMENTS"] = "1"
+        if not online and config is None:
+            return torch.cat([C.segment_attention(attn, q[c], rows[c], segs, sink, qpos_host=host[c],
+                                                  own_picks=None if own is None else own[c])[0] for c in chunks])
+        outs = []
+        for c in chunks:
+            mode, gpc, bounds, fst = {"window": "none", "hca": "causal"}.get(kind, "picks"), None, None, None
+            if online:
+                gpc, bounds = fused_picks(gp[c], first, total)
+                fst = first
+            elif kind == "csa":
+                fst, _ = C._offsets(segs, "entries")
+                starts = torch.tensor(deltas, device=dev)
+                base = torch.tensor(fst, device=dev)[torch.searchsorted(starts, rows[c], right=True) - 1]
+                tot = sum(s.entries.shape[0] for s in segs)
+                gpc, bounds = fused_picks(torch.where(own[c] >= 0, own[c] + base[:, None], tot), fst, tot)
+            outs.append(multi_segment_attention(q[c], rows[c], segs, sink, W, mode, attn.ratio or 1, attn.scale,
+                                                attn.rotary.inv_freq, gpc, fst, bounds, config=config))
+        return torch.cat(outs)
+
+    a, b = stacked(), fused()
+    err = ((a.float() - b.float()).norm() / a.float().norm().clamp_min(1e-30)).item()
+    res = dict(kind=kind, rows=which, heads=H, n_rows=rows.numel(), picks="online" if online else
+               ("own" if own is not None else None), stacked_s=cuda_time(stacked, args.reps),
+               fused_s=cuda_time(fused, args.reps), rel_diff=err)
+    if args.sweep:
+        res["sweep"] = []
+        for bh, bn, nw, ns in itertools.product([16, 32, 64], [16, 32, 64], [4, 8], [1, 3]):
+            if bh > max(16, H) or (H > 16 and bh == 16):
+                continue
+            cfg = dict(BLOCK_H=bh, BLOCK_N=bn, num_warps=nw, num_stages=ns)
+            try:
+                t = cuda_time(lambda: fused(cfg), 2)
+            except Exception as e:                          # out of shared memory / registers: reported, skipped
+                res["sweep"].append(dict(cfg, error=type(e).__name__))
+                continue
+            res["sweep"].append(dict(cfg, s=t))
+        best = min((s for s in res["sweep"] if "s" in s), key=lambda s: s["s"])
+        res["best"] = best
+    print(f"{kind:6s} {which:6s} H={H:2d} rows={rows.numel():6d} picks={res['picks']}: stacked "
+          f"{res['stacked_s'] * 1e3:8.2f} ms  fused {res['fused_s'] * 1e3:8.2f} ms  "
+          f"(x{res['stacked_s'] / res['fused_s']:.2f})  diff {err:.1e}"
+          + (f"  best {res['best']}" if args.sweep else ""), flush=True)
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--length", type=int, default=32768)
+    ap.add_argument("--docs", type=int, default=8)
+    ap.add_argument("--budget", type=float, default=0.1)
+    ap.add_argument("--q-chunk", type=int, default=4096)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--kinds", default="window,hca,csa")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--rows", default="active,global", help="row sets: active (64 heads), global (8 heads)")
+    ap.add_argument("--fp32", action="store_true")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    global DT
+    DT = torch.float32 if args.fp32 else torch.bfloat16
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        print("bench/multiseg.py needs a GPU (or TRITON_INTERPRET=1 and a tiny --length for a CPU smoke run)",
+              file=sys.stderr)
+        return 2
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    g = torch.Generator(device=dev).manual_seed(0)
+    lens, deltas, lat, rows = request(args, dev, g)
+    print(f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}  torch {torch.__version__}  length {args.length}  docs {args.docs}  "
+          f"budget {args.budget}", flush=True)
+    out = [case(args, kind, which, lens, deltas, lat, rows, dev, g)
+           for kind in args.kinds.split(",") for which in args.rows.split(",")]
+    tot_s, tot_f = sum(r["stacked_s"] for r in out), sum(r["fused_s"] for r in out)
+    print(f"all cases: stacked {tot_s * 1e3:.1f} ms, fused {tot_f * 1e3:.1f} ms (x{tot_s / tot_f:.2f})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(args=vars(args), device=str(dev) if dev.type == 'cpu' else torch.cuda.get_device_name(), torch=torch.__version__,
+                           cases=out), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
