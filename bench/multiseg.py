@@ -11,7 +11,8 @@ Per row set and layer kind (window, HCA ratio 128, CSA ratio 4): the stacked pat
 segment part into a float32 [parts, rows, heads, D] buffer, then the N-way merge; REDKNOT_FUSED_SEGMENTS=0) and
 the fused multi-segment kernel (runtime/kernels/multiseg.py, =1), each timed with CUDA events (median
 of --reps after a warm-up) on rows in chunks of --q-chunk x 64 / heads (as the consumer's `_attend`), plus the
-relative difference of their outputs. `--sweep` also times the fused kernel alone under a grid of block sizes.
+relative difference of their outputs. `--sweep` also times the fused kernel alone under a grid of block sizes (for
+8 heads: query rows per program, the packed kernel; ROWS = 1 is the one-row kernel).
 Not a test: run it through the device tool.
 """
 from __future__ import annotations
@@ -156,10 +157,12 @@ def case(args, kind, which, lens, deltas, lat, rows_all, dev, g):
                fused_s=cuda_time(fused, args.reps), rel_diff=err)
     if args.sweep:
         res["sweep"] = []
-        for bh, bn, nw, ns in itertools.product([16, 32, 64], [16, 32, 64], [4, 8], [1, 3]):
-            if bh > max(16, H) or (H > 16 and bh == 16):
-                continue
-            cfg = dict(BLOCK_H=bh, BLOCK_N=bn, num_warps=nw, num_stages=ns)
+        # 64 heads: heads per program; 8 heads: rows per program (ROWS = 1: one row, its heads padded to 16)
+        grid = itertools.product([32, 64], [16, 32, 64], [4, 8], [1, 3]) if H >= 16 else \
+            itertools.product([1, 2, 4, 8], [16, 32, 64], [4, 8], [1, 3])
+        for b, bn, nw, ns in grid:
+            cfg = dict(BLOCK_H=b, BLOCK_N=bn, num_warps=nw, num_stages=ns) if H >= 16 else \
+                dict(ROWS=b, BLOCK_N=bn, num_warps=nw, num_stages=ns)
             try:
                 t = cuda_time(lambda: fused(cfg), 2)
             except Exception as e:                          # out of shared memory / registers: reported, skipped

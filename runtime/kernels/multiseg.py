@@ -29,6 +29,11 @@ where it measured 1.2-2.1x faster than the stacked path on the H200; the 8 Globa
 path, where it measured 1.3-3.6x slower (half of each 16-row tile idle, and this kernel's extra rope dots and loads
 per tile). docs/BENCHMARKS.md runs 7 and 8 (bench/multiseg.py).
 
+Calls of fewer than 16 heads (the 8 Global heads) go to `_multiseg_packed_kernel`: ROWS consecutive query rows
+per program (ROWS x heads = 16 by default), so that the MMA tile's rows are filled and neighbouring rows share their
+window and entry tiles. It equals the reference under the interpreter (tests/kernels/test_interpret.py) and is
+not yet timed on a GPU; `auto` keeps those calls on the stacked path until it is.
+
 History: the first version read every key tile as its even and odd channels (two stride-2 loads of 2-byte
 elements: nothing vectorized) and was 1.5x slower than the stacked path everywhere (run 7). A third, tried in run
 8, split the contiguous tile into its even and odd channels in registers (tl.reshape + tl.split, no rope-only
@@ -53,13 +58,14 @@ COLS = 6          # segment table: latent ptr, n, delta, entries ptr, n_entries,
 if HAVE_TRITON:
 
     @triton.jit
-    def _seg_tile(qn, qre, qro, base, rows, valid, offs_d, offs_r, rmask, m_i, l_i, acc, sr_e, sr_o, ar_e, ar_o,
-                  qk_scale, D: tl.constexpr, NOPE: tl.constexpr, PREC: tl.constexpr):
+    def _seg_tile(qn, qre, qro, base, rows, valid, svalid, offs_d, offs_r, rmask, m_i, l_i, acc, sr_e, sr_o, ar_e,
+                  ar_o, qk_scale, D: tl.constexpr, NOPE: tl.constexpr, PREC: tl.constexpr):
         """One key tile of segment j. The tile is read contiguously (all D channels) for the scores' non-rope part
         and the value sum; its rope pairs are read again as even/odd halves (a cache hit) for the rope part of the
         score and of the value sum. qn: the query with its rope channels zeroed; qre/qro: its rope pairs turned
         to t - Delta_j. sr_*: this segment's rope value sums; ar_*: the earlier segments' (already turned back).
-        K = V; online softmax in the log2 domain, shared by every segment of the row."""
+        K = V; online softmax in the log2 domain, shared by every segment of the row. valid [N]: the key rows to
+        read; svalid [M, N] (or [1, N]): which query row attends which of them."""
         ptr = base + rows[:, None].to(tl.int64) * D
         k = tl.load(ptr + offs_d[None, :], mask=valid[:, None], other=0.0)
         rp = ptr + NOPE + 2 * offs_r[None, :]
@@ -68,7 +74,7 @@ if HAVE_TRITON:
         s = tl.dot(qn, tl.trans(k), input_precision=PREC)
         s = tl.dot(qre, tl.trans(ke), s, input_precision=PREC)
         s = tl.dot(qro, tl.trans(ko), s, input_precision=PREC) * qk_scale
-        s = tl.where(valid[None, :], s, float("-inf"))
+        s = tl.where(svalid, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
@@ -136,22 +142,23 @@ if HAVE_TRITON:
                 for start in range(lo, hi, BLOCK_N):
                     rows = start + offs_n
                     m_i, l_i, acc, sr_e, sr_o, ar_e, ar_o = _seg_tile(
-                        qn, qre, qro, lat, rows, rows < hi, offs_d, offs_r, rmask, m_i, l_i, acc, sr_e, sr_o, ar_e,
-                        ar_o, qk_scale, D, NOPE, PREC)
+                        qn, qre, qro, lat, rows, rows < hi, (rows < hi)[None, :], offs_d, offs_r, rmask, m_i, l_i,
+                        acc, sr_e, sr_o, ar_e, ar_o, qk_scale, D, NOPE, PREC)
                 if MODE == 1:
                     for start in range(0, nvis, BLOCK_N):
                         rows = start + offs_n
                         m_i, l_i, acc, sr_e, sr_o, ar_e, ar_o = _seg_tile(
-                            qn, qre, qro, ent, rows, rows < nvis, offs_d, offs_r, rmask, m_i, l_i, acc, sr_e, sr_o,
-                            ar_e, ar_o, qk_scale, D, NOPE, PREC)
+                            qn, qre, qro, ent, rows, rows < nvis, (rows < nvis)[None, :], offs_d, offs_r, rmask, m_i,
+                            l_i, acc, sr_e, sr_o, ar_e, ar_o, qk_scale, D, NOPE, PREC)
                 if MODE == 2:
                     first = tl.load(row + 5)
                     for start in range(pb, pe, BLOCK_N):
                         k = start + offs_n
                         ids = tl.load(picks_ptr + t * n_picks + k, mask=k < pe, other=-1).to(tl.int64) - first
+                        ok = (k < pe) & (ids >= 0) & (ids < n_ent)
                         m_i, l_i, acc, sr_e, sr_o, ar_e, ar_o = _seg_tile(
-                            qn, qre, qro, ent, ids, (k < pe) & (ids >= 0) & (ids < n_ent), offs_d, offs_r, rmask,
-                            m_i, l_i, acc, sr_e, sr_o, ar_e, ar_o, qk_scale, D, NOPE, PREC)
+                            qn, qre, qro, ent, ids, ok, ok[None, :], offs_d, offs_r, rmask, m_i, l_i, acc, sr_e, sr_o,
+                            ar_e, ar_o, qk_scale, D, NOPE, PREC)
                 # this segment's rope value sums turned back at t - Delta_j (the conjugate rotation), then kept
                 ar_e += sr_e * cs + sr_o * sn
                 ar_o += sr_o * cs - sr_e * sn
@@ -165,6 +172,116 @@ if HAVE_TRITON:
         orow = o_ptr + t * (H * D) + offs_h[:, None] * D
         tl.store(orow + offs_d[None, :], (acc * scale_out).to(out_dt), mask=hmask[:, None] & (offs_d[None, :] < NOPE))
         om = hmask[:, None] & rmask[None, :]
+        tl.store(orow + NOPE + 2 * offs_r[None, :], (ar_e * scale_out).to(out_dt), mask=om)
+        tl.store(orow + NOPE + 2 * offs_r[None, :] + 1, (ar_o * scale_out).to(out_dt), mask=om)
+
+
+    @triton.jit
+    def _multiseg_packed_kernel(q_ptr, qpos_ptr, tab_ptr, picks_ptr, bounds_ptr, freq_ptr, sink_ptr, o_ptr,
+                                T, H, P, window, ratio, n_picks, qk_scale, sink_scale, stride_qt, stride_qh,
+                                MODE: tl.constexpr, D: tl.constexpr, HALF_R: tl.constexpr, RP: tl.constexpr,
+                                COLS: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+                                BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+        """`_multiseg_kernel` for calls of few heads: one program holds ROWS consecutive query rows x all their
+        heads (matrix row m = row m // BLOCK_H, head m % BLOCK_H), so the MMA tile's rows are filled and the rows
+        share their key tiles: window tiles over the union of the rows' windows, entry tiles up to the furthest
+        row's visible count, each score masked to the rows that see it. Picks differ per row: each row's run is
+        walked on its own, the other rows masked out."""
+        NOPE: tl.constexpr = D - 2 * HALF_R
+        M: tl.constexpr = ROWS * BLOCK_H
+        offs_m = tl.arange(0, M)
+        rid = offs_m // BLOCK_H                            # the row within this program
+        t0 = tl.program_id(0).to(tl.int64) * ROWS
+        t_raw = t0 + rid
+        hh = offs_m % BLOCK_H
+        mmask = (t_raw < T) & (hh < H)
+        t = tl.minimum(t_raw, T - 1)                       # rows past the end: read row T-1, never attend
+        offs_d = tl.arange(0, D)
+        offs_r = tl.arange(0, RP)
+        rmask = offs_r < HALF_R
+        offs_n = tl.arange(0, BLOCK_N)
+        dt = q_ptr.dtype.element_ty
+        qrow = q_ptr + t[:, None] * stride_qt + hh[:, None] * stride_qh
+        qn = tl.load(qrow + offs_d[None, :], mask=mmask[:, None] & (offs_d[None, :] < NOPE), other=0.0)
+        freq = tl.load(freq_ptr + offs_r, mask=rmask, other=0.0)
+        pos = tl.load(qpos_ptr + t)
+        m_i = tl.full([M], float("-inf"), tl.float32)
+        l_i = tl.zeros([M], dtype=tl.float32)
+        acc = tl.zeros([M, D], dtype=tl.float32)
+        ar_e = tl.zeros([M, RP], dtype=tl.float32)
+        ar_o = tl.zeros([M, RP], dtype=tl.float32)
+        for j in range(P):
+            row = tab_ptr + j * COLS
+            lat = tl.load(row).to(tl.pointer_type(dt))
+            n = tl.load(row + 1)
+            c = pos - tl.load(row + 2)                     # [M] each query row's position in segment j's frame
+            ent = tl.load(row + 3).to(tl.pointer_type(dt))
+            n_ent = tl.load(row + 4)
+            lo = tl.maximum(c - window + 1, 0)
+            hi = tl.minimum(c + 1, n)
+            win = mmask & (hi > lo)
+            lo_u = tl.min(tl.where(win, lo, n), 0)
+            hi_u = tl.max(tl.where(win, hi, 0), 0)
+            nvis = lo * 0
+            pcount = lo * 0
+            if MODE == 1:
+                nvis = tl.where(mmask, tl.minimum(tl.maximum(c + 1, 0) // ratio, n_ent), 0)
+            if MODE == 2:
+                pb = tl.load(bounds_ptr + t * (P + 1) + j)
+                pe = tl.load(bounds_ptr + t * (P + 1) + j + 1)
+                pcount = tl.where(mmask, pe - pb, 0)
+            nvis_u = tl.max(nvis, 0)
+            if (hi_u > lo_u) | (nvis_u > 0) | (tl.max(pcount, 0) > 0):
+                ang = c.to(tl.float32)[:, None] * freq[None, :]
+                cs = tl.cos(ang)
+                sn = tl.sin(ang)
+                qm = mmask[:, None] & rmask[None, :]
+                qe = tl.load(qrow + NOPE + 2 * offs_r[None, :], mask=qm, other=0.0).to(tl.float32)
+                qo = tl.load(qrow + NOPE + 2 * offs_r[None, :] + 1, mask=qm, other=0.0).to(tl.float32)
+                qre = (qe * cs - qo * sn).to(dt)
+                qro = (qo * cs + qe * sn).to(dt)
+                sr_e = tl.zeros([M, RP], dtype=tl.float32)
+                sr_o = tl.zeros([M, RP], dtype=tl.float32)
+                for start in range(lo_u, hi_u, BLOCK_N):
+                    rows = start + offs_n
+                    sv = win[:, None] & (rows[None, :] >= lo[:, None]) & (rows[None, :] < hi[:, None])
+                    if tl.max(sv.to(tl.int32)) > 0:        # windows far apart: tiles between them are skipped
+                        m_i, l_i, acc, sr_e, sr_o, ar_e, ar_o = _seg_tile(
+                            qn, qre, qro, lat, rows, rows < hi_u, sv, offs_d, offs_r, rmask, m_i, l_i, acc, sr_e,
+                            sr_o, ar_e, ar_o, qk_scale, D, NOPE, PREC)
+                if MODE == 1:
+                    for start in range(0, nvis_u, BLOCK_N):
+                        rows = start + offs_n
+                        m_i, l_i, acc, sr_e, sr_o, ar_e, ar_o = _seg_tile(
+                            qn, qre, qro, ent, rows, rows < nvis_u, rows[None, :] < nvis[:, None], offs_d, offs_r,
+                            rmask, m_i, l_i, acc, sr_e, sr_o, ar_e, ar_o, qk_scale, D, NOPE, PREC)
+                if MODE == 2:
+                    first = tl.load(row + 5)
+                    for r in range(ROWS):
+                        tr = t0 + r
+                        if tr < T:
+                            rb = tl.load(bounds_ptr + tr * (P + 1) + j).to(tl.int64)
+                            re = tl.load(bounds_ptr + tr * (P + 1) + j + 1).to(tl.int64)
+                            mine = mmask & (rid == r)
+                            for start in range(rb, re, BLOCK_N):
+                                k = start + offs_n
+                                ids = tl.load(picks_ptr + tr * n_picks + k, mask=k < re, other=-1).to(tl.int64)
+                                ids = ids - first
+                                ok = (k < re) & (ids >= 0) & (ids < n_ent)
+                                m_i, l_i, acc, sr_e, sr_o, ar_e, ar_o = _seg_tile(
+                                    qn, qre, qro, ent, ids, ok, mine[:, None] & ok[None, :], offs_d, offs_r, rmask,
+                                    m_i, l_i, acc, sr_e, sr_o, ar_e, ar_o, qk_scale, D, NOPE, PREC)
+                ar_e += sr_e * cs + sr_o * sn
+                ar_o += sr_o * cs - sr_e * sn
+        sink = tl.load(sink_ptr + hh, mask=hh < H, other=0.0).to(tl.float32) * sink_scale
+        m_safe = tl.maximum(m_i, sink)
+        keep = tl.exp2(m_i - m_safe)
+        scale_out = keep / (l_i * keep + tl.exp2(sink - m_safe))
+        scale_out = tl.where(l_i > 0.0, scale_out, 0.0)[:, None]
+        out_dt = o_ptr.dtype.element_ty
+        orow = o_ptr + t[:, None] * (H * D) + hh[:, None] * D
+        tl.store(orow + offs_d[None, :], (acc * scale_out).to(out_dt), mask=mmask[:, None] & (offs_d[None, :] < NOPE))
+        om = mmask[:, None] & rmask[None, :]
         tl.store(orow + NOPE + 2 * offs_r[None, :], (ar_e * scale_out).to(out_dt), mask=om)
         tl.store(orow + NOPE + 2 * offs_r[None, :] + 1, (ar_o * scale_out).to(out_dt), mask=om)
 
@@ -226,13 +343,27 @@ def multi_segment_attention(q_raw: torch.Tensor, qpos: torch.Tensor, segments, s
     else:
         picks = bounds = qpos
         n_picks = 0
-    cfg = dict(BLOCK_H=min(64, max(16, triton.next_power_of_2(H))), BLOCK_N=64 if D >= 512 else 16,
+    qpos = qpos.to(device=dev, dtype=torch.int64).contiguous()
+    inv_freq = inv_freq.to(device=dev, dtype=torch.float32).contiguous()
+    sink = sink.to(device=dev, dtype=torch.float32).contiguous()
+    bh = triton.next_power_of_2(H)
+    if bh < 16 and (config or {}).get("ROWS", 16 // bh) > 1:
+        # few heads: several rows per program (_multiseg_packed_kernel), ROWS x heads filling the MMA tile
+        cfg = dict(ROWS=16 // bh, BLOCK_N=32 if D >= 512 else 16, num_warps=4, num_stages=2)
+        cfg.update(config or {})
+        _multiseg_packed_kernel[(triton.cdiv(T, cfg["ROWS"]),)](
+            q_raw, qpos, tab, picks, bounds, inv_freq, sink, out, T, H, len(segments), int(window),
+            max(int(ratio), 1), n_picks, float(scale) * LOG2E, LOG2E, q_raw.stride(0), q_raw.stride(1),
+            MODE=MODES[mode], D=D, HALF_R=half_r, RP=max(16, triton.next_power_of_2(half_r)), COLS=COLS,
+            ROWS=cfg["ROWS"], BLOCK_H=bh, BLOCK_N=cfg["BLOCK_N"], PREC=dot_precision(q_raw.dtype),
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        del keep
+        return out
+    cfg = dict(BLOCK_H=min(64, max(16, bh)), BLOCK_N=64 if D >= 512 else 16,
                num_warps=8 if D >= 512 and H > 16 else 4, num_stages=2)
-    cfg.update(config or {})
+    cfg.update({k: v for k, v in (config or {}).items() if k != "ROWS"})
     grid = (T, triton.cdiv(H, cfg["BLOCK_H"]))
-    _multiseg_kernel[grid](q_raw, qpos.to(device=dev, dtype=torch.int64).contiguous(), tab, picks, bounds,
-                           inv_freq.to(device=dev, dtype=torch.float32).contiguous(),
-                           sink.to(device=dev, dtype=torch.float32).contiguous(), out,
+    _multiseg_kernel[grid](q_raw, qpos, tab, picks, bounds, inv_freq, sink, out,
                            H, len(segments), int(window), max(int(ratio), 1), n_picks, float(scale) * LOG2E, LOG2E,
                            q_raw.stride(0), q_raw.stride(1), MODE=MODES[mode], D=D, HALF_R=half_r,
                            RP=max(16, triton.next_power_of_2(half_r)), COLS=COLS,

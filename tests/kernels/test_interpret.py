@@ -128,3 +128,55 @@ def test_mhc_kernels_equal_the_torch_path():
     assert max(rel_err(pre, rpre), rel_err(post, rpost), rel_err(comb, rcomb)) <= TOL
     assert rel_err(col, (rpre.unsqueeze(-1) * x).sum(1)) <= TOL
     assert rel_err(mhc.hc_post(y, x, post, comb), Block.hc_post(y, x, rpost, rcomb)) <= TOL
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("H,rows_per_program", [(8, None), (3, None), (8, 4)])
+@pytest.mark.parametrize("kind", ["window", "hca", "csa-own", "csa-union"])
+def test_fused_kernel_packed_rows_equal_the_reference(kind, H, rows_per_program):
+    """runtime/kernels/multiseg.py with few heads runs several query rows per program (their heads fill the MMA
+    tile; window and entry tiles shared, each score masked to the rows that see it; picks walked row by row). On
+    four segments, query rows with gaps (windows far apart inside one program) and rows crossing the segments'
+    joins, it equals the stacked reference path (per-segment torch attention, rotation, merge with the sink) to
+    1e-5 in float32. Head counts 8 (2 rows per program; also 4) and 3 (padded to 4 heads, 4 rows)."""
+    import types
+    from runtime.kernels.multiseg import multi_segment_attention
+    from runtime.model.config import CSA, HCA, WINDOW
+    from runtime.model.deepseek_v4 import Rotary
+    g = torch.Generator().manual_seed(H + len(kind))
+    D, W = 64, 8
+    ratio = {"window": 0, "hca": 8, "csa-own": 4, "csa-union": 4}[kind]
+    lens = [24, 40, 32, 9]
+    deltas = [sum(lens[:j]) for j in range(len(lens))]
+    rot = Rotary(1.0 / (10000.0 ** (torch.arange(0, 16, 2).float() / 16)))
+    attn = types.SimpleNamespace(kind={"window": WINDOW, "hca": HCA}.get(kind, CSA), ratio=ratio, scale=D ** -0.5,
+                                 rotary=rot, indexer=None, cfg=types.SimpleNamespace(window_size=W))
+    segs = [consumer_mod.SegmentKeys(d, torch.randn(n, D, generator=g),
+                                     torch.randn(n // ratio, D, generator=g) if ratio else None)
+            for n, d in zip(lens, deltas)]
+    keep = torch.rand(sum(lens), generator=g) < 0.6
+    keep[[3, 4, 60, 61, 62]] = True                  # consecutive rows, and rows far apart in one program
+    keep[5:59] = False
+    rows = torch.nonzero(keep).flatten()
+    q = torch.randn(rows.numel(), H, D, generator=g)
+    sink = torch.randn(H, generator=g)
+    mode = {"window": "none", "hca": "causal"}.get(kind, "picks")
+    first = [sum(n // 4 for n in lens[:j]) for j in range(len(lens))] if mode == "picks" else None
+    picks = bounds = per_seg = None
+    if mode == "picks":
+        total = sum(n // 4 for n in lens)
+        seg_of = torch.searchsorted(torch.tensor(deltas), rows, right=True) - 1
+        own_vis = (rows - torch.tensor(deltas)[seg_of] + 1) // 4
+        base = torch.tensor(first)[seg_of]
+        vis = own_vis if kind == "csa-own" else base + own_vis        # own segment, or every segment up to it
+        lo = base if kind == "csa-own" else torch.zeros_like(base)
+        ids = lo[:, None] + (torch.rand(rows.numel(), 6, generator=g) * vis[:, None]).long()
+        gp = torch.where(torch.rand(ids.shape, generator=g) < 0.2, total, ids)
+        gp = torch.where(vis[:, None] > 0, gp, total).sort(dim=1).values
+        bounds = torch.searchsorted(gp, torch.tensor(first + [total]).expand(rows.numel(), -1).contiguous())
+        picks = gp
+        per_seg = [torch.where((gp >= f) & (gp < e), gp - f, -1) for f, e in zip(first, first[1:] + [total])]
+    out = multi_segment_attention(q, rows, segs, sink, W, mode, ratio or 1, attn.scale, rot.inv_freq, picks, first,
+                                  bounds, config=None if rows_per_program is None else {"ROWS": rows_per_program})
+    ref, _ = consumer_mod.segment_attention(attn, q, rows, segs, sink, picks=per_seg, qpos_host=rows.numpy())
+    assert rel_err(out, ref) <= TOL
