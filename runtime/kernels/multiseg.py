@@ -89,6 +89,47 @@ if HAVE_TRITON:
         return m_new, l_i, acc, sr_e, sr_o, ar_e, ar_o
 
     @triton.jit
+    def _start(M: tl.constexpr, D: tl.constexpr, RP: tl.constexpr):
+        """The online softmax's state for M query rows: running max, denominator, value sums (all D channels; the
+        rope ones unused), and the earlier segments' turned-back rope value sums (even and odd halves)."""
+        return (tl.full([M], float("-inf"), tl.float32), tl.zeros([M], dtype=tl.float32),
+                tl.zeros([M, D], dtype=tl.float32), tl.zeros([M, RP], dtype=tl.float32),
+                tl.zeros([M, RP], dtype=tl.float32))
+
+    @triton.jit
+    def _segment(tab_ptr, j, COLS: tl.constexpr, dt: tl.constexpr):
+        """Segment j's table row: its latent (pointer), length, Delta, entries (pointer) and entry count."""
+        row = tab_ptr + j * COLS
+        return (tl.load(row).to(tl.pointer_type(dt)), tl.load(row + 1), tl.load(row + 2),
+                tl.load(row + 3).to(tl.pointer_type(dt)), tl.load(row + 4))
+
+    @triton.jit
+    def _turn_query(qrow, c, freq, qm, offs_r, NOPE: tl.constexpr, dt: tl.constexpr):
+        """The query's rope pairs (even and odd halves) turned to the segment's frame (positions c, [M, 1] or
+        scalar); returns them in the key dtype with the angles' cosines and sines (for turning the sums back)."""
+        ang = c * freq
+        cs = tl.cos(ang)
+        sn = tl.sin(ang)
+        qe = tl.load(qrow + NOPE + 2 * offs_r[None, :], mask=qm, other=0.0).to(tl.float32)
+        qo = tl.load(qrow + NOPE + 2 * offs_r[None, :] + 1, mask=qm, other=0.0).to(tl.float32)
+        return (qe * cs - qo * sn).to(dt), (qo * cs + qe * sn).to(dt), cs, sn
+
+    @triton.jit
+    def _finish(orow, rmask_rows, m_i, l_i, acc, ar_e, ar_o, sink, offs_d, offs_r, rmask, NOPE: tl.constexpr):
+        """The sink's exp(sink) joins the denominator once (log2 domain: 2^(sink log2e - m)); the normalized
+        output is stored, its rope pairs from the turned-back sums."""
+        m_safe = tl.maximum(m_i, sink)
+        keep = tl.exp2(m_i - m_safe)
+        scale_out = keep / (l_i * keep + tl.exp2(sink - m_safe))
+        scale_out = tl.where(l_i > 0.0, scale_out, 0.0)[:, None]
+        out_dt = orow.dtype.element_ty
+        tl.store(orow + offs_d[None, :], (acc * scale_out).to(out_dt),
+                 mask=rmask_rows[:, None] & (offs_d[None, :] < NOPE))
+        om = rmask_rows[:, None] & rmask[None, :]
+        tl.store(orow + NOPE + 2 * offs_r[None, :], (ar_e * scale_out).to(out_dt), mask=om)
+        tl.store(orow + NOPE + 2 * offs_r[None, :] + 1, (ar_o * scale_out).to(out_dt), mask=om)
+
+    @triton.jit
     def _multiseg_kernel(q_ptr, qpos_ptr, tab_ptr, picks_ptr, bounds_ptr, freq_ptr, sink_ptr, o_ptr,
                          H, P, window, ratio, n_picks, qk_scale, sink_scale, stride_qt, stride_qh,
                          MODE: tl.constexpr, D: tl.constexpr, HALF_R: tl.constexpr, RP: tl.constexpr,
@@ -106,18 +147,10 @@ if HAVE_TRITON:
         qn = tl.load(qrow + offs_d[None, :], mask=hmask[:, None] & (offs_d[None, :] < NOPE), other=0.0)
         freq = tl.load(freq_ptr + offs_r, mask=rmask, other=0.0)
         pos = tl.load(qpos_ptr + t)
-        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
-        ar_e = tl.zeros([BLOCK_H, RP], dtype=tl.float32)
-        ar_o = tl.zeros([BLOCK_H, RP], dtype=tl.float32)
+        m_i, l_i, acc, ar_e, ar_o = _start(BLOCK_H, D, RP)
         for j in range(P):
-            row = tab_ptr + j * COLS
-            lat = tl.load(row).to(tl.pointer_type(dt))
-            n = tl.load(row + 1)
-            c = pos - tl.load(row + 2)                     # the query's position in segment j's frame
-            ent = tl.load(row + 3).to(tl.pointer_type(dt))
-            n_ent = tl.load(row + 4)
+            lat, n, delta, ent, n_ent = _segment(tab_ptr, j, COLS, dt)
+            c = pos - delta                                # the query's position in segment j's frame
             lo = tl.maximum(c - window + 1, 0)
             hi = tl.minimum(c + 1, n)
             nvis = lo * 0
@@ -129,14 +162,8 @@ if HAVE_TRITON:
                 pb = tl.load(bounds_ptr + t * (P + 1) + j).to(tl.int64)
                 pe = tl.load(bounds_ptr + t * (P + 1) + j + 1).to(tl.int64)
             if (hi > lo) | (nvis > 0) | (pe > pb):
-                ang = c.to(tl.float32) * freq
-                cs = tl.cos(ang)[None, :]
-                sn = tl.sin(ang)[None, :]
-                qm = hmask[:, None] & rmask[None, :]
-                qe = tl.load(qrow + NOPE + 2 * offs_r[None, :], mask=qm, other=0.0).to(tl.float32)
-                qo = tl.load(qrow + NOPE + 2 * offs_r[None, :] + 1, mask=qm, other=0.0).to(tl.float32)
-                qre = (qe * cs - qo * sn).to(dt)
-                qro = (qo * cs + qe * sn).to(dt)
+                qre, qro, cs, sn = _turn_query(qrow, c.to(tl.float32), freq[None, :], hmask[:, None] & rmask[None, :],
+                                               offs_r, NOPE, dt)
                 sr_e = tl.zeros([BLOCK_H, RP], dtype=tl.float32)
                 sr_o = tl.zeros([BLOCK_H, RP], dtype=tl.float32)
                 for start in range(lo, hi, BLOCK_N):
@@ -151,7 +178,7 @@ if HAVE_TRITON:
                             qn, qre, qro, ent, rows, rows < nvis, (rows < nvis)[None, :], offs_d, offs_r, rmask, m_i,
                             l_i, acc, sr_e, sr_o, ar_e, ar_o, qk_scale, D, NOPE, PREC)
                 if MODE == 2:
-                    first = tl.load(row + 5)
+                    first = tl.load(tab_ptr + j * COLS + 5)
                     for start in range(pb, pe, BLOCK_N):
                         k = start + offs_n
                         ids = tl.load(picks_ptr + t * n_picks + k, mask=k < pe, other=-1).to(tl.int64) - first
@@ -162,18 +189,9 @@ if HAVE_TRITON:
                 # this segment's rope value sums turned back at t - Delta_j (the conjugate rotation), then kept
                 ar_e += sr_e * cs + sr_o * sn
                 ar_o += sr_o * cs - sr_e * sn
-        # the sink's exp(sink) joins the denominator once (log2 domain: 2^(sink log2e - m))
         sink = tl.load(sink_ptr + offs_h, mask=hmask, other=0.0).to(tl.float32) * sink_scale
-        m_safe = tl.maximum(m_i, sink)
-        keep = tl.exp2(m_i - m_safe)
-        scale_out = keep / (l_i * keep + tl.exp2(sink - m_safe))
-        scale_out = tl.where(l_i > 0.0, scale_out, 0.0)[:, None]
-        out_dt = o_ptr.dtype.element_ty
-        orow = o_ptr + t * (H * D) + offs_h[:, None] * D
-        tl.store(orow + offs_d[None, :], (acc * scale_out).to(out_dt), mask=hmask[:, None] & (offs_d[None, :] < NOPE))
-        om = hmask[:, None] & rmask[None, :]
-        tl.store(orow + NOPE + 2 * offs_r[None, :], (ar_e * scale_out).to(out_dt), mask=om)
-        tl.store(orow + NOPE + 2 * offs_r[None, :] + 1, (ar_o * scale_out).to(out_dt), mask=om)
+        _finish(o_ptr + t * (H * D) + offs_h[:, None] * D, hmask, m_i, l_i, acc, ar_e, ar_o, sink, offs_d, offs_r,
+                rmask, NOPE)
 
 
     @triton.jit
@@ -205,18 +223,10 @@ if HAVE_TRITON:
         qn = tl.load(qrow + offs_d[None, :], mask=mmask[:, None] & (offs_d[None, :] < NOPE), other=0.0)
         freq = tl.load(freq_ptr + offs_r, mask=rmask, other=0.0)
         pos = tl.load(qpos_ptr + t)
-        m_i = tl.full([M], float("-inf"), tl.float32)
-        l_i = tl.zeros([M], dtype=tl.float32)
-        acc = tl.zeros([M, D], dtype=tl.float32)
-        ar_e = tl.zeros([M, RP], dtype=tl.float32)
-        ar_o = tl.zeros([M, RP], dtype=tl.float32)
+        m_i, l_i, acc, ar_e, ar_o = _start(M, D, RP)
         for j in range(P):
-            row = tab_ptr + j * COLS
-            lat = tl.load(row).to(tl.pointer_type(dt))
-            n = tl.load(row + 1)
-            c = pos - tl.load(row + 2)                     # [M] each query row's position in segment j's frame
-            ent = tl.load(row + 3).to(tl.pointer_type(dt))
-            n_ent = tl.load(row + 4)
+            lat, n, delta, ent, n_ent = _segment(tab_ptr, j, COLS, dt)
+            c = pos - delta                                # [M] each query row's position in segment j's frame
             lo = tl.maximum(c - window + 1, 0)
             hi = tl.minimum(c + 1, n)
             win = mmask & (hi > lo)
@@ -232,14 +242,8 @@ if HAVE_TRITON:
                 pcount = tl.where(mmask, pe - pb, 0)
             nvis_u = tl.max(nvis, 0)
             if (hi_u > lo_u) | (nvis_u > 0) | (tl.max(pcount, 0) > 0):
-                ang = c.to(tl.float32)[:, None] * freq[None, :]
-                cs = tl.cos(ang)
-                sn = tl.sin(ang)
-                qm = mmask[:, None] & rmask[None, :]
-                qe = tl.load(qrow + NOPE + 2 * offs_r[None, :], mask=qm, other=0.0).to(tl.float32)
-                qo = tl.load(qrow + NOPE + 2 * offs_r[None, :] + 1, mask=qm, other=0.0).to(tl.float32)
-                qre = (qe * cs - qo * sn).to(dt)
-                qro = (qo * cs + qe * sn).to(dt)
+                qre, qro, cs, sn = _turn_query(qrow, c.to(tl.float32)[:, None], freq[None, :],
+                                               mmask[:, None] & rmask[None, :], offs_r, NOPE, dt)
                 sr_e = tl.zeros([M, RP], dtype=tl.float32)
                 sr_o = tl.zeros([M, RP], dtype=tl.float32)
                 for start in range(lo_u, hi_u, BLOCK_N):
@@ -256,7 +260,7 @@ if HAVE_TRITON:
                             qn, qre, qro, ent, rows, rows < nvis_u, rows[None, :] < nvis[:, None], offs_d, offs_r,
                             rmask, m_i, l_i, acc, sr_e, sr_o, ar_e, ar_o, qk_scale, D, NOPE, PREC)
                 if MODE == 2:
-                    first = tl.load(row + 5)
+                    first = tl.load(tab_ptr + j * COLS + 5)
                     for r in range(ROWS):
                         tr = t0 + r
                         if tr < T:
@@ -274,16 +278,8 @@ if HAVE_TRITON:
                 ar_e += sr_e * cs + sr_o * sn
                 ar_o += sr_o * cs - sr_e * sn
         sink = tl.load(sink_ptr + hh, mask=hh < H, other=0.0).to(tl.float32) * sink_scale
-        m_safe = tl.maximum(m_i, sink)
-        keep = tl.exp2(m_i - m_safe)
-        scale_out = keep / (l_i * keep + tl.exp2(sink - m_safe))
-        scale_out = tl.where(l_i > 0.0, scale_out, 0.0)[:, None]
-        out_dt = o_ptr.dtype.element_ty
-        orow = o_ptr + t[:, None] * (H * D) + hh[:, None] * D
-        tl.store(orow + offs_d[None, :], (acc * scale_out).to(out_dt), mask=mmask[:, None] & (offs_d[None, :] < NOPE))
-        om = mmask[:, None] & rmask[None, :]
-        tl.store(orow + NOPE + 2 * offs_r[None, :], (ar_e * scale_out).to(out_dt), mask=om)
-        tl.store(orow + NOPE + 2 * offs_r[None, :] + 1, (ar_o * scale_out).to(out_dt), mask=om)
+        _finish(o_ptr + t[:, None] * (H * D) + hh[:, None] * D, mmask, m_i, l_i, acc, ar_e, ar_o, sink, offs_d,
+                offs_r, rmask, NOPE)
 
 
 def segment_table(segments, device, dtype, with_entries: bool, pick_first: list[int] | None = None):

@@ -131,14 +131,16 @@ def test_mhc_kernels_equal_the_torch_path():
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("H,rows_per_program", [(8, None), (3, None), (8, 4)])
+@pytest.mark.parametrize("H,rows_per_program", [(8, None), (3, None), (8, 4), (16, None), (8, 1)])
 @pytest.mark.parametrize("kind", ["window", "hca", "csa-own", "csa-union"])
-def test_fused_kernel_packed_rows_equal_the_reference(kind, H, rows_per_program):
+def test_fused_kernel_rows_per_program_equal_the_reference(kind, H, rows_per_program):
     """runtime/kernels/multiseg.py with few heads runs several query rows per program (their heads fill the MMA
     tile; window and entry tiles shared, each score masked to the rows that see it; picks walked row by row). On
     four segments, query rows with gaps (windows far apart inside one program) and rows crossing the segments'
     joins, it equals the stacked reference path (per-segment torch attention, rotation, merge with the sink) to
-    1e-5 in float32. Head counts 8 (2 rows per program; also 4) and 3 (padded to 4 heads, 4 rows)."""
+    1e-5 in float32. Head counts 8 (2 rows per program; also 4) and 3 (padded to 4 heads, 4 rows); and the one-row
+    kernel, which serves calls of 16 heads or more (Flash's 64 active-row heads) and 8 heads with ROWS = 1. (The
+    tiny model's 8- and 4-head calls all take the packed kernel under REDKNOT_FUSED_SEGMENTS=1.)"""
     import types
     from runtime.kernels.multiseg import multi_segment_attention
     from runtime.model.config import CSA, HCA, WINDOW
