@@ -1,0 +1,44 @@
+"""Compile the fused multi-segment kernels ahead of time for the H200 (sm_90) on a machine without a GPU: Triton
+lowers them through TTIR, TTGIR, LLVM IR and PTX to a cubin (its bundled ptxas), so an error that only the compiler
+sees (types, layouts, shared memory) shows here rather than on the device. Run by test_compile_sm90.py in a
+process without TRITON_INTERPRET (under the interpreter @triton.jit gives no compilable function). Prints one line
+per kernel and mode and exits 1 on any failure."""
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from runtime.kernels import multiseg  # noqa: E402
+
+TYPES = dict(q_ptr="*bf16", qpos_ptr="*i64", tab_ptr="*i64", picks_ptr="*i32", bounds_ptr="*i32", freq_ptr="*fp32",
+             sink_ptr="*fp32", o_ptr="*bf16", qk_scale="fp32", sink_scale="fp32")
+# Flash's dims (D = 512, 64 rope channels) at the launch configurations multi_segment_attention uses by default
+KERNELS = [("one-row, 64 heads", multiseg._multiseg_kernel, dict(BLOCK_H=64, BLOCK_N=64), 8),
+           ("packed, 8 heads x 2 rows", multiseg._multiseg_packed_kernel, dict(ROWS=2, BLOCK_H=8, BLOCK_N=32), 4)]
+
+
+def main() -> int:
+    failed = 0
+    for name, kern, blocks, warps in KERNELS:
+        for mode, code in multiseg.MODES.items():
+            const = dict(MODE=code, D=512, HALF_R=32, RP=32, COLS=multiseg.COLS, PREC="tf32", **blocks)
+            sig = {a: "constexpr" if a in const else TYPES.get(a, "i32") for a in kern.arg_names}
+            src = ASTSource(fn=kern, signature=sig,
+                            constexprs={(kern.arg_names.index(k),): v for k, v in const.items()})
+            try:
+                out = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                     options=dict(num_warps=warps, num_stages=2))
+                print(f"{name}, {mode}: cubin {len(out.asm['cubin'])} bytes, shared memory {out.metadata.shared}")
+            except Exception as e:  # noqa: BLE001 - every failure is reported, then the exit code says it
+                failed += 1
+                print(f"{name}, {mode}: FAILED {type(e).__name__}: {e}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
