@@ -1,4 +1,4 @@
-"""Compile the fused multi-segment kernels ahead of time for the H200 (sm_90) on a machine without a GPU: Triton
+"""Compile the consumer's attention kernels ahead of time for the H200 (sm_90) on a machine without a GPU: Triton
 lowers them through TTIR, TTGIR, LLVM IR and PTX to a cubin (its bundled ptxas), so an error that only the compiler
 sees (types, layouts, shared memory) shows here rather than on the device. Run by test_compile_sm90.py in a
 process without TRITON_INTERPRET (under the interpreter @triton.jit gives no compilable function). Prints one line
@@ -13,21 +13,34 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from runtime.kernels import multiseg  # noqa: E402
+from runtime.kernels import merge, multiseg, sparse_attention  # noqa: E402
 
-TYPES = dict(q_ptr="*bf16", qpos_ptr="*i64", tab_ptr="*i64", picks_ptr="*i32", bounds_ptr="*i32", freq_ptr="*fp32",
+FUSED = dict(q_ptr="*bf16", qpos_ptr="*i64", tab_ptr="*i64", picks_ptr="*i32", bounds_ptr="*i32", freq_ptr="*fp32",
              sink_ptr="*fp32", o_ptr="*bf16", qk_scale="fp32", sink_scale="fp32")
-# Flash's dims (D = 512, 64 rope channels) at the launch configurations multi_segment_attention uses by default
-KERNELS = [("one-row, 64 heads", multiseg._multiseg_kernel, dict(BLOCK_H=64, BLOCK_N=64), 8),
-           ("packed, 8 heads x 2 rows", multiseg._multiseg_packed_kernel, dict(ROWS=2, BLOCK_H=8, BLOCK_N=32), 4)]
+STACKED = dict(q_ptr="*bf16", k_ptr="*bf16", e_ptr="*bf16", cpos_ptr="*i64", picks_ptr="*i32", o_ptr="*fp32",
+               lse_ptr="*fp32", qk_scale="fp32")
+MERGE = dict(o_ptr="*fp32", lse_ptr="*fp32", sink_ptr="*fp32", out_ptr="*bf16")
+FUSED_C = dict(D=512, HALF_R=32, RP=32, COLS=multiseg.COLS, PREC="tf32")
+# Flash's dims (D = 512, 64 rope channels) at the launch configurations the wrappers use by default:
+# (name, kernel, argument types, constexprs, num_warps, modes)
+KERNELS = [
+    ("fused one-row, 64 heads", multiseg._multiseg_kernel, FUSED, dict(FUSED_C, BLOCK_H=64, BLOCK_N=64), 8, True),
+    ("fused packed, 8 heads x 2 rows", multiseg._multiseg_packed_kernel, FUSED,
+     dict(FUSED_C, ROWS=2, BLOCK_H=8, BLOCK_N=32), 4, True),
+    ("stacked part, 64 heads", sparse_attention._sparse_mqa_kernel, STACKED,
+     dict(D=512, DV=512, BLOCK_H=64, BLOCK_N=64, PREC="tf32"), 8, True),
+    ("stacked part, 8 heads", sparse_attention._sparse_mqa_kernel, STACKED,
+     dict(D=512, DV=512, BLOCK_H=16, BLOCK_N=64, PREC="tf32"), 4, True),
+    ("stacked merge", merge._merge_stacked_kernel, MERGE, dict(D=512, BLOCK_R=8, BLOCK_D=512), 4, False),
+]
 
 
 def main() -> int:
     failed = 0
-    for name, kern, blocks, warps in KERNELS:
-        for mode, code in multiseg.MODES.items():
-            const = dict(MODE=code, D=512, HALF_R=32, RP=32, COLS=multiseg.COLS, PREC="tf32", **blocks)
-            sig = {a: "constexpr" if a in const else TYPES.get(a, "i32") for a in kern.arg_names}
+    for name, kern, types, consts, warps, modal in KERNELS:
+        for mode, code in (multiseg.MODES.items() if modal else [("-", None)]):
+            const = dict(consts, **({"MODE": code} if modal else {}))
+            sig = {a: "constexpr" if a in const else types.get(a, "i32") for a in kern.arg_names}
             src = ASTSource(fn=kern, signature=sig,
                             constexprs={(kern.arg_names.index(k),): v for k, v in const.items()})
             try:
