@@ -114,6 +114,9 @@ def timed(fn, device) -> tuple[float, object]:
 def request(cfg, L: int, n_docs: int, n_q: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     per = (L // n_docs) // 128 * 128                      # documents fill L; the question comes on top
+    if per == 0:
+        raise SystemExit(f"length {L} leaves {n_docs} documents under 128 tokens each (documents are whole "
+                         f"128-token blocks): use a length of at least {128 * n_docs} or fewer --docs")
     docs = [torch.randint(2, cfg.vocab_size, (per,), generator=g).tolist() for _ in range(n_docs)]
     return docs, torch.randint(2, cfg.vocab_size, (n_q,), generator=g).tolist()
 
