@@ -26,3 +26,9 @@ def test_ttft_refuses_a_budget_outside_0_1():
     r = subprocess.run([sys.executable, "bench/ttft.py", "--small", "--device", "cpu", "--extra-budgets", "1.5"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--extra-budgets must lie in (0, 1]" in r.stderr
+
+
+def test_ttft_refuses_a_length_shorter_than_one_block_per_document():
+    r = subprocess.run([sys.executable, "bench/ttft.py", "--small", "--device", "cpu", "--lengths", "512",
+                        "--cold-at", "0"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "length 512 leaves 8 documents under 128 tokens each" in r.stderr, r.stderr[-500:]
