@@ -1,4 +1,4 @@
-"""Compile the consumer's attention kernels ahead of time for the H200 (sm_90) on a machine without a GPU: Triton
+"""Compile every Triton kernel of runtime/kernels ahead of time for the H200 (sm_90) on a machine without a GPU: Triton
 lowers them through TTIR, TTGIR, LLVM IR and PTX to a cubin (its bundled ptxas), so an error that only the compiler
 sees (types, layouts, shared memory) shows here rather than on the device. Run by test_compile_sm90.py in a
 process without TRITON_INTERPRET (under the interpreter @triton.jit gives no compilable function). Prints one line
@@ -13,13 +13,20 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from runtime.kernels import merge, multiseg, sparse_attention  # noqa: E402
+from runtime.kernels import indexer, merge, mhc, multiseg, rope, sparse_attention  # noqa: E402
 
 FUSED = dict(q_ptr="*bf16", qpos_ptr="*i64", tab_ptr="*i64", picks_ptr="*i32", bounds_ptr="*i32", freq_ptr="*fp32",
              sink_ptr="*fp32", o_ptr="*bf16", qk_scale="fp32", sink_scale="fp32")
 STACKED = dict(q_ptr="*bf16", k_ptr="*bf16", e_ptr="*bf16", cpos_ptr="*i64", picks_ptr="*i32", o_ptr="*fp32",
                lse_ptr="*fp32", qk_scale="fp32")
 MERGE = dict(o_ptr="*fp32", lse_ptr="*fp32", sink_ptr="*fp32", out_ptr="*bf16")
+MERGE_N = dict(o_tab="*i64", lse_tab="*i64", sink_ptr="*fp32", out_ptr="*bf16", lse_out_ptr="*fp32")
+INDEXER = dict(q_ptr="*bf16", k_ptr="*bf16", w_ptr="*fp32", cpos_ptr="*i64", o_ptr="*fp32", scale="fp32")
+HC_MIX = dict(x_ptr="*bf16", fn_ptr="*fp32", mix_ptr="*fp32", norm_eps="fp32")
+HC_WEIGHTS = dict(x_ptr="*bf16", mix_ptr="*fp32", base_ptr="*fp32", scale_ptr="*fp32", pre_ptr="*fp32",
+                  post_ptr="*fp32", comb_ptr="*fp32", out_ptr="*bf16", hc_eps="fp32")
+HC_POST = dict(y_ptr="*bf16", x_ptr="*bf16", post_ptr="*fp32", comb_ptr="*fp32", out_ptr="*bf16")
+ROPE = dict(x_ptr="*bf16", s_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32")
 FUSED_C = dict(D=512, HALF_R=32, RP=32, COLS=multiseg.COLS, PREC="tf32")
 # Flash's dims (D = 512, 64 rope channels) at the launch configurations the wrappers use by default:
 # (name, kernel, argument types, constexprs, num_warps, modes)
@@ -32,6 +39,13 @@ KERNELS = [
     ("stacked part, 8 heads", sparse_attention._sparse_mqa_kernel, STACKED,
      dict(D=512, DV=512, BLOCK_H=16, BLOCK_N=64, PREC="tf32"), 4, True),
     ("stacked merge", merge._merge_stacked_kernel, MERGE, dict(D=512, BLOCK_R=8, BLOCK_D=512), 4, False),
+    ("N-way merge", merge._merge_kernel, MERGE_N, dict(HAS_SINK=True, D=512, BLOCK_R=8, BLOCK_D=512), 4, False),
+    ("indexer scores", indexer._indexer_scores_kernel, INDEXER,
+     dict(IH=64, ID=128, BLOCK_T=64, BLOCK_N=128, PREC="tf32"), 4, False),
+    ("mHC mix", mhc._hc_mix_kernel, HC_MIX, dict(MIX=24, MIXP=32, BT=32, BK=64), 4, False),
+    ("mHC weights", mhc._hc_weights_kernel, HC_WEIGHTS, dict(HC=4, BT=16, BD=256), 4, False),
+    ("mHC post", mhc._hc_post_kernel, HC_POST, dict(HC=4, BT=16, BD=128), 4, False),
+    ("RoPE slice", rope._rope_kernel, ROPE, dict(INVERSE=False, HALF=32, BLOCK_H=16), 1, False),
 ]
 
 
