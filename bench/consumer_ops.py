@@ -55,6 +55,7 @@ def _gpu_path() -> None:
         out[0].copy_(o)
         out[1].copy_(lse)
         return out
+
     def multiseg(q_raw, qpos, segments, sink, window, mode, ratio, scale, inv_freq, picks=None, pick_first=None,
                  bounds=None, **kw):
         """The fused multi-segment kernel's output by the reference path: its global picks split per segment."""
@@ -67,8 +68,7 @@ def _gpu_path() -> None:
         per_seg = None
         if mode == "picks":
             last = segments[-1].entries
-            ends = pick_first[1:] + [pick_first[-1] + (0 if last is None else last.shape[0])]
-            per_seg = [torch.where((picks >= f) & (picks < e), picks - f, -1) for f, e in zip(pick_first, ends)]
+            per_seg = consumer.split_picks(picks, pick_first, pick_first[-1] + (0 if last is None else last.shape[0]))
         consumer.enabled = lambda t: False
         try:
             return consumer.segment_attention(attn, q_raw, qpos, segments, sink, picks=per_seg,

@@ -9,9 +9,10 @@ dimensions (D = 512, 64 rope channels, window 128, bf16). Two row sets, as runti
 - "global": the other relocated rows, the 8 Global heads; CSA picks are each row's own document's 512 (artifact).
 Per row set and layer kind (window, HCA ratio 128, CSA ratio 4): the stacked path (one sparse-attention launch per
 segment part into a float32 [parts, rows, heads, D] buffer, then the N-way merge; REDKNOT_FUSED_SEGMENTS=0) and
-the fused multi-segment kernel (runtime/kernels/multiseg.py, =1), each timed with CUDA events (median
+the fused multi-segment kernel (runtime/kernels/multiseg.py through consumer.fused_attention, as
+REDKNOT_FUSED_SEGMENTS=1 runs it), each timed with CUDA events (median
 of --reps after a warm-up) on rows in chunks of --q-chunk x 64 / heads (as the consumer's `_attend`), plus the
-relative difference of their outputs. `--sweep` also times the fused kernel alone under a grid of block sizes (for
+relative difference of their outputs. `--sweep` also times the fused path under a grid of block sizes (for
 8 heads: query rows per program, the packed kernel; ROWS = 1 is the one-row kernel).
 Not a test: run it through the device tool.
 """
@@ -30,7 +31,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import runtime.reuse.consumer as C  # noqa: E402
-from runtime.kernels.multiseg import multi_segment_attention  # noqa: E402
 from runtime.model.config import CSA, HCA, WINDOW  # noqa: E402
 from runtime.model.deepseek_v4 import Rotary  # noqa: E402
 
@@ -79,13 +79,6 @@ def own_picks(rows, deltas, lens, dev, g):
     return torch.where(torch.arange(K, device=dev)[None, :] < vis[:, None], ids, -1)
 
 
-def fused_picks(gp, first, total):
-    """What consumer._fused_segment_attention hands the kernel: sorted global ids and each segment's bounds."""
-    gp = gp.sort(dim=1).values
-    edges = torch.tensor(first + [total], device=gp.device).expand(gp.shape[0], -1).contiguous()
-    return gp, torch.searchsorted(gp.contiguous(), edges)
-
-
 def cuda_time(fn, reps: int) -> float:
     fn()
     ts = []
@@ -117,10 +110,12 @@ def case(args, kind, which, lens, deltas, lat, rows_all, dev, g):
     chunks = [slice(a, a + step) for a in range(0, rows.numel(), step)]
     online = kind == "csa" and which == "active"
     own = own_picks(rows, deltas, lens, dev, g) if kind == "csa" and which == "global" else None
+    mode, gp, first, total = {"window": "none", "hca": "causal"}.get(kind, "picks"), None, None, None
     if online:
         gp, first, total = online_picks(rows, deltas, lens, dev, g)
-        ends = first[1:] + [total]
-        per_seg = [torch.where((gp >= f) & (gp < e), gp - f, -1) for f, e in zip(first, ends)]
+        per_seg = C.split_picks(gp, first, total)
+    elif own is not None:
+        first, total = C._offsets(segs, "entries")
 
     def stacked():
         os.environ["REDKNOT_FUSED_SEGMENTS"] = "0"
@@ -130,24 +125,13 @@ def case(args, kind, which, lens, deltas, lat, rows_all, dev, g):
                           for c in chunks])
 
     def fused(config=None):
-        os.environ["REDKNOT_FUSED_SEGMENTS"] = "1"
-        if not online and config is None:
-            return torch.cat([C.segment_attention(attn, q[c], rows[c], segs, sink, qpos_host=host[c],
-                                                  own_picks=None if own is None else own[c])[0] for c in chunks])
+        """The consumer's fused call per chunk (consumer.fused_attention), own picks turned global inside it."""
         outs = []
         for c in chunks:
-            mode, gpc, bounds, fst = {"window": "none", "hca": "causal"}.get(kind, "picks"), None, None, None
-            if online:
-                gpc, bounds = fused_picks(gp[c], first, total)
-                fst = first
-            elif kind == "csa":
-                fst, _ = C._offsets(segs, "entries")
-                starts = torch.tensor(deltas, device=dev)
-                base = torch.tensor(fst, device=dev)[torch.searchsorted(starts, rows[c], right=True) - 1]
-                tot = sum(s.entries.shape[0] for s in segs)
-                gpc, bounds = fused_picks(torch.where(own[c] >= 0, own[c] + base[:, None], tot), fst, tot)
-            outs.append(multi_segment_attention(q[c], rows[c], segs, sink, W, mode, attn.ratio or 1, attn.scale,
-                                                attn.rotary.inv_freq, gpc, fst, bounds, config=config))
+            gpc = gp[c] if online else None if own is None else C.own_global_picks(segs, rows[c], own[c], first,
+                                                                                     total)
+            outs.append(C.fused_attention(attn, q[c], rows[c], segs, sink, host[c], mode, gpc, first, total,
+                                          config)[0])
         return torch.cat(outs)
 
     a, b = stacked(), fused()

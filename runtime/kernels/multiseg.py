@@ -343,27 +343,20 @@ def multi_segment_attention(q_raw: torch.Tensor, qpos: torch.Tensor, segments, s
     inv_freq = inv_freq.to(device=dev, dtype=torch.float32).contiguous()
     sink = sink.to(device=dev, dtype=torch.float32).contiguous()
     bh = triton.next_power_of_2(H)
+    ptrs = (q_raw, qpos, tab, picks, bounds, inv_freq, sink, out)
+    scalars = (len(segments), int(window), max(int(ratio), 1), n_picks, float(scale) * LOG2E, LOG2E,
+               q_raw.stride(0), q_raw.stride(1))
+    shape = dict(MODE=MODES[mode], D=D, HALF_R=half_r, RP=max(16, triton.next_power_of_2(half_r)), COLS=COLS,
+                 PREC=dot_precision(q_raw.dtype))
     if bh < 16 and (config or {}).get("ROWS", 16 // bh) > 1:
         # few heads: several rows per program (_multiseg_packed_kernel), ROWS x heads filling the MMA tile
         cfg = dict(ROWS=16 // bh, BLOCK_N=32 if D >= 512 else 16, num_warps=4, num_stages=2)
         cfg.update(config or {})
-        _multiseg_packed_kernel[(triton.cdiv(T, cfg["ROWS"]),)](
-            q_raw, qpos, tab, picks, bounds, inv_freq, sink, out, T, H, len(segments), int(window),
-            max(int(ratio), 1), n_picks, float(scale) * LOG2E, LOG2E, q_raw.stride(0), q_raw.stride(1),
-            MODE=MODES[mode], D=D, HALF_R=half_r, RP=max(16, triton.next_power_of_2(half_r)), COLS=COLS,
-            ROWS=cfg["ROWS"], BLOCK_H=bh, BLOCK_N=cfg["BLOCK_N"], PREC=dot_precision(q_raw.dtype),
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-        del keep
-        return out
-    cfg = dict(BLOCK_H=min(64, max(16, bh)), BLOCK_N=64 if D >= 512 else 16,
-               num_warps=8 if D >= 512 and H > 16 else 4, num_stages=2)
-    cfg.update({k: v for k, v in (config or {}).items() if k != "ROWS"})
-    grid = (T, triton.cdiv(H, cfg["BLOCK_H"]))
-    _multiseg_kernel[grid](q_raw, qpos, tab, picks, bounds, inv_freq, sink, out,
-                           H, len(segments), int(window), max(int(ratio), 1), n_picks, float(scale) * LOG2E, LOG2E,
-                           q_raw.stride(0), q_raw.stride(1), MODE=MODES[mode], D=D, HALF_R=half_r,
-                           RP=max(16, triton.next_power_of_2(half_r)), COLS=COLS,
-                           BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], PREC=dot_precision(q_raw.dtype),
-                           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        _multiseg_packed_kernel[(triton.cdiv(T, cfg["ROWS"]),)](*ptrs, T, H, *scalars, **shape, BLOCK_H=bh, **cfg)
+    else:
+        cfg = dict(BLOCK_H=min(64, max(16, bh)), BLOCK_N=64 if D >= 512 else 16,
+                   num_warps=8 if D >= 512 and H > 16 else 4, num_stages=2)
+        cfg.update({k: v for k, v in (config or {}).items() if k != "ROWS"})
+        _multiseg_kernel[(T, triton.cdiv(H, cfg["BLOCK_H"]))](*ptrs, H, *scalars, **shape, **cfg)
     del keep
     return out

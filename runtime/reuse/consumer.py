@@ -185,26 +185,51 @@ def _fused_segment_attention(attn, q_raw, qpos, segments, sink, idx_inputs, host
     mode = {HCA: "causal", CSA: "picks"}.get(attn.kind, "none")
     if mode != "none" and all(s.entries is None or s.entries.shape[0] == 0 for s in segments):
         mode = "none"
-    first, gp, bounds, pairs = None, None, None, 0
+    gp = first = total = None
     if mode == "picks":
         first, total = _offsets(segments, "index_keys" if own_picks is None else "entries")
-        if own_picks is not None:                # each row's own segment: the one holding its position
-            starts = torch.tensor([s.delta for s in segments], device=qpos.device)
-            own = torch.searchsorted(starts, qpos, right=True) - 1
-            base = torch.tensor(first, device=qpos.device)[own]
-            gp = torch.where(own_picks >= 0, own_picks.long() + base[:, None], total)
-        else:
-            gp = _indexer_global_picks(attn, qpos, segments, idx_inputs, first, total, trig)
-        if gp.shape[1] == 0:                     # no slot to pick from: the windows only
-            mode, first, gp = "none", None, None
-        else:
-            gp = gp.sort(dim=1).values
-            edges = torch.tensor(first + [total], device=qpos.device).expand(gp.shape[0], -1).contiguous()
-            bounds = torch.searchsorted(gp.contiguous(), edges)
-            pairs = pairs + bounds[:, -1].sum()
+        gp = own_global_picks(segments, qpos, own_picks, first, total) if own_picks is not None else \
+            _indexer_global_picks(attn, qpos, segments, idx_inputs, first, total, trig)
+    return fused_attention(attn, q_raw, qpos, segments, sink, host, mode, gp, first, total)
+
+
+def fused_attention(attn, q_raw, qpos, segments, sink, host, mode: str, gp=None, first=None, total=None,
+                    config: dict | None = None):
+    """One launch of the fused multi-segment kernel in `mode` ("none", "causal", or "picks" with gp [T, k] global
+    entry ids, `total` for an empty slot, numbered by `first` as `_offsets` does), and the (query, key) pairs it
+    attends. `config`: the kernel's block sizes (bench/multiseg.py sweeps them)."""
+    bounds, pairs = None, 0
+    if mode == "picks" and gp.shape[1] == 0:     # no slot to pick from: the windows only
+        mode, gp, first = "none", None, None
+    if mode == "picks":
+        gp, bounds = pick_runs(gp, first, total)
+        pairs = bounds[:, -1].sum()
     out = multi_segment_attention(q_raw, qpos, segments, sink, attn.cfg.window_size, mode, attn.ratio or 1,
-                                  attn.scale, attn.rotary.inv_freq, gp, first, bounds)
+                                  attn.scale, attn.rotary.inv_freq, gp, first, bounds, config=config)
     return out, pairs + _pairs_host(attn, host, segments, mode == "causal")
+
+
+def own_global_picks(segments, qpos, own_picks, first, total):
+    """[T, k] each row's own-segment picks (local entry ids, -1 = none; the segment holding its position) as global
+    ids numbered by `first` (`total` where a slot picked nothing)."""
+    starts = torch.tensor([s.delta for s in segments], device=qpos.device)
+    own = torch.searchsorted(starts, qpos, right=True) - 1
+    base = torch.tensor(first, device=qpos.device)[own]
+    return torch.where(own_picks >= 0, own_picks.long() + base[:, None], total)
+
+
+def pick_runs(gp, first, total):
+    """Global picks [T, k] -> (the same sorted ascending per row, bounds [T, P+1]: where each segment's run starts
+    in the row's list; bounds[:, P] is the row's count of real picks). What the fused kernel walks."""
+    gp = gp.sort(dim=1).values.contiguous()
+    edges = torch.tensor(first + [total], device=gp.device).expand(gp.shape[0], -1).contiguous()
+    return gp, torch.searchsorted(gp, edges)
+
+
+def split_picks(gp, first, total):
+    """Global picks [T, k] -> per segment its local entry ids [T, k] (-1 where the slot is another segment's or
+    empty), in the slots' order. What the stacked path's per-segment parts take."""
+    return [torch.where((gp >= f) & (gp < e), gp - f, -1) for f, e in zip(first, first[1:] + [total])]
 
 
 def _indexer_global_picks(attn, qpos, segments, idx_inputs, first, total, trig=None):
@@ -247,8 +272,7 @@ def _indexer_picks(attn, qpos, segments, idx_inputs, trig=None):
     if total == 0:
         return [None] * len(segments), 0
     gp = _indexer_global_picks(attn, qpos, segments, idx_inputs, first, total, trig)
-    ends = first[1:] + [total]
-    return [torch.where((gp >= f) & (gp < e), gp - f, -1) for f, e in zip(first, ends)], (gp < total).sum()
+    return split_picks(gp, first, total), (gp < total).sum()
 
 
 # ============================================================================ request state

@@ -174,10 +174,8 @@ def test_fused_kernel_rows_per_program_equal_the_reference(kind, H, rows_per_pro
         lo = base if kind == "csa-own" else torch.zeros_like(base)
         ids = lo[:, None] + (torch.rand(rows.numel(), 6, generator=g) * vis[:, None]).long()
         gp = torch.where(torch.rand(ids.shape, generator=g) < 0.2, total, ids)
-        gp = torch.where(vis[:, None] > 0, gp, total).sort(dim=1).values
-        bounds = torch.searchsorted(gp, torch.tensor(first + [total]).expand(rows.numel(), -1).contiguous())
-        picks = gp
-        per_seg = [torch.where((gp >= f) & (gp < e), gp - f, -1) for f, e in zip(first, first[1:] + [total])]
+        picks, bounds = consumer_mod.pick_runs(torch.where(vis[:, None] > 0, gp, total), first, total)
+        per_seg = consumer_mod.split_picks(picks, first, total)
     out = multi_segment_attention(q, rows, segs, sink, W, mode, ratio or 1, attn.scale, rot.inv_freq, picks, first,
                                   bounds, config=None if rows_per_program is None else {"ROWS": rows_per_program})
     ref, _ = consumer_mod.segment_attention(attn, q, rows, segs, sink, picks=per_seg, qpos_host=rows.numpy())
