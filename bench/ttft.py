@@ -31,6 +31,7 @@ import statistics
 import sys
 import time
 import zlib
+from unittest import mock
 
 import torch
 
@@ -278,16 +279,9 @@ def main() -> int:
             pf = LayerPrefetcher(arts, device)
             return eng.prefill(pf.documents(), question)
 
-        def fused():
-            before = os.environ.get("REDKNOT_FUSED_SEGMENTS")
-            os.environ["REDKNOT_FUSED_SEGMENTS"] = args.fused_too
-            try:
+        def fused():                      # the caller's own setting, if any, is restored afterwards
+            with mock.patch.dict(os.environ, {"REDKNOT_FUSED_SEGMENTS": args.fused_too}):
                 return reuse()
-            finally:                      # the caller's own setting, if any, as it was
-                if before is None:
-                    os.environ.pop("REDKNOT_FUSED_SEGMENTS")
-                else:
-                    os.environ["REDKNOT_FUSED_SEGMENTS"] = before
 
         rec_t, reu_t = [], []
         other_t, other_res = {b: [] for b in extra}, {}
