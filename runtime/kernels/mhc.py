@@ -11,7 +11,12 @@ two took about a third of the reuse arm's time at 32K (docs/BENCHMARKS.md, run 6
 
 - `_hc_mix_kernel`: per block of rows, one pass over x: the row's sum of squares and x @ fn^T (float32 operands,
   full float32 products), scaled by the row's rsqrt(mean(x^2) + eps) at the end (the reference scales first; the
-  two differ by float32 rounding);
+  two differ by float32 rounding). For bf16 streams (the model's dtype on GPU) fn is split in registers into three
+  bf16 pieces (hi + mid + lo = fn exactly) and the product runs as three tensor-core dots, every bf16 x bf16
+  product exact in float32; each K block's dots start from zero and are added to a float32 accumulator on the
+  CUDA cores (the tensor cores' own accumulation keeps fewer bits). 3.2e-7 from float64 against the FMA dot's
+  2.3e-6, and 0.9 ms instead of 10-19 ms per 64K-row call on the H200, 59% of the copy rate (docs/BENCHMARKS.md
+  run 9, bench/mhc.py). float32 streams keep the FMA dot;
 - `_hc_weights_kernel`: per block of rows, pre/post sigmoids and the 20 Sinkhorn iterations in registers, then the
   collapse sum_i pre_i x_i over dim in float32, cast once to x's dtype (as the reference);
 - `_hc_post_kernel`: post_i y + sum_j comb_ji x_j in float32, cast once to x's dtype (the torch path rounds the
@@ -29,7 +34,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _hc_mix_kernel(x_ptr, fn_ptr, mix_ptr, T, K, norm_eps, MIX: tl.constexpr, MIXP: tl.constexpr,
-                       BT: tl.constexpr, BK: tl.constexpr):
+                       BT: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr):
         rows = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
         rmask = rows < T
         cols = tl.arange(0, MIXP)
@@ -39,11 +44,25 @@ if HAVE_TRITON:
         for k0 in range(0, K, BK):
             ks = k0 + tl.arange(0, BK)
             kmask = ks < K
-            xk = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=rmask[:, None] & kmask[None, :],
-                         other=0.0).to(tl.float32)
-            ssq += tl.sum(xk * xk, axis=1)
+            xk = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+            xf = xk.to(tl.float32)
+            ssq += tl.sum(xf * xf, axis=1)
             fk = tl.load(fn_ptr + cols[None, :] * K + ks[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
-            acc = tl.dot(xk, fk, acc, input_precision="ieee")
+            if SPLIT:
+                # x is bf16: fn = hi + mid + lo in three bf16 pieces (8 bits of fn's 24-bit mantissa each, the
+                # rest carried down), so each bf16 x bf16 product on the tensor cores is exact in float32. The
+                # tensor cores' own accumulation keeps fewer bits than float32 (a whole-K chain measured 5e-5
+                # from float64 on the H200, against 2e-6 for the FMA dot), so each K block's three dots start from
+                # zero and their sum is added to the float32 accumulator on the CUDA cores
+                hi = fk.to(tl.bfloat16)
+                rest = fk - hi.to(tl.float32)
+                mid = rest.to(tl.bfloat16)
+                lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+                part = tl.dot(xk, lo)
+                part = tl.dot(xk, mid, part)
+                acc += tl.dot(xk, hi, part)
+            else:
+                acc = tl.dot(xf, fk, acc, input_precision="ieee")
         r = 1.0 / tl.sqrt(ssq / K + norm_eps)
         tl.store(mix_ptr + rows[:, None] * MIX + cols[None, :], acc * r[:, None],
                  mask=rmask[:, None] & cmask[None, :])
@@ -114,10 +133,21 @@ def supported(x: torch.Tensor) -> bool:
     return hc > 0 and hc & (hc - 1) == 0
 
 
+def mix_config(dtype: torch.dtype) -> dict:
+    """`_hc_mix_kernel`'s launch configuration: bf16 x takes the split tensor-core dots (SPLIT) on 64-row tiles;
+    other dtypes the float32 FMA dot."""
+    if dtype == torch.bfloat16:
+        return dict(BT=128, BK=64, SPLIT=True, num_warps=8, num_stages=3)
+    return dict(BT=32, BK=64, SPLIT=False, num_warps=4, num_stages=2)
+
+
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, hc_eps: float,
-           norm_eps: float):
+           norm_eps: float, config: dict | None = None):
     """x [T, hc, dim] -> (collapsed [T, dim] in x's dtype, pre [T, hc], post [T, hc], comb [T, hc, hc]) float32:
-    `hc_mix_weights` and the collapse of `Block.hc_pre` in two launches."""
+    `hc_mix_weights` and the collapse of `Block.hc_pre` in two launches. `config`: the mixing kernel's launch
+    configuration over `mix_config`'s (bench/mhc.py sweeps it; SPLIT needs bf16 x)."""
+    if (config or {}).get("SPLIT") and x.dtype != torch.bfloat16:
+        raise ValueError(f"the split mixing dots need bf16 streams, got {x.dtype}")
     check_runnable(x)
     assert supported(x) and iters >= 1, (x.shape, iters)
     x = x.contiguous()
@@ -132,9 +162,10 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     out = torch.empty((T, D), dtype=x.dtype, device=dev)
     if T == 0:
         return out, pre, post, comb
-    bt = 32
-    _hc_mix_kernel[(triton.cdiv(T, bt),)](x, fn.float().contiguous(), mixes, T, hc * D, norm_eps, MIX=mix,
-                                         MIXP=max(16, triton.next_power_of_2(mix)), BT=bt, BK=64, num_warps=4)
+    cfg = mix_config(x.dtype)
+    cfg.update(config or {})
+    _hc_mix_kernel[(triton.cdiv(T, cfg["BT"]),)](x, fn.float().contiguous(), mixes, T, hc * D, norm_eps, MIX=mix,
+                                                MIXP=max(16, triton.next_power_of_2(mix)), **cfg)
     bw = 16
     _hc_weights_kernel[(triton.cdiv(T, bw),)](x, mixes, base.float().contiguous(), scale.float().contiguous(), pre,
                                               post, comb, out, T, D, iters, hc_eps, HC=hc, BT=bw,
