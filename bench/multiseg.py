@@ -98,6 +98,28 @@ def cuda_time(fn, reps: int) -> float:
     return statistics.median(ts)
 
 
+GRID_KEYS = ("BLOCK_N", "num_warps", "num_stages")
+
+
+def sweep_grid(spec: str | None, heads: int) -> list[list[int]]:
+    """The sweep's values per key, in the order (BLOCK_H or ROWS, BLOCK_N, num_warps, num_stages): BLOCK_H (heads
+    per program) for calls of >= 16 heads, ROWS (query rows per program) for fewer. `spec`
+    ("ROWS=1,2,4;num_stages=1" etc.) replaces some keys' default lists."""
+    grid = {"BLOCK_H": [32, 64], "ROWS": [1, 2, 4, 8], "BLOCK_N": [16, 32, 64], "num_warps": [4, 8],
+            "num_stages": [1, 3]}
+    for part in filter(None, (spec or "").split(";")):
+        key, _, vals = (x.strip() for x in part.partition("="))
+        if key not in grid:
+            raise SystemExit(f"--grid: unknown key {key!r} (keys: {', '.join(grid)})")
+        try:
+            grid[key] = [int(v) for v in vals.split(",") if v.strip()]
+        except ValueError:
+            raise SystemExit(f"--grid: {part!r} is not KEY=int,int,...") from None
+        if not grid[key] or min(grid[key]) < 1:
+            raise SystemExit(f"--grid: {part!r} needs positive values")
+    return [grid["BLOCK_H" if heads >= 16 else "ROWS"]] + [grid[k] for k in GRID_KEYS]
+
+
 def case(args, kind, which, lens, deltas, lat, rows_all, dev, g):
     attn = layer(kind, dev)
     segs = segments(kind, lens, deltas, lat, dev, g)
@@ -142,8 +164,7 @@ def case(args, kind, which, lens, deltas, lat, rows_all, dev, g):
     if args.sweep:
         res["sweep"] = []
         # 64 heads: heads per program; 8 heads: rows per program (ROWS = 1: one row, its heads padded to 16)
-        grid = itertools.product([32, 64], [16, 32, 64], [4, 8], [1, 3]) if H >= 16 else \
-            itertools.product([1, 2, 4, 8], [16, 32, 64], [4, 8], [1, 3])
+        grid = itertools.product(*sweep_grid(args.grid, H))
         for b, bn, nw, ns in grid:
             cfg = dict(BLOCK_H=b, BLOCK_N=bn, num_warps=nw, num_stages=ns) if H >= 16 else \
                 dict(ROWS=b, BLOCK_N=bn, num_warps=nw, num_stages=ns)
@@ -172,9 +193,13 @@ def main() -> int:
     ap.add_argument("--kinds", default="window,hca,csa")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--rows", default="active,global", help="row sets: active (64 heads), global (8 heads)")
+    ap.add_argument("--grid", default=None,
+                    help='--sweep values per key, e.g. "ROWS=1,2,4;BLOCK_N=32,64;num_warps=4" (keys BLOCK_H or ROWS, '
+                         'BLOCK_N, num_warps, num_stages; the others keep their default lists)')
     ap.add_argument("--fp32", action="store_true")
     ap.add_argument("--json")
     args = ap.parse_args()
+    sweep_grid(args.grid, 8)                              # a bad --grid fails before any work
     global DT
     DT = torch.float32 if args.fp32 else torch.bfloat16
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
