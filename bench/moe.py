@@ -1,0 +1,143 @@
+"""Routed-MoE benchmark: the model's `MoE.routed` (one stable sort, one host read of the per-expert counts, then a
+gather + three GEMMs + scatter-add per expert) against one grouped GEMM per weight (`torch._grouped_mm` over the
+experts' stacked weights, no host read), on the same rows and routing. Not a test: it measures whether the grouped
+form is worth moving into the model (issue 7: the reuse arm's active-row MoE measured ~16 ms per reusable layer at
+64K, 3-4x its GEMMs' time, docs/BENCHMARKS.md run 9's profile).
+
+    python3 bench/moe.py [--rows 5734,11469,65600] [--experts 16] [--fanout native|adaptive] [--json out.json]
+
+Per row count, at Flash's dims (dim 4096, expert inner dim 2048, top-6 of --experts routed experts, bf16): CUDA time
+(events, median of --reps after a warm-up), host time to issue each (wall clock until the last launch returns, no
+synchronize), and the relative difference of the outputs. `--fanout adaptive` drops slots as the consumer's
+adaptive fanout does (smallest k >= 3 reaching tau = 0.9 of the top-6 weight; dropped slots are -1 and run no
+expert), the active rows' case; `native` keeps all six, the recompute arm's case. The stacked weights are a copy
+made once for the benchmark (the model keeps one Linear per expert). `--small` runs tiny dims on CPU (a smoke run,
+not a measurement).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from runtime.model.config import FLASH  # noqa: E402
+from runtime.model.deepseek_v4 import MoE, Parallel  # noqa: E402
+
+
+def adaptive(w: torch.Tensor, idx: torch.Tensor, tau: float = 0.9, min_k: int = 3) -> torch.Tensor:
+    """The consumer's adaptive fanout (runtime/reuse/consumer.py `_moe_adaptive`) on sorted top-k: ids of the
+    dropped slots set to -1."""
+    cum = w.cumsum(-1) / w.sum(-1, keepdim=True)
+    k = ((cum < tau - 1e-6).sum(-1) + 1).clamp(min=min_k, max=w.shape[1])
+    return torch.where(torch.arange(w.shape[1], device=w.device)[None, :] < k[:, None], idx, -1)
+
+
+def stacked(moe: MoE):
+    """[E, d, inter] (w1, w3) and [E, inter, d] (w2), each the transpose of a contiguous stack (column-major per
+    expert, the layout grouped GEMMs take)."""
+    ex = [moe.experts[str(e)] for e in moe.local]
+    return tuple(torch.stack([getattr(x, n).weight for x in ex]).transpose(1, 2) for n in ("w1", "w3", "w2"))
+
+
+def grouped(x, weights, idx, w1, w3, w2, n_experts: int):
+    """The routed sum with one grouped GEMM per weight and no host read: slots sorted by expert (dropped slots, -1,
+    sorted last as expert n_experts and zeroed), per-expert row ends from a device cumsum."""
+    flat = idx.flatten()
+    key = torch.where(flat < 0, n_experts, flat)
+    order = torch.argsort(key, stable=True)
+    k = idx.shape[1]
+    rows, ws = order // k, weights.flatten()[order]
+    ends = torch.bincount(key, minlength=n_experts + 1)[:n_experts].cumsum(0).to(torch.int32)
+    xs = x.index_select(0, rows)
+    g = torch._grouped_mm(xs, w1, offs=ends).float()
+    u = torch._grouped_mm(xs, w3, offs=ends).float()
+    h = (F.silu(g) * u * ws[:, None]).to(x.dtype)
+    o = torch._grouped_mm(h, w2, offs=ends)
+    valid = (key[order] < n_experts)[:, None]                 # rows past the last expert's end are not written
+    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    return y.index_add_(0, rows, torch.where(valid, o.float(), 0.0))
+
+
+def timed(fn, reps: int, cuda: bool):
+    fn()
+    dev_t, host_t = [], []
+    for _ in range(reps):
+        if cuda:
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+        t = time.perf_counter()
+        fn()
+        host_t.append(time.perf_counter() - t)
+        if cuda:
+            b.record()
+            torch.cuda.synchronize()
+            dev_t.append(a.elapsed_time(b) / 1000)
+        else:
+            dev_t.append(host_t[-1])
+    return statistics.median(dev_t), statistics.median(host_t)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="5734,11469,65600")
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--fanout", default="adaptive", choices=["native", "adaptive"])
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--small", action="store_true")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    rows = [int(v) for v in args.rows.split(",")]
+    if any(r < 1 for r in rows) or args.experts < 1:
+        ap.error("--rows and --experts must be positive")
+    cuda = torch.cuda.is_available() and not args.small
+    dev = torch.device("cuda" if cuda else "cpu")
+    cfg = FLASH.replace(n_routed_experts=args.experts)
+    if args.small:
+        cfg = cfg.replace(dim=64, moe_inter_dim=32, n_activated_experts=min(6, args.experts))
+    dt = torch.bfloat16 if cuda else torch.float32
+    with torch.device(dev):
+        moe = MoE(cfg, cfg.n_hash_layers, Parallel(), dt)     # a score-routed layer (past the hash layers)
+    g = torch.Generator(device=dev).manual_seed(0)
+    for p in moe.parameters():
+        p.data.normal_(0, p.shape[-1] ** -0.5 if p.dim() == 2 else 0.1, generator=g)
+    w1, w3, w2 = stacked(moe)
+    name = torch.cuda.get_device_name() if cuda else "cpu"
+    print(f"# {name} | torch {torch.__version__} | dim {cfg.dim}, inner {cfg.moe_inter_dim}, top-"
+          f"{cfg.n_activated_experts} of {args.experts} routed experts, {dt}, fanout {args.fanout}", flush=True)
+    out = dict(device=name, torch=torch.__version__, experts=args.experts, fanout=args.fanout, rows=[])
+    with torch.inference_mode():
+        for T in rows:
+            x = torch.randn(T, cfg.dim, device=dev, generator=g).to(dt)
+            w, idx = moe.gate(x, torch.zeros(T, dtype=torch.long, device=dev))
+            if args.fanout == "adaptive":
+                idx = adaptive(w, idx)
+            slots = int((idx >= 0).sum())
+            ref = moe.routed(x, w, idx)
+            got = grouped(x, w, idx, w1, w3, w2, args.experts)
+            err = float((got - ref).norm() / ref.norm().clamp_min(1e-30))
+            t_loop, h_loop = timed(lambda: moe.routed(x, w, idx), args.reps, cuda)
+            t_grp, h_grp = timed(lambda: grouped(x, w, idx, w1, w3, w2, args.experts), args.reps, cuda)
+            flops = slots * 3 * 2 * cfg.dim * cfg.moe_inter_dim
+            row = dict(rows=T, slots=slots, loop_s=t_loop, loop_host_s=h_loop, grouped_s=t_grp, grouped_host_s=h_grp,
+                       rel_diff=err, gflop=flops / 1e9)
+            out["rows"].append(row)
+            print(f"T={T:7d} slots {slots:7d} ({slots / T:.2f}/row): per-expert loop {t_loop * 1e3:8.2f} ms "
+                  f"(host {h_loop * 1e3:7.2f} ms, {flops / t_loop / 1e12:6.1f} TFLOP/s)  grouped {t_grp * 1e3:8.2f} ms "
+                  f"(host {h_grp * 1e3:7.2f} ms, {flops / t_grp / 1e12:6.1f} TFLOP/s)  x{t_loop / t_grp:.2f}  "
+                  f"diff {err:.1e}", flush=True)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(out, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
