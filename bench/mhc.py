@@ -8,8 +8,8 @@ split bf16 tensor-core dots (SPLIT=1, the default for bf16), the whole `hc_pre` 
 timed with CUDA events (median of --reps after a warm-up; inputs rotated over 3 sets so that no run reads the last
 run's data from L2), their bytes moved (each input read once, each output written once) over the time, against a
 device-to-device copy of 1 GiB timed the same way; and the mixing outputs of the two dots compared with a float64
-reference. `--sweep` also times the split kernel over rows per program, K block, stages and warps (first row count). Not a test: run it
-through the device tool.
+reference. `--sweep` also times the split kernel over rows per program, K block, stages and warps (first row
+count). Not a test: run it through the device tool.
 """
 from __future__ import annotations
 
@@ -43,13 +43,11 @@ def cuda_time(fn, reps: int) -> float:
     return statistics.median(ts)
 
 
-def mix_only(x, fn, cfg):
-    """One launch of the mixing kernel (what `hc_pre` runs first)."""
-    T = x.shape[0]
-    out = torch.empty((T, MIX), dtype=torch.float32, device=x.device)
-    c = dict(mhc.mix_config(x.dtype), **cfg)
-    mhc._hc_mix_kernel[(triton.cdiv(T, c["BT"]),)](x, fn, out, T, HC * D, 1e-6, MIX=MIX, MIXP=32, **c)
-    return out
+FMA = mhc.mix_config(torch.float32)        # the float32 FMA dot's configuration (what bf16 ran before run 9)
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got.double() - ref).norm() / ref.norm())
 
 
 def main() -> int:
@@ -83,11 +81,11 @@ def main() -> int:
         ref = (xr @ fn.double().T) * torch.rsqrt(xr.square().mean(-1, keepdim=True) + 1e-6)
         err = {}
         for split in (False, True):
-            got = mix_only(xs[0][:n], fn, dict(SPLIT=split) if split else dict(SPLIT=False, BT=32, num_stages=2))
-            err[split] = float((got.double() - ref).norm() / ref.norm())
+            got = mhc.hc_mix(xs[0][:n], fn, 1e-6, None if split else FMA)
+            err[split] = rel_err(got, ref)
         x_bytes = T * HC * D * 2
-        t_fma = cuda_time(lambda i=0: mix_only(xs[i % 3], fn, dict(SPLIT=False, BT=32, num_stages=2)), args.reps)
-        t_split = cuda_time(lambda i=0: mix_only(xs[i % 3], fn, {}), args.reps)
+        t_fma = cuda_time(lambda i=0: mhc.hc_mix(xs[i % 3], fn, 1e-6, FMA), args.reps)
+        t_split = cuda_time(lambda i=0: mhc.hc_mix(xs[i % 3], fn, 1e-6), args.reps)
         t_pre = cuda_time(lambda i=0: mhc.hc_pre(xs[i % 3], fn, base, scale, 20, 1e-6, 1e-6), args.reps)
         _, _, post, comb = mhc.hc_pre(xs[0], fn, base, scale, 20, 1e-6, 1e-6)
         t_post = cuda_time(lambda i=0: mhc.hc_post(ys[i % 3], xs[i % 3], post, comb), args.reps)
@@ -99,8 +97,9 @@ def main() -> int:
                    mix_split_tb_s=x_bytes / t_split / 1e12, hc_pre_tb_s=pre_bytes / t_pre / 1e12,
                    hc_post_tb_s=post_bytes / t_post / 1e12)
         print(f"T={T:7d}  mix: FMA dot {t_fma * 1e3:7.3f} ms, split dots {t_split * 1e3:7.3f} ms "
-              f"(x{t_fma / t_split:.1f}; {row['mix_split_tb_s']:.2f} TB/s = {row['mix_split_tb_s'] * 1e12 / copy_bw:.0%} "
-              f"of copy)  rel err vs float64: FMA {err[False]:.1e}, split {err[True]:.1e} | hc_pre {t_pre * 1e3:7.3f} ms "
+              f"(x{t_fma / t_split:.1f}; {row['mix_split_tb_s']:.2f} TB/s = "
+              f"{row['mix_split_tb_s'] * 1e12 / copy_bw:.0%} of copy)  rel err vs float64: FMA {err[False]:.1e}, "
+              f"split {err[True]:.1e} | hc_pre {t_pre * 1e3:7.3f} ms "
               f"({row['hc_pre_tb_s']:.2f} TB/s, {row['hc_pre_tb_s'] * 1e12 / copy_bw:.0%}) | hc_post "
               f"{t_post * 1e3:7.3f} ms ({row['hc_post_tb_s']:.2f} TB/s, {row['hc_post_tb_s'] * 1e12 / copy_bw:.0%})",
               flush=True)
@@ -109,12 +108,12 @@ def main() -> int:
             for bt, bk, ns, nw in itertools.product([64, 128], [16, 32, 64, 128], [3, 4], [4, 8]):
                 cfg = dict(BT=bt, BK=bk, num_stages=ns, num_warps=nw)
                 try:
-                    t = cuda_time(lambda i=0: mix_only(xs[i % 3], fn, cfg), 5)
-                    got = mix_only(xs[0][:n], fn, cfg)
+                    t = cuda_time(lambda i=0: mhc.hc_mix(xs[i % 3], fn, 1e-6, cfg), 5)
+                    got = mhc.hc_mix(xs[0][:n], fn, 1e-6, cfg)
                 except Exception as e:                      # out of shared memory / registers: reported, skipped
                     row["sweep"].append(dict(cfg, error=type(e).__name__))
                     continue
-                row["sweep"].append(dict(cfg, s=t, rel_err=float((got.double() - ref).norm() / ref.norm())))
+                row["sweep"].append(dict(cfg, s=t, rel_err=rel_err(got, ref)))
             for s in row["sweep"]:
                 print(f"           {s}", flush=True)
             ok = [s for s in row["sweep"] if "s" in s and s["rel_err"] <= 1e-5]

@@ -15,7 +15,7 @@ two took about a third of the reuse arm's time at 32K (docs/BENCHMARKS.md, run 6
   bf16 pieces (hi + mid + lo = fn exactly) and the product runs as three tensor-core dots, every bf16 x bf16
   product exact in float32; each K block's dots start from zero and are added to a float32 accumulator on the
   CUDA cores (the tensor cores' own accumulation keeps fewer bits). 3.2e-7 from float64 against the FMA dot's
-  2.3e-6, and 0.9 ms instead of 10-19 ms per 64K-row call on the H200, 59% of the copy rate (docs/BENCHMARKS.md
+  2.3e-6, and 0.9 ms instead of ~10 ms per 64K-row call on the H200, 59% of the copy rate (docs/BENCHMARKS.md
   run 9, bench/mhc.py). float32 streams keep the FMA dot;
 - `_hc_weights_kernel`: per block of rows, pre/post sigmoids and the 20 Sinkhorn iterations in registers, then the
   collapse sum_i pre_i x_i over dim in float32, cast once to x's dtype (as the reference);
@@ -134,38 +134,50 @@ def supported(x: torch.Tensor) -> bool:
 
 
 def mix_config(dtype: torch.dtype) -> dict:
-    """`_hc_mix_kernel`'s launch configuration: bf16 x takes the split tensor-core dots (SPLIT) on 64-row tiles;
+    """`_hc_mix_kernel`'s launch configuration: bf16 x takes the split tensor-core dots (SPLIT) on 128-row tiles;
     other dtypes the float32 FMA dot."""
     if dtype == torch.bfloat16:
         return dict(BT=128, BK=64, SPLIT=True, num_warps=8, num_stages=3)
     return dict(BT=32, BK=64, SPLIT=False, num_warps=4, num_stages=2)
 
 
-def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, hc_eps: float,
-           norm_eps: float, config: dict | None = None):
-    """x [T, hc, dim] -> (collapsed [T, dim] in x's dtype, pre [T, hc], post [T, hc], comb [T, hc, hc]) float32:
-    `hc_mix_weights` and the collapse of `Block.hc_pre` in two launches. `config`: the mixing kernel's launch
-    configuration over `mix_config`'s (bench/mhc.py sweeps it; SPLIT needs bf16 x)."""
+def hc_mix(x: torch.Tensor, fn: torch.Tensor, norm_eps: float, config: dict | None = None) -> torch.Tensor:
+    """x [T, hc, dim] -> mixes [T, (2 + hc) hc] float32: each row's x @ fn^T scaled by rsqrt(mean(x^2) + eps), one
+    launch (`hc_pre`'s first). `config`: launch configuration over `mix_config`'s (bench/mhc.py sweeps it; SPLIT
+    needs bf16 x)."""
     if (config or {}).get("SPLIT") and x.dtype != torch.bfloat16:
         raise ValueError(f"the split mixing dots need bf16 streams, got {x.dtype}")
     check_runnable(x)
-    assert supported(x) and iters >= 1, (x.shape, iters)
+    assert supported(x), x.shape
     x = x.contiguous()
     T, hc, D = x.shape
     mix = (2 + hc) * hc
-    assert fn.shape == (mix, hc * D) and base.shape == (mix,) and scale.numel() == 3, (fn.shape, base.shape)
+    assert fn.shape == (mix, hc * D), fn.shape
+    mixes = torch.empty((T, mix), dtype=torch.float32, device=x.device)
+    if T == 0:
+        return mixes
+    cfg = dict(mix_config(x.dtype), **(config or {}))
+    _hc_mix_kernel[(triton.cdiv(T, cfg["BT"]),)](x, fn.float().contiguous(), mixes, T, hc * D, norm_eps, MIX=mix,
+                                                MIXP=max(16, triton.next_power_of_2(mix)), **cfg)
+    return mixes
+
+
+def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, hc_eps: float,
+           norm_eps: float, config: dict | None = None):
+    """x [T, hc, dim] -> (collapsed [T, dim] in x's dtype, pre [T, hc], post [T, hc], comb [T, hc, hc]) float32:
+    `hc_mix_weights` and the collapse of `Block.hc_pre` in two launches. `config`: the mixing kernel's (`hc_mix`)."""
+    mixes = hc_mix(x, fn, norm_eps, config)
+    assert iters >= 1, iters
+    x = x.contiguous()
+    T, hc, D = x.shape
+    assert base.shape == (mixes.shape[1],) and scale.numel() == 3, (base.shape, scale.shape)
     dev = x.device
-    mixes = torch.empty((T, mix), dtype=torch.float32, device=dev)
     pre = torch.empty((T, hc), dtype=torch.float32, device=dev)
     post = torch.empty((T, hc), dtype=torch.float32, device=dev)
     comb = torch.empty((T, hc, hc), dtype=torch.float32, device=dev)
     out = torch.empty((T, D), dtype=x.dtype, device=dev)
     if T == 0:
         return out, pre, post, comb
-    cfg = mix_config(x.dtype)
-    cfg.update(config or {})
-    _hc_mix_kernel[(triton.cdiv(T, cfg["BT"]),)](x, fn.float().contiguous(), mixes, T, hc * D, norm_eps, MIX=mix,
-                                                MIXP=max(16, triton.next_power_of_2(mix)), **cfg)
     bw = 16
     _hc_weights_kernel[(triton.cdiv(T, bw),)](x, mixes, base.float().contiguous(), scale.float().contiguous(), pre,
                                               post, comb, out, T, D, iters, hc_eps, HC=hc, BT=bw,
