@@ -8,11 +8,11 @@ form is worth moving into the model (issue 7: the reuse arm's active-row MoE mea
 
 Per row count, at Flash's dims (dim 4096, expert inner dim 2048, top-6 of --experts routed experts, bf16): CUDA time
 (events, median of --reps after a warm-up), host time to issue each (wall clock until the last launch returns, no
-synchronize), and the relative difference of the outputs. `--fanout adaptive` drops slots as the consumer's
-adaptive fanout does (smallest k >= 3 reaching tau = 0.9 of the top-6 weight; dropped slots are -1 and run no
-expert), the active rows' case; `native` keeps all six, the recompute arm's case. The stacked weights are a copy
-made once for the benchmark (the model keeps one Linear per expert). `--small` runs tiny dims on CPU (a smoke run,
-not a measurement).
+synchronize), and the relative difference of the outputs. `--fanout adaptive` drops slots through the consumer's
+`adaptive_fanout` at the profile defaults (smallest k >= 3 reaching tau = 0.9 of the top-6 weight; dropped slots
+are -1 and run no expert), the active rows' case; `native` keeps all six, the recompute arm's case. The stacked
+weights are a copy made once for the benchmark (the model keeps one Linear per expert). `--small` runs tiny dims on
+CPU (a smoke run, not a measurement).
 """
 from __future__ import annotations
 
@@ -29,14 +29,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from runtime.model.config import FLASH  # noqa: E402
 from runtime.model.deepseek_v4 import MoE, Parallel  # noqa: E402
-
-
-def adaptive(w: torch.Tensor, idx: torch.Tensor, tau: float = 0.9, min_k: int = 3) -> torch.Tensor:
-    """The consumer's adaptive fanout (runtime/reuse/consumer.py `_moe_adaptive`) on sorted top-k: ids of the
-    dropped slots set to -1."""
-    cum = w.cumsum(-1) / w.sum(-1, keepdim=True)
-    k = ((cum < tau - 1e-6).sum(-1) + 1).clamp(min=min_k, max=w.shape[1])
-    return torch.where(torch.arange(w.shape[1], device=w.device)[None, :] < k[:, None], idx, -1)
+from runtime.reuse.consumer import adaptive_fanout  # noqa: E402
+from runtime.reuse.profile import ReuseProfile  # noqa: E402
 
 
 def stacked(moe: MoE):
@@ -109,6 +103,7 @@ def main() -> int:
     for p in moe.parameters():
         p.data.normal_(0, p.shape[-1] ** -0.5 if p.dim() == 2 else 0.1, generator=g)
     w1, w3, w2 = stacked(moe)
+    prof = ReuseProfile()                                      # the fanout's defaults (tau 0.9, at least 3)
     name = torch.cuda.get_device_name() if cuda else "cpu"
     print(f"# {name} | torch {torch.__version__} | dim {cfg.dim}, inner {cfg.moe_inter_dim}, top-"
           f"{cfg.n_activated_experts} of {args.experts} routed experts, {dt}, fanout {args.fanout}", flush=True)
@@ -118,7 +113,7 @@ def main() -> int:
             x = torch.randn(T, cfg.dim, device=dev, generator=g).to(dt)
             w, idx = moe.gate(x, torch.zeros(T, dtype=torch.long, device=dev))
             if args.fanout == "adaptive":
-                idx = adaptive(w, idx)
+                w, idx, _ = adaptive_fanout(w, idx, prof.tau, prof.min_experts)
             slots = int((idx >= 0).sum())
             ref = moe.routed(x, w, idx)
             got = grouped(x, w, idx, w1, w3, w2, args.experts)

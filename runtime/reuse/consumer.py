@@ -275,6 +275,21 @@ def _indexer_picks(attn, qpos, segments, idx_inputs, trig=None):
     return split_picks(gp, first, total), (gp < total).sum()
 
 
+# ============================================================================ adaptive MoE fanout
+
+def adaptive_fanout(w: torch.Tensor, idx: torch.Tensor, tau: float, min_experts: int):
+    """Router top-k weights w and expert ids idx [T, k] -> (both sorted by decreasing weight, ids with the dropped
+    slots set to -1, k per row): k = smallest k >= min_experts whose normalized cumulative weight reaches tau; the
+    kept slots keep their original weights (SPEC §5)."""
+    order = torch.argsort(w, dim=-1, descending=True, stable=True)
+    w, idx = w.gather(1, order), idx.gather(1, order)
+    cum = w.cumsum(-1) / w.sum(-1, keepdim=True)
+    k = (cum < tau - 1e-6).sum(-1) + 1
+    k = k.clamp(min=min_experts, max=w.shape[1])
+    keep = torch.arange(w.shape[1], device=w.device)[None, :] < k[:, None]
+    return w, torch.where(keep, idx, torch.full_like(idx, -1)), k
+
+
 # ============================================================================ request state
 
 # ============================================================================ per-request row plan
@@ -794,13 +809,6 @@ class ReuseEngine:
         """Top-6 by the router, then k = smallest k >= min_experts whose normalized cumulative weight reaches
         tau; the k experts run with their original weights; the shared expert always runs."""
         prof = self.profile
-        w, idx = block.ffn.gate(h, tokens)
-        order = torch.argsort(w, dim=-1, descending=True, stable=True)
-        w, idx = w.gather(1, order), idx.gather(1, order)
-        cum = w.cumsum(-1) / w.sum(-1, keepdim=True)
-        k = (cum < prof.tau - 1e-6).sum(-1) + 1
-        k = k.clamp(min=prof.min_experts, max=w.shape[1])
-        keep = torch.arange(w.shape[1], device=h.device)[None, :] < k[:, None]
-        idx = torch.where(keep, idx, torch.full_like(idx, -1))
+        w, idx, k = adaptive_fanout(*block.ffn.gate(h, tokens), prof.tau, prof.min_experts)
         self._defer(ledger, "moe_rows", h.shape[0], k.float().mean())
         return block.ffn.routed(h, w, idx) + block.ffn.shared_experts(h).float()
