@@ -1,8 +1,7 @@
-"""Routed-MoE benchmark: the model's `MoE.routed` (one stable sort, one host read of the per-expert counts, then a
-gather + three GEMMs + scatter-add per expert) against one grouped GEMM per weight (`torch._grouped_mm` over the
-experts' stacked weights, no host read), on the same rows and routing. Not a test: it measures whether the grouped
-form is worth moving into the model (issue 7: the reuse arm's active-row MoE measured ~16 ms per reusable layer at
-64K, 3-4x its GEMMs' time, docs/BENCHMARKS.md run 9's profile).
+"""Routed-MoE benchmark: the model's two forms of `MoE.routed`, `routed_loop` (one stable sort, one host read of
+the per-expert counts, then a gather + three GEMMs + scatter-add per expert; the CPU reference) and `routed_grouped`
+(one `torch._grouped_mm` per weight over the experts' stacked weights, no host read; what CUDA runs up to
+`MoE.GROUPED_MAX_SLOTS` slots), on the same rows and routing.
 
     python3 bench/moe.py [--rows 5734,11469,65600] [--experts 16] [--fanout native|adaptive] [--json out.json]
 
@@ -10,9 +9,8 @@ Per row count, at Flash's dims (dim 4096, expert inner dim 2048, top-6 of --expe
 (events, median of --reps after a warm-up), host time to issue each (wall clock until the last launch returns, no
 synchronize), and the relative difference of the outputs. `--fanout adaptive` drops slots through the consumer's
 `adaptive_fanout` at the profile defaults (smallest k >= 3 reaching tau = 0.9 of the top-6 weight; dropped slots
-are -1 and run no expert), the active rows' case; `native` keeps all six, the recompute arm's case. The stacked
-weights are a copy made once for the benchmark (the model keeps one Linear per expert). `--small` runs tiny dims on
-CPU (a smoke run, not a measurement).
+are -1 and run no expert), the active rows' case; `native` keeps all six, the recompute arm's case. `--small` runs
+tiny dims on CPU (a smoke run, not a measurement).
 """
 from __future__ import annotations
 
@@ -24,39 +22,12 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from runtime.model.config import FLASH  # noqa: E402
 from runtime.model.deepseek_v4 import MoE, Parallel  # noqa: E402
 from runtime.reuse.consumer import adaptive_fanout  # noqa: E402
 from runtime.reuse.profile import ReuseProfile  # noqa: E402
-
-
-def stacked(moe: MoE):
-    """[E, d, inter] (w1, w3) and [E, inter, d] (w2), each the transpose of a contiguous stack (column-major per
-    expert, the layout grouped GEMMs take)."""
-    ex = [moe.experts[str(e)] for e in moe.local]
-    return tuple(torch.stack([getattr(x, n).weight for x in ex]).transpose(1, 2) for n in ("w1", "w3", "w2"))
-
-
-def grouped(x, weights, idx, w1, w3, w2, n_experts: int):
-    """The routed sum with one grouped GEMM per weight and no host read: slots sorted by expert (dropped slots, -1,
-    sorted last as expert n_experts and zeroed), per-expert row ends from a device cumsum."""
-    flat = idx.flatten()
-    key = torch.where(flat < 0, n_experts, flat)
-    order = torch.argsort(key, stable=True)
-    k = idx.shape[1]
-    rows, ws = order // k, weights.flatten()[order]
-    ends = torch.bincount(key, minlength=n_experts + 1)[:n_experts].cumsum(0).to(torch.int32)
-    xs = x.index_select(0, rows)
-    g = torch._grouped_mm(xs, w1, offs=ends).float()
-    u = torch._grouped_mm(xs, w3, offs=ends).float()
-    h = (F.silu(g) * u * ws[:, None]).to(x.dtype)
-    o = torch._grouped_mm(h, w2, offs=ends)
-    valid = (key[order] < n_experts)[:, None]                 # rows past the last expert's end are not written
-    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    return y.index_add_(0, rows, torch.where(valid, o.float(), 0.0))
 
 
 def timed(fn, reps: int, cuda: bool):
@@ -102,7 +73,6 @@ def main() -> int:
     g = torch.Generator(device=dev).manual_seed(0)
     for p in moe.parameters():
         p.data.normal_(0, p.shape[-1] ** -0.5 if p.dim() == 2 else 0.1, generator=g)
-    w1, w3, w2 = stacked(moe)
     prof = ReuseProfile()                                      # the fanout's defaults (tau 0.9, at least 3)
     name = torch.cuda.get_device_name() if cuda else "cpu"
     print(f"# {name} | torch {torch.__version__} | dim {cfg.dim}, inner {cfg.moe_inter_dim}, top-"
@@ -115,11 +85,11 @@ def main() -> int:
             if args.fanout == "adaptive":
                 w, idx, _ = adaptive_fanout(w, idx, prof.tau, prof.min_experts)
             slots = int((idx >= 0).sum())
-            ref = moe.routed(x, w, idx)
-            got = grouped(x, w, idx, w1, w3, w2, args.experts)
+            ref = moe.routed_loop(x, w, idx)
+            got = moe.routed_grouped(x, w, idx)
             err = float((got - ref).norm() / ref.norm().clamp_min(1e-30))
-            t_loop, h_loop = timed(lambda: moe.routed(x, w, idx), args.reps, cuda)
-            t_grp, h_grp = timed(lambda: grouped(x, w, idx, w1, w3, w2, args.experts), args.reps, cuda)
+            t_loop, h_loop = timed(lambda: moe.routed_loop(x, w, idx), args.reps, cuda)
+            t_grp, h_grp = timed(lambda: moe.routed_grouped(x, w, idx), args.reps, cuda)
             flops = slots * 3 * 2 * cfg.dim * cfg.moe_inter_dim
             row = dict(rows=T, slots=slots, loop_s=t_loop, loop_host_s=h_loop, grouped_s=t_grp, grouped_host_s=h_grp,
                        rel_diff=err, gflop=flops / 1e9)

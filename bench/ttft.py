@@ -228,6 +228,10 @@ def main() -> int:
                     help="also time the reuse arm at --budget with REDKNOT_FUSED_SEGMENTS set to this (1: the fused "
                          "multi-segment kernel for every call, auto: for calls of >= 16 heads; default 1) beside "
                          "the run's own setting, interleaved")
+    ap.add_argument("--moe-too", choices=["grouped", "loop"], default=None,
+                    help="also time the reuse arm at --budget with the routed MoE in this form (REDKNOT_MOE_GROUPED="
+                         "1 or 0: one grouped GEMM per weight, or the per-expert loop with one host read) beside, "
+                         "interleaved")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
@@ -283,21 +287,29 @@ def main() -> int:
             with mock.patch.dict(os.environ, {"REDKNOT_FUSED_SEGMENTS": args.fused_too}):
                 return reuse()
 
+        def moe_other():
+            with mock.patch.dict(os.environ, {"REDKNOT_MOE_GROUPED": "1" if args.moe_too == "grouped" else "0"}):
+                return reuse()
+
         rec_t, reu_t = [], []
         other_t, other_res = {b: [] for b in extra}, {}
         timed(lambda: model(full), device)                       # warm-up, every arm
         _, res = timed(reuse, device)
         for b, eng in others.items():
             timed(lambda: reuse(eng), device)
-        fus_t = []
+        fus_t, moe_t = [], []
         if args.fused_too:
             timed(fused, device)
+        if args.moe_too:
+            timed(moe_other, device)
         for _ in range(args.reps):                               # interleaved, side by side
             rec_t.append(timed(lambda: model(full), device)[0])
             t, res = timed(reuse, device)
             reu_t.append(t)
             if args.fused_too:
                 fus_t.append(timed(fused, device)[0])
+            if args.moe_too:
+                moe_t.append(timed(moe_other, device)[0])
             for b, eng in others.items():
                 t, other_res[b] = timed(lambda: reuse(eng), device)
                 other_t[b].append(t)
@@ -312,6 +324,8 @@ def main() -> int:
                    relocated=led["rows"]["relocated"], recompute_all=rec_t, reuse_all=reu_t, extra=[])
         if fus_t:
             row.update(fused_s=statistics.median(fus_t), fused_all=fus_t, fused_mode=args.fused_too)
+        if moe_t:
+            row.update(moe_form=args.moe_too, moe_s=statistics.median(moe_t), moe_all=moe_t)
         for b in extra:
             lb = other_res[b].ledger.summary()
             assert 0 < lb["rows"]["active"] < lb["rows"]["relocated"] and lb["head_row_saving"] > 0, lb
@@ -360,7 +374,8 @@ def main() -> int:
               f"(analytic FLOP ratio {row['flop_ratio']:.2f}x; head-row {row['head_row_saving']:.1%} of ceiling "
               f"{row['structural_ceiling']:.1%}; token-row {row['token_row_saving']:.1%}; active "
               f"{row['active']}/{row['relocated']})" + (f"  cold {row['cold_s']:.3f} s" if "cold_s" in row else "")
-              + (f"  fused={args.fused_too} {row['fused_s']:.3f} s" if "fused_s" in row else ""), flush=True)
+              + (f"  fused={args.fused_too} {row['fused_s']:.3f} s" if "fused_s" in row else "")
+              + (f"  MoE {args.moe_too} {row['moe_s']:.3f} s" if "moe_s" in row else ""), flush=True)
         for e in row["extra"]:
             print(f"T={row['tokens']:7d}  budget {e['budget']:.0%}: reuse {e['reuse_s']:7.3f} s  speedup "
                   f"{e['speedup']:5.2f}x  (analytic FLOP ratio {e['flop_ratio']:.2f}x; head-row "

@@ -530,6 +530,92 @@ class MoE(nn.Module):
         self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim // par.size, dtype, 0.0, cfg.quant_sim)
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Sum over each row's routed slots of weight x expert(row), float32 [T, d]: the per-expert loop
+        (`routed_loop`, the reference); opted in on CUDA (`grouped_ok`) and up to GROUPED_MAX_SLOTS slots, one
+        grouped GEMM per weight with no host read (`routed_grouped`)."""
+        if idx.numel() <= self.GROUPED_MAX_SLOTS and self.grouped_ok(x):
+            return self.routed_grouped(x, weights, idx)
+        return self.routed_loop(x, weights, idx)
+
+    # above this many (row, slot) pairs the loop's GEMMs are large enough that its one host read costs little and
+    # the grouped GEMMs ran slower on an H200 (bench/moe.py, docs/BENCHMARKS.md run 10: 0.89x at 394K slots)
+    GROUPED_MAX_SLOTS = 1 << 17
+
+    def grouped_ok(self, x: torch.Tensor) -> bool:
+        """The grouped form's conditions: opted in (REDKNOT_MOE_GROUPED=1), the kernels switch
+        (runtime.kernels.enabled: CUDA, REDKNOT_KERNELS not 0), torch._grouped_mm on a Hopper-or-later GPU, bf16
+        activations and weights, dims a multiple of 8 (16 bytes). Opt-in: on an H200 its GEMMs take the loop's time
+        (bench/moe.py) and the whole reuse arm measured no gain (docs/BENCHMARKS.md run 10: 6.85 s against the
+        loop's 6.69 s at 128K, 10% budget, median of 3); it does remove the loop's one host read per call."""
+        import os
+        from runtime.kernels import enabled
+        w = self.experts[str(self.local[0])].w1.weight
+        return (os.environ.get("REDKNOT_MOE_GROUPED", "0") == "1" and x.is_cuda and enabled(x)
+                and hasattr(torch, "_grouped_mm")
+                and x.dtype == w.dtype == torch.bfloat16
+                and w.shape[0] % 8 == 0 and w.shape[1] % 8 == 0 and torch.cuda.get_device_capability(x.device)[0] >= 9)
+
+    def stacks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The local routed experts' w1, w3, w2 as three [E_local, out, in] stacks whose slices ARE the experts'
+        weights: on first use (and again whenever a weight was replaced, e.g. by .to() or an assigning load) each
+        weight is copied into its slot of a stack and the parameter re-pointed at it, so the stacks cost no memory
+        beyond the experts' own and every in-place change to a weight is seen by both forms."""
+        ex = [self.experts[str(e)] for e in self.local]
+        params = [[getattr(x, n).weight for x in ex] for n in ("w1", "w3", "w2")]
+        key = tuple(p.data_ptr() for group in params for p in group)
+        if getattr(self, "_stacks_key", None) != key:
+            with torch.no_grad(), torch.inference_mode(False):
+                stacks = []
+                for group in params:
+                    st = torch.empty((len(group), *group[0].shape), dtype=group[0].dtype, device=group[0].device)
+                    for i, p in enumerate(group):
+                        st[i].copy_(p.data)
+                        p.data = st[i]
+                    stacks.append(st)
+            self._stacks = tuple(stacks)
+            self._stacks_key = tuple(p.data_ptr() for group in params for p in group)
+        return self._stacks
+
+    def routed_grouped(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
+                       chunk: int = 32768) -> torch.Tensor:
+        """`routed_loop`'s sum with one grouped GEMM per weight (torch._grouped_mm over `stacks`) and no host read:
+        the (row, slot) ids sorted stably by local expert, slots of dropped (-1) or other ranks' experts sorted last
+        and sent to a spare output row that is cut off. The sorted slots run in chunks of `chunk` (bounding the
+        gathered activations: T x top-k rows would be 6 GB at 128K tokens), each expert's run clamped to the chunk,
+        so a run may span two chunks. Each expert's rows and weights are the loop's; only the GEMM kernels (and so
+        the float32 accumulation order inside them) differ."""
+        w1, w3, w2 = self.stacks()
+        lo, n_local = self.local[0], len(self.local)
+        T, k = idx.shape
+        flat = idx.flatten() - lo
+        key = torch.where((flat < 0) | (flat >= n_local), n_local, flat)
+        order = torch.argsort(key, stable=True)
+        rows = torch.where(key[order] < n_local, order // k, T)              # the spare row T takes the rest
+        ws = weights.flatten()[order, None].float()
+        ends = torch.bincount(key, minlength=n_local + 1)[:n_local].cumsum(0)
+        ex = self.experts[str(lo)]
+        limit, quant = ex.limit, ex.w1.simulate
+        y = torch.zeros((T + 1, x.shape[1]), dtype=torch.float32, device=x.device)
+        w1t, w3t, w2t = w1.transpose(1, 2), w3.transpose(1, 2), w2.transpose(1, 2)
+        for a in range(0, T * k, chunk):
+            b = min(a + chunk, T * k)
+            offs = (ends - a).clamp(0, b - a).to(torch.int32)
+            r = rows[a:b]
+            xs = x.index_select(0, r.clamp(max=T - 1))
+            if quant:
+                from .quant import fake_quant_fp8_act
+                xs = fake_quant_fp8_act(xs)
+            gate = torch._grouped_mm(xs, w1t, offs=offs).float()
+            up = torch._grouped_mm(xs, w3t, offs=offs).float()
+            if limit > 0:
+                gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+            h = (ws[a:b] * (F.silu(gate) * up)).to(x.dtype)
+            if quant:
+                h = fake_quant_fp8_act(h)
+            y.index_add_(0, r, torch._grouped_mm(h, w2t, offs=offs).float())
+        return y[:T]
+
+    def routed_loop(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         # an id of -1 marks a slot the caller dropped (adaptive fanout): it runs no expert. One stable sort of the
         # (row, slot) ids by expert and one host read of the counts replace a torch.where (a host sync) per expert;

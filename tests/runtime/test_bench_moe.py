@@ -1,5 +1,5 @@
-"""bench/moe.py stays runnable and its grouped form computes the model's routed sum: a CPU smoke run at tiny dims
-(not a measurement) with dropped slots (adaptive fanout) and without, every output equal to `MoE.routed`'s."""
+"""bench/moe.py stays runnable: a CPU smoke run at tiny dims (not a measurement) with dropped slots (adaptive fanout)
+and without, the grouped form's output equal to the loop's."""
 import json
 import subprocess
 import sys
