@@ -22,14 +22,13 @@ import argparse
 import itertools
 import json
 import os
-import statistics
 import sys
-import time
 import types
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.timing import median_time  # noqa: E402
 import runtime.reuse.consumer as C  # noqa: E402
 from runtime.model.config import CSA, HCA, WINDOW  # noqa: E402
 from runtime.model.deepseek_v4 import Rotary  # noqa: E402
@@ -77,25 +76,6 @@ def own_picks(rows, deltas, lens, dev, g):
     vis = (rows - torch.tensor(deltas, device=dev)[own] + 1) // 4
     ids = (torch.rand(rows.numel(), K, device=dev, generator=g) * vis[:, None]).long()
     return torch.where(torch.arange(K, device=dev)[None, :] < vis[:, None], ids, -1)
-
-
-def cuda_time(fn, reps: int) -> float:
-    fn()
-    ts = []
-    for _ in range(reps):
-        if not torch.cuda.is_available():          # a CPU smoke run (TRITON_INTERPRET=1): wall clock
-            t = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t)
-            continue
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) / 1000)
-    return statistics.median(ts)
 
 
 GRID_KEYS = ("BLOCK_N", "num_warps", "num_stages")
@@ -159,8 +139,8 @@ def case(args, kind, which, lens, deltas, lat, rows_all, dev, g):
     a, b = stacked(), fused()
     err = ((a.float() - b.float()).norm() / a.float().norm().clamp_min(1e-30)).item()
     res = dict(kind=kind, rows=which, heads=H, n_rows=rows.numel(), picks="online" if online else
-               ("own" if own is not None else None), stacked_s=cuda_time(stacked, args.reps),
-               fused_s=cuda_time(fused, args.reps), rel_diff=err)
+               ("own" if own is not None else None), stacked_s=median_time(stacked, args.reps),
+               fused_s=median_time(fused, args.reps), rel_diff=err)
     if args.sweep:
         res["sweep"] = []
         # 64 heads: heads per program; 8 heads: rows per program (ROWS = 1: one row, its heads padded to 16)
@@ -169,7 +149,7 @@ def case(args, kind, which, lens, deltas, lat, rows_all, dev, g):
             cfg = dict(BLOCK_H=b, BLOCK_N=bn, num_warps=nw, num_stages=ns) if H >= 16 else \
                 dict(ROWS=b, BLOCK_N=bn, num_warps=nw, num_stages=ns)
             try:
-                t = cuda_time(lambda: fused(cfg), 2)
+                t = median_time(lambda: fused(cfg), 2)
             except Exception as e:                          # out of shared memory / registers: reported, skipped
                 res["sweep"].append(dict(cfg, error=type(e).__name__))
                 continue

@@ -245,7 +245,11 @@ class Compressor(nn.Module):
         return state.entries
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-row compressor inputs: (kv, gate) [T, width] in float32, gate without the position bias."""
+        """Per-row compressor inputs: (kv, gate) [T, width] in float32, gate without the position bias. On CUDA with
+        bf16 rows, the same float32 products on the tensor cores (runtime/kernels/f32linear.py)."""
+        from runtime.kernels import enabled, f32linear
+        if enabled(x) and f32linear.supported(x, self.wkv.weight, self.wgate.weight):
+            return f32linear.linear_f32(x, self.wkv.weight, self.wgate.weight)
         xf = x.float()
         return self.wkv(xf), self.wgate(xf)
 

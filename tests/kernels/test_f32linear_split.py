@@ -1,0 +1,27 @@
+"""runtime.kernels.f32linear on CPU: the three bf16 pieces of a float32 weight sum back to it exactly (so the split
+GEMM's products are exact), and bad input is refused with a clear error. The GEMM itself runs on CUDA only
+(torch.mm with out_dtype): tests/kernels/test_f32linear_gpu.py."""
+import pytest
+import torch
+
+from runtime.kernels.f32linear import linear_f32, split3, supported
+
+
+def test_pieces_sum_back_exactly():
+    g = torch.Generator().manual_seed(0)
+    w = torch.cat([torch.randn(64, 256, generator=g) * s for s in (1e-3, 1.0, 1e3)])
+    w[0, :4] = torch.tensor([0.0, -0.0, 1.0, 3.0e-30])
+    p = split3(w)
+    assert p.dtype == torch.bfloat16 and p.shape == (3, *w.shape)
+    assert torch.equal((p[0].float() + p[1].float()) + p[2].float(), w)
+    assert (p[2].float().abs() <= p[1].float().abs() * 2 ** -7 + 1e-38).all()   # each piece below the last's ulp
+    assert (p[1].float().abs() <= p[0].float().abs() * 2 ** -7 + 1e-38).all()
+
+
+def test_refuses_what_it_cannot_run():
+    x = torch.randn(4, 64).bfloat16()
+    w = torch.randn(8, 64)
+    assert not supported(x, w)                                        # CPU
+    with pytest.raises(ValueError, match="bf16 x \\[T, K\\] and float32 weights"):
+        linear_f32(x, w)
+    assert not supported(x.float(), w) and not supported(x, w.bfloat16()) and not supported(x, torch.randn(8, 32))
