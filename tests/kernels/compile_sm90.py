@@ -13,7 +13,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from runtime.kernels import indexer, merge, mhc, multiseg, rope, sparse_attention  # noqa: E402
+from runtime.kernels import indexer, merge, mhc, multiseg, rmsnorm, rope, sparse_attention  # noqa: E402
 
 FUSED = dict(q_ptr="*bf16", qpos_ptr="*i64", tab_ptr="*i64", picks_ptr="*i32", bounds_ptr="*i32", freq_ptr="*fp32",
              sink_ptr="*fp32", o_ptr="*bf16", qk_scale="fp32", sink_scale="fp32")
@@ -27,6 +27,7 @@ HC_WEIGHTS = dict(x_ptr="*bf16", mix_ptr="*fp32", base_ptr="*fp32", scale_ptr="*
                   post_ptr="*fp32", comb_ptr="*fp32", out_ptr="*bf16", hc_eps="fp32")
 HC_POST = dict(y_ptr="*bf16", x_ptr="*bf16", post_ptr="*fp32", comb_ptr="*fp32", out_ptr="*bf16")
 ROPE = dict(x_ptr="*bf16", s_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32")
+RMS = dict(x_ptr="*bf16", w_ptr="*fp32", y_ptr="*bf16", eps="fp32")
 FUSED_C = dict(D=512, HALF_R=32, RP=32, COLS=multiseg.COLS, PREC="tf32")
 # Flash's dims (D = 512, 64 rope channels) at the launch configurations the wrappers use by default:
 # (name, kernel, argument types, constexprs, num_warps, modes)
@@ -49,6 +50,7 @@ KERNELS = [
     ("mHC weights", mhc._hc_weights_kernel, HC_WEIGHTS, dict(HC=4, BT=16, BD=256), 4, False),
     ("mHC post", mhc._hc_post_kernel, HC_POST, dict(HC=4, BT=16, BD=128), 4, False),
     ("RoPE slice", rope._rope_kernel, ROPE, dict(INVERSE=False, HALF=32, BLOCK_H=16), 1, False),
+    ("RMS norm, 4096 wide", rmsnorm._rms_norm_kernel, RMS, dict(BLOCK=4096), 8, False),
 ]
 
 
