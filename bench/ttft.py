@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -283,13 +284,12 @@ def main() -> int:
             pf = LayerPrefetcher(arts, device)
             return eng.prefill(pf.documents(), question)
 
-        def fused():                      # the caller's own setting, if any, is restored afterwards
-            with mock.patch.dict(os.environ, {"REDKNOT_FUSED_SEGMENTS": args.fused_too}):
+        def reuse_with(env):             # the caller's own settings, if any, are restored afterwards
+            with mock.patch.dict(os.environ, env):
                 return reuse()
 
-        def moe_other():
-            with mock.patch.dict(os.environ, {"REDKNOT_MOE_GROUPED": "1" if args.moe_too == "grouped" else "0"}):
-                return reuse()
+        fused = functools.partial(reuse_with, {"REDKNOT_FUSED_SEGMENTS": args.fused_too})
+        moe_other = functools.partial(reuse_with, {"REDKNOT_MOE_GROUPED": "1" if args.moe_too == "grouped" else "0"})
 
         rec_t, reu_t = [], []
         other_t, other_res = {b: [] for b in extra}, {}

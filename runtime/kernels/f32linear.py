@@ -5,10 +5,10 @@ Each float32 weight splits exactly into three bf16 pieces, w = hi + mid + lo (8 
 `split3`), and x is bf16 already, so every product x_k * piece_k is exact in float32 and only the GEMMs' float32
 accumulation rounds, as in the float32 GEMM the reference path runs (cuBLAS SGEMM on the CUDA cores). The tensor
 cores' accumulation keeps fewer bits than the CUDA cores': against float64, 4.4e-6 relative where the float32 GEMM
-gives 0.4-1.1e-6 (K = 4096, H200; bench/f32linear.py and the GPU test), a thousandth of the bf16 rounding the compressed entries are stored with. One GEMM runs over the pieces of all the weights stacked along N (one launch for kv and gate), in
-row chunks that bound its [rows, 3 x N] float32 output; each weight's result sums its pieces small to large,
-(lo + mid) + hi. Accuracy against float64 is measured beside the float32 GEMM's by `bench/f32linear.py` and
-`tests/kernels/test_f32linear_gpu.py`.
+gives 0.4-1.1e-6 (K = 4096, H200; `bench/f32linear.py`, `tests/kernels/test_f32linear_gpu.py`), a thousandth of
+the bf16 rounding the compressed entries are stored with. One GEMM runs over the pieces of all the weights stacked
+along N (one launch for kv and gate), in row chunks that bound its [rows, 3 x N] float32 output; each weight's
+result sums its pieces small to large, (lo + mid) + hi.
 
     from runtime.kernels.f32linear import supported, linear_f32
     kv, gate = linear_f32(x, wkv.weight, wgate.weight)

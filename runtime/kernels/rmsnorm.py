@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from runtime.model.deepseek_v4 import weighted_rms_norm as rms_norm_reference  # noqa: F401 - the torch form
+
 from ._triton import HAVE_TRITON, check_runnable, tl, triton
 
 MAX_DIM = 16384
@@ -37,13 +39,6 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (x.dim() >= 1 and x.numel() > 0 and x.stride(-1) == 1 and 0 < x.shape[-1] <= MAX_DIM
             and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and weight.dtype == torch.float32 and weight.shape == (x.shape[-1],) and weight.is_contiguous())
-
-
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The torch form (RMSNorm.forward's arithmetic)."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight * xf).to(x.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -13,6 +13,7 @@ Batch size is one request; a serving batch is a list of requests.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -40,9 +41,13 @@ class RMSNorm(nn.Module):
         from runtime.kernels import enabled, rmsnorm
         if enabled(x) and rmsnorm.supported(x, self.weight):      # the same arithmetic in one pass
             return rmsnorm.rms_norm(x, self.weight, self.eps)
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * xf).to(x.dtype)
+        return weighted_rms_norm(x, self.weight, self.eps)
+
+
+def weighted_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * xf).to(x.dtype)
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -479,13 +484,14 @@ class Expert(nn.Module):
         self.limit = limit
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-        gate, up = self.w1(x).float(), self.w3(x).float()
+        return self.w2(self.activate(self.w1(x).float(), self.w3(x).float(), weights).to(x.dtype))
+
+    def activate(self, gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+        """The float32 SwiGLU between the projections: clamp, silu(gate) * up, times the routing weights."""
         if self.limit > 0:
             gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
         h = F.silu(gate) * up
-        if weights is not None:
-            h = weights * h
-        return self.w2(h.to(x.dtype))
+        return h if weights is None else weights * h
 
 
 class Gate(nn.Module):
@@ -554,7 +560,6 @@ class MoE(nn.Module):
         activations and weights, dims a multiple of 8 (16 bytes). Opt-in: on an H200 its GEMMs take the loop's time
         (bench/moe.py) and the whole reuse arm measured no gain (docs/BENCHMARKS.md run 10: 6.85 s against the
         loop's 6.69 s at 128K, 10% budget, median of 3); it does remove the loop's one host read per call."""
-        import os
         from runtime.kernels import enabled
         w = self.experts[str(self.local[0])].w1.weight
         return (os.environ.get("REDKNOT_MOE_GROUPED", "0") == "1" and x.is_cuda and enabled(x)
@@ -600,23 +605,20 @@ class MoE(nn.Module):
         rows = torch.where(key[order] < n_local, order // k, T)              # the spare row T takes the rest
         ws = weights.flatten()[order, None].float()
         ends = torch.bincount(key, minlength=n_local + 1)[:n_local].cumsum(0)
-        ex = self.experts[str(lo)]
-        limit, quant = ex.limit, ex.w1.simulate
+        ex = self.experts[str(lo)]                  # every routed expert has the same clamp and FP8 switch
+        quant = ex.w1.simulate
         y = torch.zeros((T + 1, x.shape[1]), dtype=torch.float32, device=x.device)
         w1t, w3t, w2t = w1.transpose(1, 2), w3.transpose(1, 2), w2.transpose(1, 2)
+        from .quant import fake_quant_fp8_act
         for a in range(0, T * k, chunk):
             b = min(a + chunk, T * k)
             offs = (ends - a).clamp(0, b - a).to(torch.int32)
             r = rows[a:b]
             xs = x.index_select(0, r.clamp(max=T - 1))
             if quant:
-                from .quant import fake_quant_fp8_act
                 xs = fake_quant_fp8_act(xs)
-            gate = torch._grouped_mm(xs, w1t, offs=offs).float()
-            up = torch._grouped_mm(xs, w3t, offs=offs).float()
-            if limit > 0:
-                gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-            h = (ws[a:b] * (F.silu(gate) * up)).to(x.dtype)
+            gate, up = (torch._grouped_mm(xs, w, offs=offs).float() for w in (w1t, w3t))
+            h = ex.activate(gate, up, ws[a:b]).to(x.dtype)
             if quant:
                 h = fake_quant_fp8_act(h)
             y.index_add_(0, r, torch._grouped_mm(h, w2t, offs=offs).float())

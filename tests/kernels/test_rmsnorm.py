@@ -1,9 +1,9 @@
 """runtime.kernels.rmsnorm (the one-pass weighted RMS norm) against the torch form of RMSNorm.forward, on the GPU
 (compiled) or, without one, under Triton's interpreter on CPU tensors: float32 rows to 1e-6 relative; bf16 rows
 within one bf16 rounding step of the torch form (the float32 sum runs in another order, so a value on a rounding
-boundary may round the other way) and, compiled, equal on >= 99% of elements (Triton 3.6's interpreter casts to
-bf16 by another rounding: about half the elements differ by that one step there); strided rows, 3-D input, a width that is not a
-power of two; bad input refused. The whole-model interpreter and GPU tests run it inside every layer."""
+boundary may round the other way) and, compiled, equal on >= 99% of elements (Triton 3.6's interpreter casts to bf16
+by another rounding: about half the elements differ by that one step there); strided rows, 3-D input, a width that is
+not a power of two; bad input refused. The whole-model interpreter and GPU tests run it inside every layer."""
 import pytest
 import torch
 
