@@ -135,17 +135,23 @@ def merge_stacked_reference(o: torch.Tensor, lse: torch.Tensor, sink: torch.Tens
 
 
 def merge_stacked(o: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor, out_dtype: torch.dtype,
-                  ranges: list[tuple[int, int]] | None = None) -> torch.Tensor:
+                  ranges: list[tuple[int, int]] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """o [P,T,H,D] (float32 or bf16), lse [P,T,H] float32 natural log (-inf where part p has no key for the row:
     its o rows are then never read), sink [H] -> merged o [T,H,D] in out_dtype, the sink's exp(sink) added to the
-    denominator once. One pass on CUDA (Triton); elsewhere the torch reference (which uses `ranges`)."""
+    denominator once; written into `out` (contiguous [T,H,D] of out_dtype, e.g. a caller's row slice) when given.
+    One pass on CUDA (Triton); elsewhere the torch reference (which uses `ranges`)."""
     P, T, H, D = o.shape
     assert lse.shape == (P, T, H) and sink.shape == (H,), (o.shape, lse.shape, sink.shape)
+    if out is not None and (out.shape != (T, H, D) or out.dtype != out_dtype or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous {(T, H, D)} {out_dtype} tensor, got {tuple(out.shape)} "
+                         f"{out.dtype}")
     from . import enabled                       # the package's one switch (imported late: it imports this module)
     if P == 0 or not enabled(o):
-        return merge_stacked_reference(o, lse, sink, out_dtype, ranges)      # no parts: only the sink, zeros
+        ref = merge_stacked_reference(o, lse, sink, out_dtype, ranges)       # no parts: only the sink, zeros
+        return ref if out is None else out.copy_(ref)
     assert o.stride(-1) == 1 and o[0].is_contiguous() and lse[0].is_contiguous(), "parts must be dense"
-    out = torch.empty((T, H, D), dtype=out_dtype, device=o.device)
+    if out is None:
+        out = torch.empty((T, H, D), dtype=out_dtype, device=o.device)
     R = T * H
     if R == 0:
         return out

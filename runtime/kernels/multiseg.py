@@ -308,12 +308,13 @@ def multi_segment_attention(q_raw: torch.Tensor, qpos: torch.Tensor, segments, s
                             mode: str, ratio: int, scale: float, inv_freq: torch.Tensor,
                             picks: torch.Tensor | None = None, pick_first: list[int] | None = None,
                             bounds: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-                            config: dict | None = None) -> torch.Tensor:
+                            config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """q_raw [T,H,D] normed, not roped; qpos [T] request positions; segments: objects with .delta, .latent [n,D]
     and .entries [N,D] or None; sink [H]; inv_freq [rd/2] float32 (the layer's rotary). "picks": picks [T,k]
     global ids sorted ascending per row (unused: any id past every segment), pick_first[j] segment j's first
     global id, bounds [T, P+1] int32 each segment's start in the row's list (bounds[:, P] = the row's count).
-    -> o [T,H,D] in out_dtype (default q's), merged with the sink, RoPE channels turned back (ready for W_a)."""
+    -> o [T,H,D] in out_dtype (default q's), merged with the sink, RoPE channels turned back (ready for W_a);
+    written into `out` (contiguous [T,H,D] of that dtype, e.g. a caller's row slice) when given."""
     check_runnable(q_raw)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
@@ -325,7 +326,12 @@ def multi_segment_attention(q_raw: torch.Tensor, qpos: torch.Tensor, segments, s
     if mode == "picks" and (picks is None or bounds is None or pick_first is None):
         raise ValueError("mode 'picks' needs picks, pick_first and bounds")
     dev = q_raw.device
-    out = torch.empty((T, H, D), dtype=out_dtype or q_raw.dtype, device=dev)
+    dt = out_dtype or q_raw.dtype
+    if out is None:
+        out = torch.empty((T, H, D), dtype=dt, device=dev)
+    elif out.shape != (T, H, D) or out.dtype != dt or not out.is_contiguous() or out.device != dev:
+        raise ValueError(f"out must be a contiguous {(T, H, D)} {dt} tensor on {dev}, got {tuple(out.shape)} "
+                         f"{out.dtype} on {out.device}")
     if T == 0:
         return out
     if q_raw.stride(-1) != 1:

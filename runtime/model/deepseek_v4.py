@@ -299,18 +299,20 @@ class Indexer(nn.Module):
         """`scores` from `query`'s outputs, the query roped at `positions`."""
         return self.scores_roped(Rotary.apply(q, *self.rotary.cos_sin(positions)), w_raw, positions, keys)
 
-    def scores_roped(self, q, w_raw, positions, keys) -> torch.Tensor:
-        """`scores_from` with the query already roped at `positions`."""
+    def scores_roped(self, q, w_raw, positions, keys, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`scores_from` with the query already roped at `positions`; written into `out` (a float32 [T, N] view
+        with unit column stride, e.g. a column slice of a wider score block) when given."""
         from runtime.kernels import enabled, indexer_scores
         if enabled(q):
-            return indexer_scores(q, keys.to(q.dtype), w_raw * self.n_heads ** -0.5, positions)
+            return indexer_scores(q, keys.to(q.dtype), w_raw * self.n_heads ** -0.5, positions, out=out)
         # in the activation dtype (the reference runs this in FP8), ReLU in place, heads reduced by a batched
         # matvec: the [T, heads, N] block is written once and read once
         s = torch.relu_(torch.einsum("thd,nd->thn", q, keys.to(q.dtype)))
         w = w_raw * (self.n_heads ** -0.5 * self.head_dim ** -0.5)
         s = torch.einsum("thn,th->tn", s, w.to(s.dtype)).float()
         ready = (positions + 1) // 4                                    # entries complete before t
-        return s.masked_fill(torch.arange(keys.shape[0], device=q.device)[None, :] >= ready[:, None], NEG_INF)
+        s = s.masked_fill(torch.arange(keys.shape[0], device=q.device)[None, :] >= ready[:, None], NEG_INF)
+        return s if out is None else out.copy_(s)
 
     def forward(self, x, qr, positions, state: CompressorState, q_chunk: int) -> torch.Tensor:
         """Top-k entry ids [T, k'] (k' = min(topk, N)); -1 where fewer entries are ready."""
@@ -341,6 +343,23 @@ class Indexer(nn.Module):
 
 
 # ============================================================================ attention
+
+def grouped_projection(o: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Each group's block of W_a: o [T, G, i], w [G, R, i] -> [T, G*R] with columns g*R..(g+1)*R = o[:, g] @ w[g]^T.
+    One batched GEMM over strided views (the groups are the batch): o and w are read where they lie and the result
+    is written in its [T, G*R] layout, where an einsum permutes its result and copies it. With `out` [T, G*R]
+    given, the products are added to it inside the same GEMM (beta = 1: the sum is rounded once) and out is
+    returned."""
+    T, G, _ = o.shape
+    R = w.shape[1]
+    beta = 1.0
+    if out is None:     # beta = 0: the empty tensor's contents are never read (nor a NaN in them propagated)
+        out, beta = torch.empty((T, G * R), dtype=o.dtype, device=o.device), 0.0
+    assert out.shape == (T, G * R) and out.is_contiguous(), (out.shape, T, G, R)
+    if T:
+        out.view(T, G, R).transpose(0, 1).baddbmm_(o.transpose(0, 1), w.transpose(1, 2), beta=beta)
+    return out
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, par: Parallel, dtype: torch.dtype):
@@ -397,9 +416,7 @@ class Attention(nn.Module):
         """`project` on outputs whose inverse RoPE is already applied (the reuse consumer de-rotates each segment's
         partial output at its own shifted query position): each group's block of W_a."""
         T, G, R = o.shape[0], self.n_groups, self.cfg.o_lora_rank
-        o = o.reshape(T, G, -1).to(self.wo_a.weight.dtype)
-        w = self.wo_a.weight.view(G, R, -1)
-        return torch.einsum("tgi,gri->tgr", o, w).reshape(T, G * R)
+        return grouped_projection(o.reshape(T, G, -1).to(self.wo_a.weight.dtype), self.wo_a.weight.view(G, R, -1))
 
     def output(self, p: torch.Tensor) -> torch.Tensor:
         """W_b once, row-parallel: one all-reduce."""

@@ -25,7 +25,7 @@ from torch.profiler import record_function as phase   # labels for bench/ttft.py
 
 from runtime.model.config import CSA, HCA, WINDOW
 from runtime.model.deepseek_v4 import (NEG_INF, Block, CompressorState, LayerCache, Rotary, Transformer,
-                                       unweighted_rms_norm)
+                                       grouped_projection, unweighted_rms_norm)
 from runtime.kernels import enabled, merge_stacked, rope_, sparse_mqa_attention
 from runtime.kernels.multiseg import multi_segment_attention
 from runtime.kernels.reference import sparse_mqa_reference
@@ -113,8 +113,8 @@ def fused_segments(n_heads: int) -> bool:
 
 def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: list[SegmentKeys], sink: torch.Tensor,
                       idx_inputs=None, picks: list | None = None, qpos_host: np.ndarray | None = None,
-                      own_picks: torch.Tensor | None = None,
-                      trig: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | int]:
+                      own_picks: torch.Tensor | None = None, trig: dict | None = None,
+                      out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | int]:
     """q_raw [T,H,D] normed, not yet roped; qpos request positions (increasing). Returns the merged per-head output
     [T,H,D] in q_raw's dtype WITH the inverse output RoPE applied (ready for W_a), and the number of (query, key)
     pairs attended (an int from host arithmetic, or a tensor where picks are counted: no host sync).
@@ -126,12 +126,13 @@ def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: l
     rotation). One pass then merges every row's parts with the sink once. `own_picks` [T, k]: each row's entry
     picks in its own segment (the artifact's, global_picks="artifact"); else CSA picks are the native indexer's
     top-k over the union of all segments' visible entries. On CUDA, a call that `fused_segments` sends to the fused
-    multi-segment kernel does all of this in one launch instead (`_fused_segment_attention`)."""
+    multi-segment kernel does all of this in one launch instead (`_fused_segment_attention`). `out`: a contiguous
+    [T,H,D] tensor of q_raw's dtype the merged output is written into (a caller's row slice), else a new one."""
     T, H, D = q_raw.shape
     W = attn.cfg.window_size
     host = qpos.cpu().numpy() if qpos_host is None else qpos_host      # host arithmetic: numpy, never a launch
     if enabled(q_raw) and picks is None and fused_segments(H):
-        return _fused_segment_attention(attn, q_raw, qpos, segments, sink, idx_inputs, host, own_picks, trig)
+        return _fused_segment_attention(attn, q_raw, qpos, segments, sink, idx_inputs, host, own_picks, trig, out)
     n_picks = None                       # the number of picks attended, where the indexer counted it
     if attn.kind == CSA and picks is None and own_picks is None:
         picks, n_picks = _indexer_picks(attn, qpos, segments, idx_inputs, trig)
@@ -154,7 +155,7 @@ def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: l
             o.copy_(ro)
             lse.copy_(rl)
         rope_(o, cos, sin, inverse=True)
-    out = merge_stacked(o_buf, lse_buf, sink, q_raw.dtype, [(lo, hi) for _, lo, hi, _, _ in plan])
+    out = merge_stacked(o_buf, lse_buf, sink, q_raw.dtype, [(lo, hi) for _, lo, hi, _, _ in plan], out=out)
     # pairs the kernel attends: clipped window rows plus visible entries (on the host), plus picks (on the device)
     pairs = _pairs_host(attn, host, segments, attn.kind == HCA)
     if any(m == "picks" for _, _, _, m, _ in plan):
@@ -177,7 +178,7 @@ def _pairs_host(attn, host: np.ndarray, segments: list[SegmentKeys], causal: boo
     return pairs
 
 
-def _fused_segment_attention(attn, q_raw, qpos, segments, sink, idx_inputs, host, own_picks, trig):
+def _fused_segment_attention(attn, q_raw, qpos, segments, sink, idx_inputs, host, own_picks, trig, out=None):
     """`segment_attention` on CUDA where `fused_segments` says so: one launch of the fused multi-segment kernel
     (runtime/kernels/multiseg.py) over every segment each row reaches; no per-segment part goes through HBM.
     CSA picks (the native indexer's top-k over the union of all segments, or each row's own document's offline
@@ -190,14 +191,14 @@ def _fused_segment_attention(attn, q_raw, qpos, segments, sink, idx_inputs, host
         first, total = _offsets(segments, "index_keys" if own_picks is None else "entries")
         gp = own_global_picks(segments, qpos, own_picks, first, total) if own_picks is not None else \
             _indexer_global_picks(attn, qpos, segments, idx_inputs, first, total, trig)
-    return fused_attention(attn, q_raw, qpos, segments, sink, host, mode, gp, first, total)
+    return fused_attention(attn, q_raw, qpos, segments, sink, host, mode, gp, first, total, out=out)
 
 
 def fused_attention(attn, q_raw, qpos, segments, sink, host, mode: str, gp=None, first=None, total=None,
-                    config: dict | None = None):
+                    config: dict | None = None, out: torch.Tensor | None = None):
     """One launch of the fused multi-segment kernel in `mode` ("none", "causal", or "picks" with gp [T, k] global
     entry ids, `total` for an empty slot, numbered by `first` as `_offsets` does), and the (query, key) pairs it
-    attends. `config`: the kernel's block sizes (bench/multiseg.py sweeps them)."""
+    attends. `config`: the kernel's block sizes (bench/multiseg.py sweeps them); `out`: where the output goes."""
     bounds, pairs = None, 0
     if mode == "picks" and gp.shape[1] == 0:     # no slot to pick from: the windows only
         mode, gp, first = "none", None, None
@@ -205,7 +206,7 @@ def fused_attention(attn, q_raw, qpos, segments, sink, host, mode: str, gp=None,
         gp, bounds = pick_runs(gp, first, total)
         pairs = bounds[:, -1].sum()
     out = multi_segment_attention(q_raw, qpos, segments, sink, attn.cfg.window_size, mode, attn.ratio or 1,
-                                  attn.scale, attn.rotary.inv_freq, gp, first, bounds, config=config)
+                                  attn.scale, attn.rotary.inv_freq, gp, first, bounds, config=config, out=out)
     return out, pairs + _pairs_host(attn, host, segments, mode == "causal")
 
 
@@ -236,19 +237,22 @@ def _indexer_global_picks(attn, qpos, segments, idx_inputs, first, total, trig=N
     """Native lightning-indexer top-k over the union of every segment's visible entries (the indexer query rotated
     per segment) as global ids (segment j's entry w = first[j] + w; `total` where a slot picked nothing)."""
     h, qr = idx_inputs
+    keyed = [(j, seg) for j, seg in enumerate(segments) if seg.index_keys is not None and seg.index_keys.shape[0]]
+    if not keyed:
+        return torch.full((qpos.shape[0], 0), total, dtype=torch.long, device=qpos.device)
     q, w = attn.indexer.query(h, qr)
     qs = q.clone()
-    scores, ids = [], []
-    for j, seg in enumerate(segments):
-        if seg.index_keys is None or seg.index_keys.shape[0] == 0:
-            continue
+    # every segment's scores land in their columns of one [T, total] block (no concatenation)
+    s = torch.empty((qpos.shape[0], sum(seg.index_keys.shape[0] for _, seg in keyed)), dtype=torch.float32,
+                    device=h.device)
+    ids, col = [], 0
+    for j, seg in keyed:
+        n = seg.index_keys.shape[0]
         cos, sin = _angles(attn, qpos, 0, qpos.shape[0], seg.delta, trig)
         rope_(qs, cos, sin, src=q)
-        scores.append(attn.indexer.scores_roped(qs, w, qpos - seg.delta, seg.index_keys))
-        ids.append(first[j] + torch.arange(seg.index_keys.shape[0], device=h.device))
-    if not scores:
-        return torch.full((qpos.shape[0], 0), total, dtype=torch.long, device=qpos.device)
-    s = torch.cat(scores, dim=1)
+        attn.indexer.scores_roped(qs, w, qpos - seg.delta, seg.index_keys, out=s[:, col:col + n])
+        ids.append(first[j] + torch.arange(n, device=h.device))
+        col += n
     top = s.topk(min(attn.indexer.topk, s.shape[1]), dim=-1)
     return torch.where(torch.isinf(top.values), total, torch.cat(ids)[top.indices])
 
@@ -273,6 +277,19 @@ def _indexer_picks(attn, qpos, segments, idx_inputs, trig=None):
         return [None] * len(segments), 0
     gp = _indexer_global_picks(attn, qpos, segments, idx_inputs, first, total, trig)
     return split_picks(gp, first, total), (gp < total).sum()
+
+
+def gather_rows(parts, n: int, width: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """[n, width]: for each (src [m, width], ids, off) of `parts`, rows off.. of the result = src[ids], gathered
+    straight into place (no temporary per part). The parts must cover rows 0..n-1."""
+    out = torch.empty((n, width), dtype=dtype, device=device)
+    for src, ids, off in parts:
+        dst = out[off:off + ids.numel()]
+        if src.dtype == dtype and src.device == dst.device:
+            torch.index_select(src, 0, ids, out=dst)
+        else:
+            dst.copy_(src.index_select(0, ids.to(src.device)))
+    return out
 
 
 # ============================================================================ adaptive MoE fanout
@@ -705,6 +722,10 @@ class ReuseEngine:
                 P = act.put_(P, attn.project_relative(o.to(hn.dtype)))
                 pairs = pairs + p * attn.n_heads
         if rest is not None:                       # Global heads only, their slice of wq_b and of W_a
+            pg = None
+            if docs is not None:                   # W_a,L O_L of these rows from their documents, in the rows' order
+                with phase("rk.restore"):
+                    pg = self._restored_local(i, sp, docs, rest.n, attn)
             with phase("rk.attn.global"):
                 gm = self._global_heads(x.device)
                 Hg = gm.numel()
@@ -717,12 +738,8 @@ class ReuseEngine:
                 if attn.kind == CSA and prof.global_picks == "artifact" and docs is not None:
                     own = self._own_picks(i, sp)
                 o, p = self._attend(attn, q, rest, all_segs, attn.attn_sink.index_select(0, gm),
-                                    rest.take(hn) if attn.indexer else None, qg, own)
-                pg = self._project_global(attn, o.to(hn.dtype))
-            if docs is not None:                   # restore W_a,L O_L of these rows from their documents
-                with phase("rk.restore"):
-                    for j, ids, off in sp.rest_local:
-                        pg[off:off + ids.numel()].add_(docs[j].layers[i].local_p.index_select(0, ids))
+                                    rest.take(hn) if attn.indexer and own is None else None, qg, own)
+                pg = self._project_global(attn, o.to(hn.dtype), pg)     # + W_a,G O_G, in the same GEMM
             P = rest.put_(P, pg)
             pairs = pairs + p * Hg
         par = self.model.par.size                  # every rank holds its own heads
@@ -770,18 +787,21 @@ class ReuseEngine:
 
     def _attend(self, attn, q_raw, rows: _Rows, segs, sink, h, qr, own_picks=None):
         """segment_attention in query chunks of about q_chunk x n_heads (row, head) pairs (bounded temporaries
-        at long context; the Global heads' calls take proportionally more rows per chunk)."""
-        outs, pairs = [], 0
+        at long context; the Global heads' calls take proportionally more rows per chunk), each chunk's output
+        written into its rows of one [T, H, D] result (no concatenation). h: the rows' hidden states for the
+        online indexer (None: no indexer, or `own_picks` in its place)."""
+        T, pairs = q_raw.shape[0], 0
         step = max(1, self.model.q_chunk * attn.n_heads // q_raw.shape[1])
-        for a in range(0, q_raw.shape[0], step):
+        res = q_raw.new_empty(q_raw.shape) if T > step or T == 0 else None
+        for a in range(0, T, step):
             b = a + step
             o, p = segment_attention(attn, q_raw[a:b], rows.pos[a:b], segs, sink,
-                                     (h[a:b], qr[a:b]) if attn.indexer is not None else None, None,
+                                     (h[a:b], qr[a:b]) if h is not None else None, None,
                                      rows.pos_host[a:b], None if own_picks is None else own_picks[a:b],
-                                     rows.trig.setdefault(a, {}))
-            outs.append(o)
+                                     rows.trig.setdefault(a, {}), None if res is None else res[a:b])
+            res = o if res is None else res
             pairs = pairs + p
-        return (outs[0] if len(outs) == 1 else torch.cat(outs)), pairs
+        return res, pairs
 
     def _own_picks(self, i, sp: _Split) -> torch.Tensor:
         """[n_rest, k] entry ids: each non-active relocated row's own document's offline picks, in its own segment
@@ -797,13 +817,20 @@ class ReuseEngine:
             self._gm_ids[device] = torch.nonzero(self.gmask).flatten().to(device)
         return self._gm_ids[device]
 
-    def _project_global(self, attn, o_g):
+    def _project_global(self, attn, o_g, local=None):
         """W_a,G O_G on outputs already de-rotated at their query positions: each group's W_a restricted to its
-        Global heads' columns."""
+        Global heads' columns (a strided view of the weight, not a copy). With `local` (the rows' W_a,L O_L,
+        `_restored_local`) the products are added to it in the GEMM: P = W_a,G O_G + W_a,L O_L rounded once."""
         cfg, prof = self.cfg, self.profile
         G, R, hpg, gpg = attn.n_groups, cfg.o_lora_rank, cfg.heads_per_group, prof.global_per_group
         w = attn.wo_a.weight.view(G, R, hpg, cfg.head_dim)[:, :, :gpg].reshape(G, R, gpg * cfg.head_dim)
-        return torch.einsum("tgi,gri->tgr", o_g.reshape(-1, G, gpg * cfg.head_dim).to(w.dtype), w).reshape(-1, G * R)
+        return grouped_projection(o_g.reshape(-1, G, gpg * cfg.head_dim).to(w.dtype), w, local)
+
+    def _restored_local(self, i, sp: _Split, docs, n_rest: int, attn) -> torch.Tensor:
+        """[n_rest, G*R] the non-active rows' W_a,L O_L from their documents' artifacts, in the rows' order."""
+        w = attn.wo_a.weight
+        return gather_rows([(docs[j].layers[i].local_p, ids, off) for j, ids, off in sp.rest_local], n_rest,
+                           attn.n_groups * self.cfg.o_lora_rank, w.dtype, w.device)
 
     def _moe_adaptive(self, block, h, tokens, ledger) -> torch.Tensor:
         """Top-6 by the router, then k = smallest k >= min_experts whose normalized cumulative weight reaches
