@@ -1,7 +1,7 @@
 """Routed-MoE benchmark: the model's two forms of `MoE.routed`, `routed_loop` (one stable sort, one host read of
 the per-expert counts, then a gather + three GEMMs + scatter-add per expert; the CPU reference) and `routed_grouped`
-(one `torch._grouped_mm` per weight over the experts' stacked weights, no host read; what CUDA runs up to
-`MoE.GROUPED_MAX_SLOTS` slots), on the same rows and routing.
+(one `torch._grouped_mm` per weight over the experts' stacked weights, no host read; what CUDA runs for calls of up
+to `MoE.grouped_slots()` slots), on the same rows and routing.
 
     python3 bench/moe.py [--rows 5734,11469,65600] [--experts 16] [--fanout native|adaptive] [--json out.json]
 

@@ -231,8 +231,9 @@ def main() -> int:
                          "the run's own setting, interleaved")
     ap.add_argument("--moe-too", choices=["grouped", "loop"], default=None,
                     help="also time the reuse arm at --budget with the routed MoE in this form (REDKNOT_MOE_GROUPED="
-                         "1 or 0: one grouped GEMM per weight, or the per-expert loop with one host read) beside, "
-                         "interleaved")
+                         "1 or 0: one grouped GEMM per weight for calls of up to 128K slots, or always the per-expert "
+                         "loop with one host read) beside the run's own setting (default auto: grouped up to 32K "
+                         "slots), interleaved")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()

@@ -561,26 +561,39 @@ class MoE(nn.Module):
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """Sum over each row's routed slots of weight x expert(row), float32 [T, d]: the per-expert loop
-        (`routed_loop`, the reference); opted in on CUDA (`grouped_ok`) and up to GROUPED_MAX_SLOTS slots, one
-        grouped GEMM per weight with no host read (`routed_grouped`)."""
-        if idx.numel() <= self.GROUPED_MAX_SLOTS and self.grouped_ok(x):
+        (`routed_loop`, the reference) or, where `grouped_ok` (CUDA) and the call has at most `grouped_slots()`
+        (row, slot) pairs, one grouped GEMM per weight with no host read (`routed_grouped`)."""
+        if idx.numel() <= self.grouped_slots() and self.grouped_ok(x):
             return self.routed_grouped(x, weights, idx)
         return self.routed_loop(x, weights, idx)
 
-    # above this many (row, slot) pairs the loop's GEMMs are large enough that its one host read costs little and
-    # the grouped GEMMs ran slower on an H200 (bench/moe.py, docs/BENCHMARKS.md run 10: 0.89x at 394K slots)
+    # REDKNOT_MOE_GROUPED=1: the grouped form up to GROUPED_MAX_SLOTS (row, slot) pairs; above, the loop's GEMMs are
+    # large enough that its one host read costs little and the grouped GEMMs ran slower on an H200 (bench/moe.py,
+    # docs/BENCHMARKS.md run 10: 0.89x at 394K slots).
     GROUPED_MAX_SLOTS = 1 << 17
+    # the default ("auto"): up to GROUPED_AUTO_SLOTS, where the whole reuse arm measured faster with it on an H200
+    # (run 11, side by side at a 10% budget: 16K 1.163 against 1.345 s, 32K 1.771 against 1.951 s; its calls over
+    # the active rows have 9K and 18K slots there: without the loop's host read and per-expert launches a
+    # launch-bound layer runs ahead); at 128K (69K slots a call) it measured slower (run 10: 6.85 against 6.69 s)
+    GROUPED_AUTO_SLOTS = 1 << 15
+
+    @classmethod
+    def grouped_slots(cls) -> int:
+        """The most (row, slot) pairs a call may have to take the grouped form, per REDKNOT_MOE_GROUPED: "auto"
+        (default) GROUPED_AUTO_SLOTS, "1" GROUPED_MAX_SLOTS, "0" none (always the loop)."""
+        mode = os.environ.get("REDKNOT_MOE_GROUPED", "auto")
+        if mode not in ("0", "1", "auto"):
+            raise ValueError(f"REDKNOT_MOE_GROUPED must be 0, 1 or auto, got {mode!r}")
+        return {"0": -1, "1": cls.GROUPED_MAX_SLOTS, "auto": cls.GROUPED_AUTO_SLOTS}[mode]
 
     def grouped_ok(self, x: torch.Tensor) -> bool:
-        """The grouped form's conditions: opted in (REDKNOT_MOE_GROUPED=1), the kernels switch
-        (runtime.kernels.enabled: CUDA, REDKNOT_KERNELS not 0), torch._grouped_mm on a Hopper-or-later GPU, bf16
-        activations and weights, dims a multiple of 8 (16 bytes). Opt-in: on an H200 its GEMMs take the loop's time
-        (bench/moe.py) and the whole reuse arm measured no gain (docs/BENCHMARKS.md run 10: 6.85 s against the
-        loop's 6.69 s at 128K, 10% budget, median of 3); it does remove the loop's one host read per call."""
+        """Where the grouped form can run: the kernels switch (runtime.kernels.enabled: CUDA, REDKNOT_KERNELS not
+        0), torch._grouped_mm on a Hopper-or-later GPU, bf16 activations and weights, dims a multiple of 8 (16
+        bytes). Its GEMMs take the loop's GPU time (bench/moe.py); what it saves is the loop's host read and
+        per-expert launches (`grouped_slots` says for which calls)."""
         from runtime.kernels import enabled
         w = self.experts[str(self.local[0])].w1.weight
-        return (os.environ.get("REDKNOT_MOE_GROUPED", "0") == "1" and x.is_cuda and enabled(x)
-                and hasattr(torch, "_grouped_mm")
+        return (x.is_cuda and enabled(x) and hasattr(torch, "_grouped_mm")
                 and x.dtype == w.dtype == torch.bfloat16
                 and w.shape[0] % 8 == 0 and w.shape[1] % 8 == 0 and torch.cuda.get_device_capability(x.device)[0] >= 9)
 

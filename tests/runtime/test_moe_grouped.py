@@ -103,3 +103,19 @@ def test_routed_takes_the_loop_on_cpu():
     x, w, idx = routing(moe, 30, 0.0)
     assert not moe.grouped_ok(x)
     assert torch.equal(moe.routed(x, w, idx), moe.routed_loop(x, w, idx))
+
+
+def test_grouped_slots_per_env(monkeypatch):
+    """REDKNOT_MOE_GROUPED: auto (default) up to GROUPED_AUTO_SLOTS pairs a call, 1 up to GROUPED_MAX_SLOTS, 0 never;
+    anything else is refused before any work."""
+    from runtime.model.deepseek_v4 import MoE
+    monkeypatch.delenv("REDKNOT_MOE_GROUPED", raising=False)
+    assert MoE.grouped_slots() == MoE.GROUPED_AUTO_SLOTS == 1 << 15
+    for mode, want in (("auto", MoE.GROUPED_AUTO_SLOTS), ("1", MoE.GROUPED_MAX_SLOTS), ("0", -1)):
+        monkeypatch.setenv("REDKNOT_MOE_GROUPED", mode)
+        assert MoE.grouped_slots() == want
+    monkeypatch.setenv("REDKNOT_MOE_GROUPED", "yes")
+    moe = layer(tiny(n_layers=2, n_hash_layers=1))
+    x, w, idx = routing(moe, 8, 0.0)
+    with pytest.raises(ValueError, match="REDKNOT_MOE_GROUPED must be 0, 1 or auto"):
+        moe.routed(x, w, idx)
