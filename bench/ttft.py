@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import gc
 import json
 import os
@@ -234,6 +233,9 @@ def main() -> int:
                          "1 or 0: one grouped GEMM per weight for calls of up to 128K slots, or always the per-expert "
                          "loop with one host read) beside the run's own setting (default auto: grouped up to 32K "
                          "slots), interleaved")
+    ap.add_argument("--frame-too", choices=["key", "query"], default=None,
+                    help="also time the reuse arm at --budget with REDKNOT_MULTISEG_FRAME set to this (key: the fused "
+                         "one-row calls through the key-frame kernel) beside the run's own setting, interleaved")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
@@ -289,8 +291,11 @@ def main() -> int:
             with mock.patch.dict(os.environ, env):
                 return reuse()
 
-        fused = functools.partial(reuse_with, {"REDKNOT_FUSED_SEGMENTS": args.fused_too})
-        moe_other = functools.partial(reuse_with, {"REDKNOT_MOE_GROUPED": "1" if args.moe_too == "grouped" else "0"})
+        # the reuse arm at --budget under another setting, beside the run's own: name -> (env, the setting's row key)
+        beside = {name: (env, key) for name, env, key, on in (
+            ("fused", {"REDKNOT_FUSED_SEGMENTS": args.fused_too}, "fused_mode", args.fused_too),
+            ("moe", {"REDKNOT_MOE_GROUPED": "1" if args.moe_too == "grouped" else "0"}, "moe_form", args.moe_too),
+            ("frame", {"REDKNOT_MULTISEG_FRAME": args.frame_too}, "frame", args.frame_too)) if on}
 
         rec_t, reu_t = [], []
         other_t, other_res = {b: [] for b in extra}, {}
@@ -298,19 +303,15 @@ def main() -> int:
         _, res = timed(reuse, device)
         for b, eng in others.items():
             timed(lambda: reuse(eng), device)
-        fus_t, moe_t = [], []
-        if args.fused_too:
-            timed(fused, device)
-        if args.moe_too:
-            timed(moe_other, device)
+        bes_t = {name: [] for name in beside}
+        for env, _ in beside.values():
+            timed(lambda: reuse_with(env), device)
         for _ in range(args.reps):                               # interleaved, side by side
             rec_t.append(timed(lambda: model(full), device)[0])
             t, res = timed(reuse, device)
             reu_t.append(t)
-            if args.fused_too:
-                fus_t.append(timed(fused, device)[0])
-            if args.moe_too:
-                moe_t.append(timed(moe_other, device)[0])
+            for name, (env, _) in beside.items():
+                bes_t[name].append(timed(lambda: reuse_with(env), device)[0])
             for b, eng in others.items():
                 t, other_res[b] = timed(lambda: reuse(eng), device)
                 other_t[b].append(t)
@@ -323,10 +324,9 @@ def main() -> int:
                    structural_ceiling=led["structural_ceiling"], token_row_saving=led["token_row_saving"],
                    flop_saving=led["flop_saving"], build_s=t_build, active=led["rows"]["active"],
                    relocated=led["rows"]["relocated"], recompute_all=rec_t, reuse_all=reu_t, extra=[])
-        if fus_t:
-            row.update(fused_s=statistics.median(fus_t), fused_all=fus_t, fused_mode=args.fused_too)
-        if moe_t:
-            row.update(moe_form=args.moe_too, moe_s=statistics.median(moe_t), moe_all=moe_t)
+        for name, (env, key) in beside.items():
+            row.update({f"{name}_s": statistics.median(bes_t[name]), f"{name}_all": bes_t[name],
+                        key: {"fused": args.fused_too, "moe": args.moe_too, "frame": args.frame_too}[name]})
         for b in extra:
             lb = other_res[b].ledger.summary()
             assert 0 < lb["rows"]["active"] < lb["rows"]["relocated"] and lb["head_row_saving"] > 0, lb
@@ -376,7 +376,8 @@ def main() -> int:
               f"{row['structural_ceiling']:.1%}; token-row {row['token_row_saving']:.1%}; active "
               f"{row['active']}/{row['relocated']})" + (f"  cold {row['cold_s']:.3f} s" if "cold_s" in row else "")
               + (f"  fused={args.fused_too} {row['fused_s']:.3f} s" if "fused_s" in row else "")
-              + (f"  MoE {args.moe_too} {row['moe_s']:.3f} s" if "moe_s" in row else ""), flush=True)
+              + (f"  MoE {args.moe_too} {row['moe_s']:.3f} s" if "moe_s" in row else "")
+              + (f"  frame={args.frame_too} {row['frame_s']:.3f} s" if "frame_s" in row else ""), flush=True)
         for e in row["extra"]:
             print(f"T={row['tokens']:7d}  budget {e['budget']:.0%}: reuse {e['reuse_s']:7.3f} s  speedup "
                   f"{e['speedup']:5.2f}x  (analytic FLOP ratio {e['flop_ratio']:.2f}x; head-row "

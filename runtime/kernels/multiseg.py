@@ -34,6 +34,15 @@ per program (ROWS x heads = 16 by default), so that the MMA tile's rows are fill
 window and entry tiles. It equals the reference under the interpreter (tests/kernels/test_interpret.py) and is
 not yet timed on a GPU; `auto` keeps those calls on the stacked path until it is.
 
+`_multiseg_keyframe_kernel` (REDKNOT_MULTISEG_FRAME=key, opt-in; the one-row calls): the same scores with the turn
+on the keys, q(t - Delta_j) . k = q(t) . k(+Delta_j). The query is turned once to t; each key tile's rope pairs are
+turned in registers by +Delta of the segment each key lies in (the stored rows are read in place, never
+rewritten); the rope value sums are then in the request frame and turned back once at t. A row's keys become three
+loops whatever the segments (window positions, visible entries by global id, or picks), each key tile free to span
+segments, where `_multiseg_kernel` runs one short loop per segment (about one tile of a row's 512 picks split over
+9 segments, so nothing pipelines). It equals the reference under the interpreter and compiles for sm_90; it is
+not yet timed on a GPU (docs/BENCHMARKS.md run 11).
+
 History: the first version read every key tile as its even and odd channels (two stride-2 loads of 2-byte
 elements: nothing vectorized) and was 1.5x slower than the stacked path everywhere (run 7). A third, tried in run
 8, split the contiguous tile into its even and odd channels in registers (tl.reshape + tl.split, no rope-only
@@ -46,6 +55,7 @@ ascending with unused slots at the end, and `bounds` [T, P+1] the start of each 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -282,6 +292,144 @@ if HAVE_TRITON:
                 offs_r, rmask, NOPE)
 
 
+    @triton.jit
+    def _locate(tab_ptr, P, key, BY_ENTRY: tl.constexpr, COLS: tl.constexpr):
+        """Keys [N] -> where each lies (the key-frame kernel): a request position (window keys) or a global entry id
+        (BY_ENTRY) falls in the last segment whose start (Delta, or its first entry id) is <= the key; segments
+        come in increasing order. Returns per key that segment's latent or entries address (int64), the key's row
+        in it, the segment's row count (n or its entry count) and its Delta."""
+        addr = key * 0
+        first = key * 0
+        bound = key * 0
+        dlt = key * 0
+        for j in range(P):
+            row = tab_ptr + j * COLS
+            d_j = tl.load(row + 2)
+            if BY_ENTRY:
+                s_j = tl.load(row + 5)
+                a_j = tl.load(row + 3)
+                b_j = tl.load(row + 4)
+            else:
+                s_j = d_j
+                a_j = tl.load(row)
+                b_j = tl.load(row + 1)
+            inside = key >= s_j
+            addr = tl.where(inside, a_j, addr)
+            first = tl.where(inside, s_j, first)
+            bound = tl.where(inside, b_j, bound)
+            dlt = tl.where(inside, d_j, dlt)
+        return addr, key - first, bound, dlt
+
+    @triton.jit
+    def _key_tile(qn, qre, qro, addr, local, dlt, ok, freq, offs_d, offs_r, rmask, m_i, l_i, acc, ar_e, ar_o, qk_scale,
+                  D: tl.constexpr, NOPE: tl.constexpr, PREC: tl.constexpr, dt: tl.constexpr):
+        """One tile of keys from any segments (the key-frame kernel): each key row read in place at its own
+        segment's address, its rope pairs turned by +Delta of that segment in registers (into the request frame,
+        where the query is turned once), scored and summed with one online softmax. K = V: the turned rope pairs
+        also feed the request-frame rope value sums ar_*; the non-rope value sum is acc's. ok [N]: keys to use."""
+        ptr = tl.where(ok, addr, 0).to(tl.pointer_type(dt)) + tl.where(ok, local, 0) * D
+        k = tl.load(ptr[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)
+        rp = ptr[:, None] + NOPE + 2 * offs_r[None, :]
+        rm = ok[:, None] & rmask[None, :]
+        ke = tl.load(rp, mask=rm, other=0.0).to(tl.float32)
+        ko = tl.load(rp + 1, mask=rm, other=0.0).to(tl.float32)
+        ang = dlt.to(tl.float32)[:, None] * freq
+        cs = tl.cos(ang)
+        sn = tl.sin(ang)
+        kre = (ke * cs - ko * sn).to(dt)
+        kro = (ko * cs + ke * sn).to(dt)
+        s = tl.dot(qn, tl.trans(k), input_precision=PREC)
+        s = tl.dot(qre, tl.trans(kre), s, input_precision=PREC)
+        s = tl.dot(qro, tl.trans(kro), s, input_precision=PREC) * qk_scale
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        pk = p.to(dt)
+        acc = acc * alpha[:, None] + tl.dot(pk, k, input_precision=PREC)       # rope channels unused
+        ar_e = ar_e * alpha[:, None] + tl.dot(pk, kre, input_precision=PREC)
+        ar_o = ar_o * alpha[:, None] + tl.dot(pk, kro, input_precision=PREC)
+        return m_new, l_i, acc, ar_e, ar_o
+
+    @triton.jit
+    def _multiseg_keyframe_kernel(q_ptr, qpos_ptr, tab_ptr, picks_ptr, bounds_ptr, freq_ptr, sink_ptr, o_ptr,
+                                  H, P, window, ratio, n_picks, qk_scale, sink_scale, stride_qt, stride_qh,
+                                  MODE: tl.constexpr, D: tl.constexpr, HALF_R: tl.constexpr, RP: tl.constexpr,
+                                  COLS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                                  PREC: tl.constexpr):
+        """`_multiseg_kernel`'s result with the relocation turned onto the keys: the query's rope pairs are turned
+        once to t (the request frame) and every key tile's rope pairs by +Delta of the key's segment, in registers
+        (the same scores: q(t - Delta) . k = q(t) . k(+Delta)); the rope value sums are then in the request frame
+        and turned back once at t. A row's keys are then three loops whatever the segments (window positions
+        t-W+1..t, the visible entries by global id, or the row's picks), each key tile able to span segments, so
+        the tile loads pipeline; `_multiseg_kernel` runs one short loop per segment (about one tile of a row's
+        picks). The stored latent and entries are read in place, never rewritten. Segments must come in
+        increasing position, each segment's entries numbered from its table row's first id (col 5)."""
+        NOPE: tl.constexpr = D - 2 * HALF_R
+        t = tl.program_id(0).to(tl.int64)
+        offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        hmask = offs_h < H
+        offs_d = tl.arange(0, D)
+        offs_r = tl.arange(0, RP)
+        rmask = offs_r < HALF_R
+        offs_n = tl.arange(0, BLOCK_N)
+        dt = q_ptr.dtype.element_ty
+        qrow = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh
+        qn = tl.load(qrow + offs_d[None, :], mask=hmask[:, None] & (offs_d[None, :] < NOPE), other=0.0)
+        freq = tl.load(freq_ptr + offs_r, mask=rmask, other=0.0)[None, :]
+        pos = tl.load(qpos_ptr + t)
+        qre, qro, cs, sn = _turn_query(qrow, pos.to(tl.float32), freq, hmask[:, None] & rmask[None, :], offs_r, NOPE,
+                                       dt)
+        m_i, l_i, acc, ar_e, ar_o = _start(BLOCK_H, D, RP)
+        for start in range(tl.maximum(pos - window + 1, 0), pos + 1, BLOCK_N):      # window: request positions
+            s = start + offs_n
+            addr, local, bound, dlt = _locate(tab_ptr, P, s, False, COLS)
+            ok = (s <= pos) & (local >= 0) & (local < bound)
+            m_i, l_i, acc, ar_e, ar_o = _key_tile(qn, qre, qro, addr, local, dlt, ok, freq, offs_d, offs_r, rmask,
+                                                  m_i, l_i, acc, ar_e, ar_o, qk_scale, D, NOPE, PREC, dt)
+        if MODE == 1:          # each segment's entries complete before t - Delta, numbered globally
+            g_end = pos * 0
+            for j in range(P):
+                row = tab_ptr + j * COLS
+                nv = tl.minimum(tl.maximum(pos - tl.load(row + 2) + 1, 0) // ratio, tl.load(row + 4))
+                g_end = tl.where(nv > 0, tl.load(row + 5) + nv, g_end)
+            for start in range(0, g_end, BLOCK_N):
+                gid = start + offs_n
+                addr, local, bound, dlt = _locate(tab_ptr, P, gid, True, COLS)
+                nvis = tl.minimum(tl.maximum(pos - dlt + 1, 0) // ratio, bound)
+                ok = (gid < g_end) & (local >= 0) & (local < nvis)
+                m_i, l_i, acc, ar_e, ar_o = _key_tile(qn, qre, qro, addr, local, dlt, ok, freq, offs_d, offs_r, rmask,
+                                                      m_i, l_i, acc, ar_e, ar_o, qk_scale, D, NOPE, PREC, dt)
+        if MODE == 2:          # the row's picks: global entry ids, sorted, bounds[t, P] of them real
+            cnt = tl.load(bounds_ptr + t * (P + 1) + P).to(tl.int64)
+            for start in range(0, cnt, BLOCK_N):
+                k = start + offs_n
+                gid = tl.load(picks_ptr + t * n_picks + k, mask=k < cnt, other=0).to(tl.int64)
+                addr, local, bound, dlt = _locate(tab_ptr, P, gid, True, COLS)
+                ok = (k < cnt) & (local >= 0) & (local < bound)
+                m_i, l_i, acc, ar_e, ar_o = _key_tile(qn, qre, qro, addr, local, dlt, ok, freq, offs_d, offs_r, rmask,
+                                                      m_i, l_i, acc, ar_e, ar_o, qk_scale, D, NOPE, PREC, dt)
+        # the request-frame rope value sums turned back at t (the conjugate rotation)
+        oe = ar_e * cs + ar_o * sn
+        oo = ar_o * cs - ar_e * sn
+        sink = tl.load(sink_ptr + offs_h, mask=hmask, other=0.0).to(tl.float32) * sink_scale
+        _finish(o_ptr + t * (H * D) + offs_h[:, None] * D, hmask, m_i, l_i, acc, oe, oo, sink, offs_d, offs_r,
+                rmask, NOPE)
+
+
+def key_frame() -> bool:
+    """Whether the one-row fused calls take `_multiseg_keyframe_kernel` (the rope turn on the keys, one pipelined
+    loop per key kind), per REDKNOT_MULTISEG_FRAME: "query" (default: `_multiseg_kernel`, the query turned per
+    segment) or "key". The key-frame kernel equals the reference under the interpreter and compiles for sm_90;
+    it is not yet timed on a GPU, so it is not the default."""
+    frame = os.environ.get("REDKNOT_MULTISEG_FRAME", "query")
+    if frame not in ("query", "key"):
+        raise ValueError(f"REDKNOT_MULTISEG_FRAME must be query or key, got {frame!r}")
+    return frame == "key"
+
+
 def segment_table(segments, device, dtype, with_entries: bool, pick_first: list[int] | None = None):
     """[P, 6] int64 on `device`: per segment its latent's address, n, Delta, entries' address (0 when none), entry
     count, first global pick id. Returns (table, keep): `keep` holds any dtype-converted copies the addresses point
@@ -336,6 +484,15 @@ def multi_segment_attention(q_raw: torch.Tensor, qpos: torch.Tensor, segments, s
         return out
     if q_raw.stride(-1) != 1:
         q_raw = q_raw.contiguous()
+    bh = triton.next_power_of_2(H)
+    packed = bh < 16 and (config or {}).get("ROWS", 16 // bh) > 1
+    keyed = not packed and key_frame()
+    if keyed:
+        if any(a.delta > b.delta for a, b in zip(segments, segments[1:])):
+            raise ValueError("the key-frame kernel needs the segments in increasing Delta")
+        if mode == "causal":         # its entry loop numbers every segment's entries globally, as picks are
+            pick_first = [sum(0 if s.entries is None else s.entries.shape[0] for s in segments[:j])
+                          for j in range(len(segments))]
     tab, keep = segment_table(segments, dev, q_raw.dtype, mode != "none", pick_first)
     if mode == "picks":
         picks = picks.to(device=dev, dtype=torch.int32).contiguous()
@@ -348,13 +505,12 @@ def multi_segment_attention(q_raw: torch.Tensor, qpos: torch.Tensor, segments, s
     qpos = qpos.to(device=dev, dtype=torch.int64).contiguous()
     inv_freq = inv_freq.to(device=dev, dtype=torch.float32).contiguous()
     sink = sink.to(device=dev, dtype=torch.float32).contiguous()
-    bh = triton.next_power_of_2(H)
     ptrs = (q_raw, qpos, tab, picks, bounds, inv_freq, sink, out)
     scalars = (len(segments), int(window), max(int(ratio), 1), n_picks, float(scale) * LOG2E, LOG2E,
                q_raw.stride(0), q_raw.stride(1))
     shape = dict(MODE=MODES[mode], D=D, HALF_R=half_r, RP=max(16, triton.next_power_of_2(half_r)), COLS=COLS,
                  PREC=dot_precision(q_raw.dtype))
-    if bh < 16 and (config or {}).get("ROWS", 16 // bh) > 1:
+    if packed:
         # few heads: several rows per program (_multiseg_packed_kernel), ROWS x heads filling the MMA tile
         cfg = dict(ROWS=16 // bh, BLOCK_N=32 if D >= 512 else 16, num_warps=4, num_stages=2)
         cfg.update(config or {})
@@ -363,6 +519,7 @@ def multi_segment_attention(q_raw: torch.Tensor, qpos: torch.Tensor, segments, s
         cfg = dict(BLOCK_H=min(64, max(16, bh)), BLOCK_N=64 if D >= 512 else 16,
                    num_warps=8 if D >= 512 and H > 16 else 4, num_stages=2)
         cfg.update({k: v for k, v in (config or {}).items() if k != "ROWS"})
-        _multiseg_kernel[(T, triton.cdiv(H, cfg["BLOCK_H"]))](*ptrs, H, *scalars, **shape, **cfg)
+        kernel = _multiseg_keyframe_kernel if keyed else _multiseg_kernel
+        kernel[(T, triton.cdiv(H, cfg["BLOCK_H"]))](*ptrs, H, *scalars, **shape, **cfg)
     del keep
     return out

@@ -131,18 +131,29 @@ def test_mhc_kernels_equal_the_torch_path():
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("H,rows_per_program", [(8, None), (3, None), (8, 4), (16, None), (8, 1)])
+@pytest.mark.parametrize("H,rows_per_program,frame", [(8, None, "query"), (3, None, "query"), (8, 4, "query"),
+                                                      (16, None, "query"), (8, 1, "query"), (16, None, "key"),
+                                                      (8, 1, "key")])
 @pytest.mark.parametrize("kind", ["window", "hca", "csa-own", "csa-union"])
-def test_fused_kernel_rows_per_program_equal_the_reference(kind, H, rows_per_program):
+def test_fused_kernel_rows_per_program_equal_the_reference(kind, H, rows_per_program, frame, monkeypatch):
     """runtime/kernels/multiseg.py with few heads runs several query rows per program (their heads fill the MMA
     tile; window and entry tiles shared, each score masked to the rows that see it; picks walked row by row). On
     four segments, query rows with gaps (windows far apart inside one program) and rows crossing the segments'
     joins, it equals the stacked reference path (per-segment torch attention, rotation, merge with the sink) to
     1e-5 in float32. Head counts 8 (2 rows per program; also 4) and 3 (padded to 4 heads, 4 rows); and the one-row
     kernel, which serves calls of 16 heads or more (Flash's 64 active-row heads) and 8 heads with ROWS = 1. (The
-    tiny model's 8- and 4-head calls all take the packed kernel under REDKNOT_FUSED_SEGMENTS=1.)"""
+    tiny model's 8- and 4-head calls all take the packed kernel under REDKNOT_FUSED_SEGMENTS=1.) frame "key": the
+    one-row calls through the key-frame kernel (REDKNOT_MULTISEG_FRAME=key: each key tile's rope pairs turned by
+    its segment's Delta, one loop over the row's keys across segments), which must be the kernel that ran."""
     import types
+    import runtime.kernels.multiseg as ms
     from runtime.kernels.multiseg import multi_segment_attention
+    monkeypatch.setenv("REDKNOT_MULTISEG_FRAME", frame)
+    launched = []
+    for name in ("_multiseg_kernel", "_multiseg_keyframe_kernel", "_multiseg_packed_kernel"):
+        kern = getattr(ms, name)
+        monkeypatch.setattr(ms, name, type("Spy", (), {"__getitem__": lambda self, grid, k=kern, n=name:
+                                                       launched.append(n) or k[grid]})())
     from runtime.model.config import CSA, HCA, WINDOW
     from runtime.model.deepseek_v4 import Rotary
     g = torch.Generator().manual_seed(H + len(kind))
@@ -180,3 +191,6 @@ def test_fused_kernel_rows_per_program_equal_the_reference(kind, H, rows_per_pro
                                   bounds, config=None if rows_per_program is None else {"ROWS": rows_per_program})
     ref, _ = consumer_mod.segment_attention(attn, q, rows, segs, sink, picks=per_seg, qpos_host=rows.numpy())
     assert rel_err(out, ref) <= TOL
+    one_row = H >= 16 or rows_per_program == 1
+    assert launched == ["_multiseg_packed_kernel" if not one_row else
+                        "_multiseg_keyframe_kernel" if frame == "key" else "_multiseg_kernel"]
