@@ -282,6 +282,10 @@ def _indexer_picks(attn, qpos, segments, idx_inputs, trig=None):
 def gather_rows(parts, n: int, width: int, dtype: torch.dtype, device) -> torch.Tensor:
     """[n, width]: for each (src [m, width], ids, off) of `parts`, rows off.. of the result = src[ids], gathered
     straight into place (no temporary per part). The parts must cover rows 0..n-1."""
+    spans = sorted((off, off + ids.numel()) for _, ids, off in parts)
+    ends = [0] + [b for _, b in spans]
+    if [a for a, _ in spans] != ends[:-1] or ends[-1] != n:     # no row left unwritten, none written twice
+        raise ValueError(f"the parts' row ranges {spans} must tile rows 0..{n - 1} exactly")
     out = torch.empty((n, width), dtype=dtype, device=device)
     for src, ids, off in parts:
         dst = out[off:off + ids.numel()]

@@ -55,6 +55,10 @@ def test_gather_rows_places_every_part():
     ia, ib = torch.tensor([0, 3, 9]), torch.tensor([1, 2, 5, 4])
     got = gather_rows([(a, ia, 0), (b.double(), ib, 3)], 7, 4, torch.float32, "cpu")   # the second part converted
     assert torch.equal(got, torch.cat([a[ia], b[ib]]))
+    with pytest.raises(ValueError, match="must tile rows 0..7 exactly"):          # a row left unwritten
+        gather_rows([(a, ia, 0), (b, ib, 3)], 8, 4, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="must tile"):                            # rows written twice
+        gather_rows([(a, ia, 0), (b, ib, 2)], 6, 4, torch.float32, "cpu")
 
 
 def test_projection_bench_cpu_smoke(tmp_path):
