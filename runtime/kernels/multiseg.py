@@ -34,7 +34,7 @@ per program (ROWS x heads = 16 by default), so that the MMA tile's rows are fill
 window and entry tiles. It equals the reference under the interpreter (tests/kernels/test_interpret.py) and is
 not yet timed on a GPU; `auto` keeps those calls on the stacked path until it is.
 
-`_multiseg_keyframe_kernel` (REDKNOT_MULTISEG_FRAME=key, opt-in; the one-row calls): the same scores with the turn
+`_multiseg_keyframe_kernel` (REDKNOT_MULTISEG_FRAME=key, opt-in; every fused call, one row each): the same scores with the turn
 on the keys, q(t - Delta_j) . k = q(t) . k(+Delta_j). The query is turned once to t; each key tile's rope pairs are
 turned in registers by +Delta of the segment each key lies in (the stored rows are read in place, never
 rewritten); the rope value sums are then in the request frame and turned back once at t. A row's keys become three
@@ -420,10 +420,11 @@ if HAVE_TRITON:
 
 
 def key_frame() -> bool:
-    """Whether the one-row fused calls take `_multiseg_keyframe_kernel` (the rope turn on the keys, one pipelined
-    loop per key kind), per REDKNOT_MULTISEG_FRAME: "query" (default: `_multiseg_kernel`, the query turned per
-    segment) or "key". The key-frame kernel equals the reference under the interpreter and compiles for sm_90;
-    it is not yet timed on a GPU, so it is not the default."""
+    """Whether the fused calls take `_multiseg_keyframe_kernel` (the rope turn on the keys, one pipelined loop per
+    key kind; one query row per program, fewer than 16 heads padded to 16, unless a config asks for ROWS > 1), per
+    REDKNOT_MULTISEG_FRAME: "query" (default: `_multiseg_kernel`, the query turned per segment, and the packed
+    kernel for few heads) or "key". The key-frame kernel equals the reference under the interpreter and compiles
+    for sm_90; it is not yet timed on a GPU, so it is not the default."""
     frame = os.environ.get("REDKNOT_MULTISEG_FRAME", "query")
     if frame not in ("query", "key"):
         raise ValueError(f"REDKNOT_MULTISEG_FRAME must be query or key, got {frame!r}")
@@ -485,8 +486,8 @@ def multi_segment_attention(q_raw: torch.Tensor, qpos: torch.Tensor, segments, s
     if q_raw.stride(-1) != 1:
         q_raw = q_raw.contiguous()
     bh = triton.next_power_of_2(H)
-    packed = bh < 16 and (config or {}).get("ROWS", 16 // bh) > 1
-    keyed = not packed and key_frame()
+    keyed = key_frame() and (config or {}).get("ROWS", 1) == 1       # every call one row per program, heads padded
+    packed = not keyed and bh < 16 and (config or {}).get("ROWS", 16 // bh) > 1
     if keyed:
         if any(a.delta > b.delta for a, b in zip(segments, segments[1:])):
             raise ValueError("the key-frame kernel needs the segments in increasing Delta")

@@ -61,13 +61,30 @@ def kernels_on(monkeypatch):
     return calls
 
 
+def fused_launches(monkeypatch) -> list:
+    """The names of the fused multi-segment kernels launched from now on, in order (each wrapped in a spy)."""
+    import runtime.kernels.multiseg as ms
+    launched = []
+    for name in ("_multiseg_kernel", "_multiseg_keyframe_kernel", "_multiseg_packed_kernel"):
+        kern = getattr(ms, name)
+        monkeypatch.setattr(ms, name, type("Spy", (), {"__getitem__": lambda self, grid, k=kern, n=name:
+                                                       launched.append(n) or k[grid]})())
+    return launched
+
+
 @torch.no_grad()
-@pytest.mark.parametrize("fused,picks", [("1", "online"), ("1", "artifact"), ("0", "online"), ("auto", "artifact")])
-def test_reuse_prefill_and_decode_through_the_kernels(model, request_tokens, kernels_on, monkeypatch, fused, picks):
+@pytest.mark.parametrize("fused,picks,frame", [("1", "online", "query"), ("1", "artifact", "query"),
+                                               ("0", "online", "query"), ("auto", "artifact", "query"),
+                                               ("1", "online", "key"), ("1", "artifact", "key")])
+def test_reuse_prefill_and_decode_through_the_kernels(model, request_tokens, kernels_on, monkeypatch, fused, picks,
+                                                      frame):
     """Reuse prefill at a 25% budget plus 2 greedy decode steps, every kernel on (fences and recompute included),
     through the fused multi-segment kernel, the per-segment kernel + stacked merge, or both ("auto": the fused
     kernel for calls of every head, the stacked parts for the Global heads' calls; the threshold set to this
-    model's 8 heads, as 16 is to Flash's 64 and 8), equals the reference path on the same rows to 1e-5 (float32)."""
+    model's 8 heads, as 16 is to Flash's 64 and 8), equals the reference path on the same rows to 1e-5 (float32).
+    frame "key": every fused call through the key-frame kernel (REDKNOT_MULTISEG_FRAME=key)."""
+    monkeypatch.setenv("REDKNOT_MULTISEG_FRAME", frame)
+    launched = fused_launches(monkeypatch)
     docs, question = request_tokens
     if fused == "auto":
         monkeypatch.setattr(consumer_mod, "FUSED_MIN_HEADS", CFG.n_heads)
@@ -96,6 +113,8 @@ def test_reuse_prefill_and_decode_through_the_kernels(model, request_tokens, ker
     else:
         used, unused = ("fused", "sparse") if fused == "1" else ("sparse", "fused")
         assert kernels_on[used] > 0 and kernels_on[unused] == 0, kernels_on
+    if frame == "key":
+        assert launched and set(launched) == {"_multiseg_keyframe_kernel"}, sorted(set(launched))
     errs = [rel_err(a, b) for a, b in zip(got, want)]
     assert max(errs) <= TOL, errs
 
@@ -146,14 +165,9 @@ def test_fused_kernel_rows_per_program_equal_the_reference(kind, H, rows_per_pro
     one-row calls through the key-frame kernel (REDKNOT_MULTISEG_FRAME=key: each key tile's rope pairs turned by
     its segment's Delta, one loop over the row's keys across segments), which must be the kernel that ran."""
     import types
-    import runtime.kernels.multiseg as ms
     from runtime.kernels.multiseg import multi_segment_attention
     monkeypatch.setenv("REDKNOT_MULTISEG_FRAME", frame)
-    launched = []
-    for name in ("_multiseg_kernel", "_multiseg_keyframe_kernel", "_multiseg_packed_kernel"):
-        kern = getattr(ms, name)
-        monkeypatch.setattr(ms, name, type("Spy", (), {"__getitem__": lambda self, grid, k=kern, n=name:
-                                                       launched.append(n) or k[grid]})())
+    launched = fused_launches(monkeypatch)
     from runtime.model.config import CSA, HCA, WINDOW
     from runtime.model.deepseek_v4 import Rotary
     g = torch.Generator().manual_seed(H + len(kind))
