@@ -35,6 +35,8 @@ KERNELS = [
     ("fused one-row, 64 heads", multiseg._multiseg_kernel, FUSED, dict(FUSED_C, BLOCK_H=64, BLOCK_N=64), 8, True),
     ("fused key-frame, 64 heads", multiseg._multiseg_keyframe_kernel, FUSED, dict(FUSED_C, BLOCK_H=64, BLOCK_N=64),
      8, True),
+    ("fused key-frame, 8 heads padded to 16", multiseg._multiseg_keyframe_kernel, FUSED,
+     dict(FUSED_C, BLOCK_H=16, BLOCK_N=64), 4, True),
     ("fused packed, 8 heads x 2 rows", multiseg._multiseg_packed_kernel, FUSED,
      dict(FUSED_C, ROWS=2, BLOCK_H=8, BLOCK_N=32), 4, True),
     ("stacked part, 64 heads", sparse_attention._sparse_mqa_kernel, STACKED,
