@@ -234,8 +234,8 @@ def main() -> int:
                          "loop with one host read) beside the run's own setting (default auto: grouped up to 32K "
                          "slots), interleaved")
     ap.add_argument("--frame-too", choices=["key", "query"], default=None,
-                    help="also time the reuse arm at --budget with REDKNOT_MULTISEG_FRAME set to this (key: the fused "
-                         "one-row calls through the key-frame kernel) beside the run's own setting, interleaved")
+                    help="also time the reuse arm at --budget with REDKNOT_MULTISEG_FRAME set to this (key: every fused "
+                         "call through the key-frame kernel) beside the run's own setting, interleaved")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
@@ -291,8 +291,9 @@ def main() -> int:
             with mock.patch.dict(os.environ, env):
                 return reuse()
 
-        # the reuse arm at --budget under another setting, beside the run's own: name -> (env, the setting's row key)
-        beside = {name: (env, key) for name, env, key, on in (
+        # the reuse arm at --budget under another setting, beside the run's own:
+        # name -> (env, the row key naming the setting, the setting)
+        beside = {name: (env, key, on) for name, env, key, on in (
             ("fused", {"REDKNOT_FUSED_SEGMENTS": args.fused_too}, "fused_mode", args.fused_too),
             ("moe", {"REDKNOT_MOE_GROUPED": "1" if args.moe_too == "grouped" else "0"}, "moe_form", args.moe_too),
             ("frame", {"REDKNOT_MULTISEG_FRAME": args.frame_too}, "frame", args.frame_too)) if on}
@@ -304,13 +305,13 @@ def main() -> int:
         for b, eng in others.items():
             timed(lambda: reuse(eng), device)
         bes_t = {name: [] for name in beside}
-        for env, _ in beside.values():
+        for env, _, _ in beside.values():
             timed(lambda: reuse_with(env), device)
         for _ in range(args.reps):                               # interleaved, side by side
             rec_t.append(timed(lambda: model(full), device)[0])
             t, res = timed(reuse, device)
             reu_t.append(t)
-            for name, (env, _) in beside.items():
+            for name, (env, _, _) in beside.items():
                 bes_t[name].append(timed(lambda: reuse_with(env), device)[0])
             for b, eng in others.items():
                 t, other_res[b] = timed(lambda: reuse(eng), device)
@@ -324,9 +325,8 @@ def main() -> int:
                    structural_ceiling=led["structural_ceiling"], token_row_saving=led["token_row_saving"],
                    flop_saving=led["flop_saving"], build_s=t_build, active=led["rows"]["active"],
                    relocated=led["rows"]["relocated"], recompute_all=rec_t, reuse_all=reu_t, extra=[])
-        for name, (env, key) in beside.items():
-            row.update({f"{name}_s": statistics.median(bes_t[name]), f"{name}_all": bes_t[name],
-                        key: {"fused": args.fused_too, "moe": args.moe_too, "frame": args.frame_too}[name]})
+        for name, (_, key, setting) in beside.items():
+            row.update({f"{name}_s": statistics.median(bes_t[name]), f"{name}_all": bes_t[name], key: setting})
         for b in extra:
             lb = other_res[b].ledger.summary()
             assert 0 < lb["rows"]["active"] < lb["rows"]["relocated"] and lb["head_row_saving"] > 0, lb

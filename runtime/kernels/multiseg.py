@@ -433,9 +433,10 @@ def key_frame() -> bool:
 
 def segment_table(segments, device, dtype, with_entries: bool, pick_first: list[int] | None = None):
     """[P, 6] int64 on `device`: per segment its latent's address, n, Delta, entries' address (0 when none), entry
-    count, first global pick id. Returns (table, keep): `keep` holds any dtype-converted copies the addresses point
-    at (alive until the kernel has run). The table travels from pinned memory without a stall."""
-    keep, rows = [], []
+    count, first global pick id (`pick_first`, by default the entries numbered globally in segment order). Returns
+    (table, keep): `keep` holds any dtype-converted copies the addresses point at (alive until the kernel has run).
+    The table travels from pinned memory without a stall."""
+    keep, rows, n_before = [], [], 0
     for j, seg in enumerate(segments):
         lat = seg.latent if seg.latent.dtype == dtype else seg.latent.to(dtype)
         lat = lat.contiguous()
@@ -446,7 +447,8 @@ def segment_table(segments, device, dtype, with_entries: bool, pick_first: list[
             keep.append(ent)
         n_ent = 0 if ent is None else ent.shape[0]
         rows.append([lat.data_ptr() if lat.shape[0] else 0, lat.shape[0], int(seg.delta),
-                     ent.data_ptr() if n_ent else 0, n_ent, 0 if pick_first is None else pick_first[j]])
+                     ent.data_ptr() if n_ent else 0, n_ent, n_before if pick_first is None else pick_first[j]])
+        n_before += n_ent
     host = torch.tensor(rows, dtype=torch.int64).reshape(-1, COLS)
     if device.type == "cuda":
         host = host.pin_memory()
@@ -488,12 +490,8 @@ def multi_segment_attention(q_raw: torch.Tensor, qpos: torch.Tensor, segments, s
     bh = triton.next_power_of_2(H)
     keyed = key_frame() and (config or {}).get("ROWS", 1) == 1       # every call one row per program, heads padded
     packed = not keyed and bh < 16 and (config or {}).get("ROWS", 16 // bh) > 1
-    if keyed:
-        if any(a.delta > b.delta for a, b in zip(segments, segments[1:])):
-            raise ValueError("the key-frame kernel needs the segments in increasing Delta")
-        if mode == "causal":         # its entry loop numbers every segment's entries globally, as picks are
-            pick_first = [sum(0 if s.entries is None else s.entries.shape[0] for s in segments[:j])
-                          for j in range(len(segments))]
+    if keyed and any(a.delta > b.delta for a, b in zip(segments, segments[1:])):
+        raise ValueError("the key-frame kernel needs the segments in increasing Delta")
     tab, keep = segment_table(segments, dev, q_raw.dtype, mode != "none", pick_first)
     if mode == "picks":
         picks = picks.to(device=dev, dtype=torch.int32).contiguous()
