@@ -64,6 +64,10 @@ try:   # loaded here, in the parent: the forked child must not import or dlopen 
     _PRCTL = ctypes.CDLL("libc.so.6", use_errno=True).prctl
 except (OSError, AttributeError):
     _PRCTL = None
+# util-linux's setpriv sets the same death signal in the child and execs the service, so Popen needs no preexec_fn:
+# with one, CPython must fork() (not vfork), which runs grpc's pthread_atfork handler, and that handler can block
+# for ever while this process holds live gRPC channels (a CI run hung there, in the test process's fork)
+_SETPRIV = shutil.which("setpriv")
 
 
 def _die_with_parent() -> None:
@@ -90,10 +94,12 @@ class Service:
     def start(self, cwd: Path) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        cmd, pre = ([_SETPRIV, "--pdeathsig", "TERM", "--", *self.cmd], None) if _SETPRIV else \
+            (self.cmd, _die_with_parent)
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.cmd, cwd=cwd, env={**os.environ, **self.env}, stdout=log,
+            self.proc = subprocess.Popen(cmd, cwd=cwd, env={**os.environ, **self.env}, stdout=log,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                                         preexec_fn=_die_with_parent)
+                                         preexec_fn=pre)
 
     def log(self, tail: int = 4000) -> str:
         """The end of this run's output."""
