@@ -82,7 +82,10 @@ def _gpu_path() -> None:
         from runtime.kernels.merge import merge_stacked_reference
         from runtime.kernels.rope import rope_reference_
         consumer.rope_ = one("rope", rope_reference_)
-        consumer.merge_stacked = one("merge", merge_stacked_reference)
+        def merge(o, lse, sink, out_dtype, ranges=None, out=None):
+            got = merge_stacked_reference(o, lse, sink, out_dtype, ranges)
+            return got if out is None else out.copy_(got)
+        consumer.merge_stacked = one("merge", merge)
     # mHC: on CUDA `Block.hc_pre` is two launches (runtime/kernels/mhc.py) and `hc_post` one; counted as one each
     from runtime.model.deepseek_v4 import Block
     if not getattr(Block, "_counted", False):

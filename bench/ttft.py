@@ -29,6 +29,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 import zlib
 from unittest import mock
@@ -216,6 +217,8 @@ def main() -> int:
     add_model_args(ap, lengths="16384,32768,65536,131072")
     ap.add_argument("--cold-at", type=int, default=65536)
     ap.add_argument("--profile-at", type=int, default=0, help="print a torch.profiler table of both arms at this length")
+    ap.add_argument("--profile-stack", action="store_true",
+                    help="record Python stacks in the profile, so the GPU-idle reading names our functions")
     ap.add_argument("--check-at", type=int, default=0,
                     help="at this length, compare first-token logits of the kernel path against the reference path")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -348,7 +351,8 @@ def main() -> int:
         if L == args.profile_at and device.type == "cuda":
             from torch.profiler import ProfilerActivity, profile
             for arm, fn in (("reuse", reuse), ("recompute", lambda: model(full))):
-                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof_:
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                             with_stack=args.profile_stack) as prof_:
                     fn()
                     torch.cuda.synchronize()
                 print(f"## profile of the {arm} arm at {L}")
@@ -364,6 +368,10 @@ def main() -> int:
                 syncs = sum(e.count for e in avg if e.key in ("aten::_local_scalar_dense", "aten::nonzero"))
                 print(f"## {arm} arm at {L}: {kernels} CUDA kernels and memcpys, {syncs} host syncs "
                       f"(_local_scalar_dense + nonzero)")
+                from bench.gaps import report
+                with tempfile.TemporaryDirectory() as tmp:
+                    prof_.export_chrome_trace(os.path.join(tmp, "trace.json"))
+                    print(report(os.path.join(tmp, "trace.json"), title=f"of the {arm} arm at {L}"))
         if L == args.cold_at:
             def cold():
                 fresh = [pin(produce(model, d, prof)) for d in docs]

@@ -47,10 +47,25 @@ def linear_f32(x: torch.Tensor, *weights: torch.Tensor, rows: int = ROWS) -> tup
         return _linear_f32(x, weights, rows)
 
 
+def stacked_pieces(*weights: torch.Tensor) -> torch.Tensor:
+    """bf16 [3 S, K]: the split3 pieces of all `weights` stacked along N (hi of all, mid of all, lo of all), kept
+    on the first weight and reused while the same weights are unchanged (their storage and version counters), so a
+    layer's weights are split once, not at every call (about ten launches each). Costs 1.5x the weights' float32
+    bytes of device memory while kept; an in-place change of a weight (loading a checkpoint) makes it split again."""
+    key = tuple((id(w), w.data_ptr(), w._version, tuple(w.shape)) for w in weights)
+    kept = getattr(weights[0], "_rk_pieces", None)
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    with torch.no_grad():
+        pieces = torch.cat([split3(w) for w in weights], dim=1).flatten(0, 1)
+    weights[0]._rk_pieces = (key, pieces)
+    return pieces
+
+
 def _linear_f32(x, weights, rows):
     widths = [w.shape[0] for w in weights]
     S = sum(widths)
-    pieces = torch.cat([split3(w) for w in weights], dim=1).flatten(0, 1)   # [3 S, K]: hi of all, mid of all, lo
+    pieces = stacked_pieces(*weights)                                      # [3 S, K]: hi of all, mid of all, lo
     x = x.contiguous()
     T = x.shape[0]
     outs = [x.new_empty((T, n), dtype=torch.float32) for n in widths]

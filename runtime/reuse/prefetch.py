@@ -56,6 +56,7 @@ class LayerPrefetcher:
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(device=self.device) if self.cuda else None
         self.staged: dict[int, tuple[list[LayerArtifact], object]] = {}
+        self._ready: set[int] = set()           # layers whose copy the compute stream already waits on
         self.bytes_copied = 0
 
     def _issue(self, i: int) -> None:
@@ -74,6 +75,11 @@ class LayerPrefetcher:
         self.staged[i] = (layers, ev)
 
     def get(self, i: int) -> list[LayerArtifact]:
+        """Every document's layer i, ready for the compute stream. The first call for a layer makes the compute
+        stream wait on its copy, records its tensors on that stream and issues the next layers' copies; later
+        calls for the same layer (the consumer reads one layer's fields document by document) only look it up."""
+        if i in self._ready:
+            return self.staged[i][0]
         self._issue(i)
         layers, ev = self.staged[i]
         if ev is not None:
@@ -81,10 +87,12 @@ class LayerPrefetcher:
             cur.wait_event(ev)
             for la in layers:
                 _map(la, lambda t: (t.record_stream(cur), t)[1])
+        self._ready.add(i)
         for j in range(i + 1, i + 1 + self.depth):
             self._issue(j)
         for old in [k for k in self.staged if k < i]:
             del self.staged[old]
+            self._ready.discard(old)
         return layers
 
     def documents(self) -> list[DocumentArtifact]:

@@ -4,7 +4,7 @@ GEMM's products are exact), and bad input is refused with a clear error. The GEM
 import pytest
 import torch
 
-from runtime.kernels.f32linear import linear_f32, split3, supported
+from runtime.kernels.f32linear import linear_f32, split3, stacked_pieces, supported
 
 
 def test_pieces_sum_back_exactly():
@@ -25,3 +25,19 @@ def test_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="bf16 x \\[T, K\\] and float32 weights"):
         linear_f32(x, w)
     assert not supported(x.float(), w) and not supported(x, w.bfloat16()) and not supported(x, torch.randn(8, 32))
+
+
+def test_stacked_pieces_are_split_once_and_again_after_a_weight_changes():
+    g = torch.Generator().manual_seed(1)
+    wkv = torch.nn.Parameter(torch.randn(16, 64, generator=g))
+    wgate = torch.nn.Parameter(torch.randn(8, 64, generator=g))
+    p = stacked_pieces(wkv, wgate)
+    assert p.shape == (3 * 24, 64) and p.dtype == torch.bfloat16
+    want = torch.cat([split3(wkv.detach()), split3(wgate.detach())], dim=1).flatten(0, 1)
+    assert torch.equal(p, want)
+    assert stacked_pieces(wkv, wgate) is p                            # kept: no second split
+    assert not torch.equal(stacked_pieces(wgate, wkv), p)             # other weights (or order): their own pieces
+    with torch.no_grad():
+        wgate[0, 0] += 1.0                                            # an in-place change, as loading a checkpoint
+    q = stacked_pieces(wkv, wgate)
+    assert q is not p and torch.equal(q, torch.cat([split3(wkv.detach()), split3(wgate.detach())], 1).flatten(0, 1))
