@@ -639,7 +639,8 @@ class ReuseEngine:
 
     def _relocated_keys(self, i, attn, hn, docs, deltas, sp: _Split, ledger):
         """Keys of the prefix (its artifact) and of every relocated segment (artifact, with the active rows'
-        recomputed latent and their blocks' re-pooled entries overlaid on copies); returns the compressor
+        recomputed latent and their blocks' re-pooled entries overlaid on copies, or in place on the request's own
+        staged copies: `_writable`); returns the compressor
         states carried to the new rows' segment. The active rows of all documents go through one projection."""
         arts0 = docs[0].layers[i]
         segs = [SegmentKeys(0, arts0.latent, arts0.entries, arts0.index_keys)]
@@ -647,25 +648,35 @@ class ReuseEngine:
         if sp.act_local:
             fresh = attn.latent(hn.index_select(0, sp.act_reloc), sp.act_cpos)
             for j, ids, off in sp.act_local:
-                latents[j] = latents[j].clone().index_copy_(0, ids, fresh[off:off + ids.numel()].to(latents[j].dtype))
+                latents[j] = self._writable(docs, j, i, latents[j]).index_copy_(
+                    0, ids, fresh[off:off + ids.numel()].to(latents[j].dtype))
             self._defer(ledger, "latent_rows", sp.act_reloc.shape[0])
         entries = {j: docs[j].layers[i].entries for j in range(1, len(docs))}
         index_keys = {j: docs[j].layers[i].index_keys for j in range(1, len(docs))}
         comp_state, idx_state = CompressorState(), CompressorState()
         if attn.compressor is not None:
             with phase("rk.keys.comp"):
-                comp_state = self._overlay_entries(attn.compressor, hn, sp, entries, arts0.comp_prev)
+                comp_state = self._overlay_entries(attn.compressor, hn, sp, entries, arts0.comp_prev, docs, i)
         if attn.indexer is not None:
             with phase("rk.keys.index"):
-                idx_state = self._overlay_entries(attn.indexer.compressor, hn, sp, index_keys, arts0.index_prev)
+                idx_state = self._overlay_entries(attn.indexer.compressor, hn, sp, index_keys, arts0.index_prev,
+                                                  docs, i)
         for j, delta in zip(range(1, len(docs)), deltas[1:]):
             segs.append(SegmentKeys(delta, latents[j], entries[j], index_keys[j]))
         return segs, comp_state, idx_state
 
-    def _overlay_entries(self, comp, hn, sp: _Split, entries: dict, prefix_prev) -> CompressorState:
+    @staticmethod
+    def _writable(docs, j: int, i: int, t: torch.Tensor) -> torch.Tensor:
+        """`t` (a field of document j's layer i) to overlay rows on: itself where the layers are this request's own
+        staged copies (LayerPrefetcher / GroupStager on CUDA, `private`), else a copy, so an artifact the caller
+        keeps is never written."""
+        private = getattr(docs[j].layers, "private", None)
+        return t if private is not None and private(i) else t.clone()
+
+    def _overlay_entries(self, comp, hn, sp: _Split, entries: dict, prefix_prev, docs, i) -> CompressorState:
         """Re-pool, for every relocated document at once, the compressed entries of blocks holding any active row
         from the current hidden states (the overlap half carried across each join from the previous segment),
-        replacing `entries[j]` by a copy with those blocks overlaid; only the needed blocks' rows are projected.
+        replacing `entries[j]` by a copy (`_writable`) with those blocks overlaid; only the needed blocks' rows are projected.
         Returns the compressor state carried into the new rows' segment."""
         r, D = comp.ratio, comp.dim
         plan = self._block_plan(sp, r, comp.overlap)
@@ -688,7 +699,8 @@ class ReuseEngine:
                                   prev_gate, plan.dirty_pos)
             with phase("rk.pool.copy"):
                 for j, B, off in plan.per_doc:
-                    entries[j] = entries[j].clone().index_copy_(0, B, fresh[off:off + B.numel()].to(entries[j].dtype))
+                    entries[j] = self._writable(docs, j, i, entries[j]).index_copy_(
+                        0, B, fresh[off:off + B.numel()].to(entries[j].dtype))
         if comp.overlap:
             carried.prev_kv, carried.prev_gate = ck[plan.carry, :, :D].clone(), cg[plan.carry, :, :D].clone()
         return carried

@@ -57,6 +57,7 @@ class LayerPrefetcher:
         self.stream = torch.cuda.Stream(device=self.device) if self.cuda else None
         self.staged: dict[int, tuple[list[LayerArtifact], object]] = {}
         self._ready: set[int] = set()           # layers whose copy the compute stream already waits on
+        self._private: dict[int, list[bool]] = {}   # per layer and document: every tensor is this request's copy
         self.bytes_copied = 0
 
     def _issue(self, i: int) -> None:
@@ -66,13 +67,21 @@ class LayerPrefetcher:
             self.staged[i] = ([d.layers[i] for d in self.docs], None)
             return
         with torch.cuda.stream(self.stream):
+            copied = []
+
             def copy(t):
                 self.bytes_copied += t.numel() * t.element_size()
-                return t.to(self.device, non_blocking=True)
-            layers = [_map(d.layers[i], copy) for d in self.docs]
+                out = t.to(self.device, non_blocking=True)
+                copied[-1] &= out.data_ptr() != t.data_ptr()      # already on the device: no copy was made
+                return out
+            layers = []
+            for d in self.docs:
+                copied.append(True)
+                layers.append(_map(d.layers[i], copy))
             ev = torch.cuda.Event()
             ev.record(self.stream)
         self.staged[i] = (layers, ev)
+        self._private[i] = copied
 
     def get(self, i: int) -> list[LayerArtifact]:
         """Every document's layer i, ready for the compute stream. The first call for a layer makes the compute
@@ -93,7 +102,14 @@ class LayerPrefetcher:
         for old in [k for k in self.staged if k < i]:
             del self.staged[old]
             self._ready.discard(old)
+            self._private.pop(old, None)
         return layers
+
+    def private(self, i: int, j: int) -> bool:
+        """Whether document j's staged layer i is a device copy made for this request alone, which the consumer
+        may overwrite in place (its overlays) instead of copying it first; False where nothing was copied (no GPU,
+        or the tensors were already on the device: then they are the caller's own)."""
+        return self._private.get(i, [False] * len(self.docs))[j]
 
     def documents(self) -> list[DocumentArtifact]:
         """Views of the documents whose `layers[i]` comes through this prefetcher."""
@@ -110,6 +126,9 @@ class _StagedLayers:
 
     def __len__(self) -> int:
         return self.pf.n_layers
+
+    def private(self, i: int) -> bool:
+        return self.pf.private(i, self.j)
 
 
 # ============================================================================ layer groups as they arrive
@@ -277,3 +296,8 @@ class _GroupLayers(Sequence):
 
     def __len__(self) -> int:
         return self.stager.n_layers
+
+    def private(self, i: int) -> bool:
+        """On CUDA every staged tensor is this request's own device copy (pinned, then copied): see
+        LayerPrefetcher.private."""
+        return self.stager.cuda

@@ -238,3 +238,26 @@ def test_decode_after_reuse_prefill_with_fused_kernel_equals_reference(state, to
     errs = [rel_err(a, b) for a, b in zip(got, ref_logits)]
     print("decode after reuse prefill, fused kernel vs CPU reference per step:", ", ".join(f"{e:.1e}" for e in errs))
     assert max(errs) <= F32
+
+
+@torch.no_grad()
+def test_prefetched_artifacts_overlaid_in_place_equal_device_resident_ones(state, tokens, counted, monkeypatch):
+    """Hot artifacts in pinned host memory through LayerPrefetcher (each layer copied one layer ahead on its own
+    stream; the consumer overlays active rows in place on those private copies) against the same artifacts already
+    on the device (not private: the consumer copies before overlaying): the same logits to 1e-5 in float32 (the
+    MoE's atomic adds may sum in another order), and the host artifacts unchanged."""
+    from runtime.reuse.prefetch import LayerPrefetcher, pin
+    monkeypatch.setenv("REDKNOT_KERNELS", "1")
+    docs, question = tokens
+    prof = PROFILES["budget10-artifact-picks"]
+    model = build(state, "cuda", torch.float32)
+    arts = [produce(model, d, prof) for d in docs]
+    hot = [pin(a) for a in arts]
+    before = [[la.latent.clone() for la in a.layers] for a in hot]
+    resident = ReuseEngine(model, prof).prefill(arts, question)
+    pf = LayerPrefetcher(hot, "cuda")
+    staged = ReuseEngine(model, prof).prefill(pf.documents(), question)
+    assert counted["attention"] + counted["fused"] > 0
+    assert pf.bytes_copied > 0 and all(pf.private(len(arts[0].layers) - 1, j) for j in range(len(hot)))
+    assert rel_err(staged.logits, resident.logits) <= 1e-5
+    assert all(torch.equal(la.latent, b) for a, bs in zip(hot, before) for la, b in zip(a.layers, bs))

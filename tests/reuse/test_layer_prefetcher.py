@@ -37,6 +37,7 @@ def _run(device):
 def test_cpu_each_layer_once_one_ahead():
     pf = _run("cpu")
     assert pf.bytes_copied == 0                               # no copies where there is no GPU
+    assert not any(v.layers.private(pf.n_layers - 1) for v in pf.documents())   # the caller's own: never written
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -50,3 +51,19 @@ def test_cuda_waits_and_records_once_per_layer(monkeypatch):
     assert len(records) == pf.n_layers * 3 * 3                # three tensors of three documents, once each
     assert pf.bytes_copied == sum(t.numel() * 4 for d in _docs() for la in d.layers
                                   for t in (la.latent, la.entries, la.local_p))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_copies_are_private_and_device_tensors_are_not():
+    pf = LayerPrefetcher(_docs(), "cuda")
+    views = pf.documents()
+    _ = [v.layers[0] for v in views]
+    assert all(v.layers.private(0) for v in views)            # this request's own device copies
+    on_device = [DocumentArtifact(d.tokens, d.n_content, [LayerArtifact(la.latent.cuda(), la.entries.cuda(),
+                                                                        local_p=la.local_p.cuda())
+                                                          for la in d.layers]) for d in _docs()]
+    pf2 = LayerPrefetcher(on_device, "cuda")
+    views2 = pf2.documents()
+    assert views2[0].layers[0].latent is on_device[0].layers[0].latent or \
+        views2[0].layers[0].latent.data_ptr() == on_device[0].layers[0].latent.data_ptr()
+    assert not any(v.layers.private(0) for v in views2)       # the caller's tensors: the consumer must copy
