@@ -1,7 +1,8 @@
 """Launch and host-sync counts of the reuse arm's reusable layers, measured on CPU (torch.profiler) at real head
 counts (64 heads of 512, 8 output groups, window 128) with a small model width, a few layers and a few thousand
 tokens. The consumer takes its GPU code path: `enabled()` is forced on and each GPU kernel (sparse attention, RoPE
-slice, stacked merge, the fused multi-segment kernel, mHC pre/post) is replaced by its torch reference wrapped as ONE counted launch; every other top-level aten
+slice, stacked merge, the fused multi-segment kernel, mHC pre/post; `Rotary.apply` as its copy and its RoPE kernel)
+is replaced by its torch reference wrapped as ONE counted launch; every other top-level aten
 op inside a reusable layer counts as one launch, every `_local_scalar_dense` / `nonzero` as a host sync.
 Not a test.
 
@@ -87,17 +88,51 @@ def _gpu_path() -> None:
             return got if out is None else out.copy_(got)
         consumer.merge_stacked = one("merge", merge)
     # mHC: on CUDA `Block.hc_pre` is two launches (runtime/kernels/mhc.py) and `hc_post` one; counted as one each
-    from runtime.model.deepseek_v4 import Block
+    from runtime.model.deepseek_v4 import Block, Rotary
     if not getattr(Block, "_counted", False):
         Block.hc_pre = one("hc_pre", Block.hc_pre)
         Block.hc_post = staticmethod(one("hc_post", Block.hc_post))
         Block._counted = True
+    # Rotary.apply: on CUDA two launches (the other channels copied, then runtime/kernels/rope.py)
+    if not getattr(Rotary, "_counted", False):
+        rotate = Rotary.apply
+
+        def apply(x, cos, sin, inverse=False):
+            with torch.profiler.record_function("kernel::rope_copy"):
+                pass
+            with torch.profiler.record_function("kernel::rope"):
+                return rotate(x, cos, sin, inverse)
+        Rotary.apply = staticmethod(apply)
+        Rotary._counted = True
     layer = consumer.ReuseEngine._reusable_layer
 
     def counted(self, *a, **kw):
         with torch.profiler.record_function("reusable_layer"):
             return layer(self, *a, **kw)
     consumer.ReuseEngine._reusable_layer = counted
+
+
+class _PrivateLayers:
+    """A document's layers as LayerPrefetcher hands them out on CUDA: this request's own copies (`private`), which
+    the consumer overlays in place (the copies themselves are the prefetcher's, on its stream: not counted)."""
+
+    def __init__(self, layers):
+        import copy
+        self.layers = copy.deepcopy(layers)
+
+    def __getitem__(self, i):
+        return self.layers[i]
+
+    def __len__(self):
+        return len(self.layers)
+
+    def private(self, i):
+        return True
+
+
+def _staged(doc):
+    import dataclasses
+    return dataclasses.replace(doc, layers=_PrivateLayers(doc.layers))
 
 
 def main() -> int:
@@ -120,19 +155,22 @@ def main() -> int:
     arts = [produce(model, d, prof) for d in docs]
     eng = ReuseEngine(model, prof)
     _gpu_path()
+    arts = [_staged(a) for a in arts]
     from torch.profiler import ProfilerActivity, profile
     t = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU]) as p:
         res = eng.prefill(arts, question)
     wall = time.perf_counter() - t
-    counts, syncs = Counter(), Counter()
+    counts, syncs, phases = Counter(), Counter(), Counter()
     for ev in p.events():
         if not (ev.name.startswith("aten::") or ev.name.startswith("kernel::")):
             continue
-        up, top = ev.cpu_parent, True
+        up, top, label = ev.cpu_parent, True, None
         while up is not None and up.name != "reusable_layer":
             top = top and not ((up.name.startswith("aten::") and up.name not in NO_LAUNCH)
                                or up.name.startswith("kernel::"))
+            if label is None and up.name.startswith("rk."):
+                label = up.name                                  # the innermost phase label
             up = up.cpu_parent
         if up is None:
             continue
@@ -140,6 +178,7 @@ def main() -> int:
             syncs[ev.name] += 1
         if top and ev.name not in NO_LAUNCH:                     # a launch of a reusable layer
             counts[ev.name] += 1
+            phases[label or "(no label)"] += 1
     launches, n_sync = sum(counts.values()), sum(syncs.values())
     led = res.ledger.summary()
     print(f"# {cfg.n_layers} layers ({len(prof.reusable_layers(cfg))} reusable), {cfg.n_heads} heads x "
@@ -150,6 +189,9 @@ def main() -> int:
           f"({n_sync / n_r:.0f} per layer: {dict(syncs)})")
     for k, v in counts.most_common(args.top):
         print(f"  {k:28s} {v:6d}")
+    print("per reusable layer, by innermost phase label (runtime/reuse/consumer.py):")
+    for k, v in phases.most_common():
+        print(f"  {k:28s} {v / n_r:6.0f}")
     return 0
 
 

@@ -93,8 +93,20 @@ class Rotary(nn.Module):
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        """x [T, ..., D]; cos/sin [T, rd/2]. Inverse rotation is the conjugate (-sin)."""
+        """x [T, ..., D]; cos/sin [T, rd/2]. Inverse rotation is the conjugate (-sin). On the kernel path
+        (runtime.kernels.enabled) two launches: the other channels copied, the rope channels turned by
+        `runtime.kernels.rope.rope_` (the same float32 arithmetic), instead of about ten elementwise ops and a
+        concatenation."""
+        from runtime.kernels import enabled
         rd = cos.shape[-1] * 2
+        if (enabled(x) and x.dim() >= 2 and x.numel() and cos.shape[0] == x.shape[0] and x.stride(-1) == 1
+                and cos.dtype == sin.dtype == torch.float32 and (rd // 2 & (rd // 2 - 1)) == 0):
+            from runtime.kernels.rope import rope_
+            T, D = x.shape[0], x.shape[-1]
+            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            out[..., :-rd].copy_(x[..., :-rd])
+            rope_(out.view(T, -1, D), cos.contiguous(), sin.contiguous(), inverse, src=x.reshape(T, -1, D))
+            return out
         shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
         c, s = cos.view(shape), sin.view(shape)
         if inverse:

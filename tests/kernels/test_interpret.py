@@ -136,6 +136,31 @@ def test_recompute_arm_through_the_kernels(model, kernels_on, monkeypatch):
     assert rel_err(torch.cat(rows), ref[:73]) <= TOL
 
 
+@torch.no_grad()
+def test_rotary_apply_through_the_rope_kernel(kernels_on, monkeypatch):
+    """Rotary.apply's kernel path (the other channels copied, the rope channels by rope_) equals its torch path
+    for a [T, D] latent, [T, H, D] heads and strided rows, both directions, and really launches the kernel."""
+    import runtime.kernels.rope as R
+    from runtime.model.deepseek_v4 import Rotary, yarn_inv_freq
+    launched = []
+    kern = R._rope_kernel
+    monkeypatch.setattr(R, "_rope_kernel", type("Spy", (), {"__getitem__": lambda self, grid:
+                                                            launched.append(grid) or kern[grid]})())
+    g = torch.Generator().manual_seed(7)
+    rot = Rotary(yarn_inv_freq(64, 160000.0, 16.0, 65536, 32.0, 1.0))
+    cos, sin = rot.cos_sin(torch.randint(0, 131072, (12,), generator=g))
+    big = torch.randn(24, 3, 128, generator=g)
+    for x in (big[:12, 0], big[:12], big[::2]):
+        for inverse in (False, True):
+            monkeypatch.setenv("REDKNOT_KERNELS", "0")
+            want = Rotary.apply(x, cos, sin, inverse)
+            n = len(launched)
+            monkeypatch.setenv("REDKNOT_KERNELS", "1")
+            got = Rotary.apply(x, cos, sin, inverse)
+            assert len(launched) == n + 1 and got.is_contiguous()
+            assert rel_err(got, want) <= 1e-6 and torch.equal(got[..., :-64], x[..., :-64])
+
+
 def test_mhc_kernels_equal_the_torch_path():
     from runtime.kernels import mhc
     g = torch.Generator().manual_seed(0)

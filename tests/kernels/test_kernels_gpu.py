@@ -265,6 +265,26 @@ def test_rope_kernel_equals_reference(H, dtype):
         assert rel_err(buf[1, 5:5 + T], dst) < tol and (buf[0] == 0).all() and (buf[1, :5] == 0).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rotary_apply_kernel_path_equals_torch_path(dtype, monkeypatch):
+    """Rotary.apply on CUDA (the other channels copied, the rope channels by rope_) against its torch path
+    (REDKNOT_KERNELS=0): a [T, D] latent, [T, H, D] heads and a strided row slice, both directions."""
+    from runtime.model.deepseek_v4 import Rotary, yarn_inv_freq
+    g = torch.Generator(device=DEV).manual_seed(7)
+    rot = Rotary(yarn_inv_freq(64, 160000.0, 16.0, 65536, 32.0, 1.0))
+    cos, sin = rot.cos_sin(torch.randint(0, 131072, (300,), device=DEV, generator=g))
+    big = torch.randn(600, 8, 512, device=DEV, generator=g).to(dtype)
+    for x in (big[:300, 0], big[:300], big[::2]):
+        for inverse in (False, True):
+            monkeypatch.setenv("REDKNOT_KERNELS", "0")
+            want = Rotary.apply(x, cos, sin, inverse)
+            monkeypatch.setenv("REDKNOT_KERNELS", "1")
+            got = Rotary.apply(x, cos, sin, inverse)
+            tol = 1e-2 if dtype == torch.bfloat16 else 1e-5       # bf16: a rounding flip where the FMA differs
+            assert got.shape == want.shape and got.dtype == want.dtype and got.is_contiguous()
+            assert rel_err(got, want) < tol and torch.equal(got[..., :-64], x[..., :-64])
+
+
 @pytest.mark.parametrize("P,T,H,D,dtype", [(9, 1000, 64, 512, torch.bfloat16), (3, 777, 8, 512, torch.float32),
                                            (1, 50, 20, 128, torch.float32), (0, 10, 8, 64, torch.bfloat16)])
 def test_merge_stacked_equals_reference(P, T, H, D, dtype):
