@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -83,6 +84,13 @@ def _entry(rank: int, target, size: int, port: int, device: str, args: tuple) ->
         dist.barrier()                      # no rank tears the group down while another still talks to it
     finally:
         dist.destroy_process_group()
+    # A rank that finished cleanly leaves without interpreter finalization: there, process-group worker threads that
+    # still hold tensors can abort the process ("terminate called without an active exception", SIGABRT), which the
+    # supervisor would report as a dead rank. Everything the rank owns is already closed; only the output is flushed.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def launch(size: int, target, args: tuple = (), device: str = "cpu") -> int:
