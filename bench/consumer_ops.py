@@ -23,6 +23,7 @@ from bench.ttft import init_model, request  # noqa: E402
 from runtime.model.config import FLASH  # noqa: E402
 from runtime.model.deepseek_v4 import Transformer  # noqa: E402
 from runtime.reuse.consumer import ReuseEngine  # noqa: E402
+from runtime.reuse.prefetch import owned_copy  # noqa: E402
 from runtime.reuse.producer import produce  # noqa: E402
 from runtime.reuse.profile import FLASH_PROFILE  # noqa: E402
 
@@ -112,29 +113,6 @@ def _gpu_path() -> None:
     consumer.ReuseEngine._reusable_layer = counted
 
 
-class _PrivateLayers:
-    """A document's layers as LayerPrefetcher hands them out on CUDA: this request's own copies (`private`), which
-    the consumer overlays in place (the copies themselves are the prefetcher's, on its stream: not counted)."""
-
-    def __init__(self, layers):
-        import copy
-        self.layers = copy.deepcopy(layers)
-
-    def __getitem__(self, i):
-        return self.layers[i]
-
-    def __len__(self):
-        return len(self.layers)
-
-    def private(self, i):
-        return True
-
-
-def _staged(doc):
-    import dataclasses
-    return dataclasses.replace(doc, layers=_PrivateLayers(doc.layers))
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=2048)
@@ -155,7 +133,7 @@ def main() -> int:
     arts = [produce(model, d, prof) for d in docs]
     eng = ReuseEngine(model, prof)
     _gpu_path()
-    arts = [_staged(a) for a in arts]
+    arts = [owned_copy(a) for a in arts]     # overlaid in place, as LayerPrefetcher's copies on CUDA
     from torch.profiler import ProfilerActivity, profile
     t = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU]) as p:

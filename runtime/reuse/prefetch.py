@@ -49,6 +49,27 @@ def pin(doc: DocumentArtifact) -> DocumentArtifact:
                             doc.tp_rank, doc.tp_size, dict(doc.meta))
 
 
+class _OwnedLayers(Sequence):
+    def __init__(self, layers):
+        self.layers = [_map(la, torch.clone) for la in layers]
+
+    def __getitem__(self, i):
+        return self.layers[i]
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def private(self, i: int) -> bool:
+        return True
+
+
+def owned_copy(doc: DocumentArtifact) -> DocumentArtifact:
+    """A copy of `doc` made for one request, on the same device: its layers say they are `private`, so the consumer
+    overlays active rows in place on them, as on the copies LayerPrefetcher and GroupStager stage on CUDA."""
+    return DocumentArtifact(doc.tokens, doc.n_content, _OwnedLayers(doc.layers), doc.tp_rank, doc.tp_size,
+                            dict(doc.meta))
+
+
 class LayerPrefetcher:
     def __init__(self, docs: list[DocumentArtifact], device: torch.device, depth: int = 1):
         self.docs, self.device, self.depth = docs, torch.device(device), depth

@@ -243,34 +243,16 @@ def test_artifact_picks_for_global_heads_skip_the_online_indexer(model, request_
     assert rel_err(ReuseEngine(model, deg).prefill(arts, question).logits, ref) <= TOL
 
 
-class _OwnCopies:
-    """A document's layers as a request's own staged copies (what LayerPrefetcher / GroupStager hand out on
-    CUDA): each layer cloned once, `private` True, so the consumer overlays its rows in place."""
-
-    def __init__(self, layers):
-        import copy
-        self.layers = [copy.deepcopy(la) for la in layers]
-
-    def __getitem__(self, i):
-        return self.layers[i]
-
-    def __len__(self):
-        return len(self.layers)
-
-    def private(self, i):
-        return True
-
-
 def test_overlays_in_place_on_private_copies_equal_the_copying_path(model, request_tokens):
     """Active rows' latent and re-pooled entries overwrite the request's own staged copies instead of clones:
     the same logits bit for bit, the caller's artifacts untouched, and the private copies really written."""
-    import dataclasses
+    from runtime.reuse.prefetch import owned_copy
     docs, question = request_tokens
     prof = ReuseProfile(**BASE, budget=0.25, recent_rows=16, join_rows=8)
     arts = [produce(model, t, prof) for t in docs]
     before = [[la.latent.clone() for la in a.layers] for a in arts]
     ref = ReuseEngine(model, prof).prefill(arts, question)
-    own = [dataclasses.replace(a, layers=_OwnCopies(a.layers)) for a in arts]
+    own = [owned_copy(a) for a in arts]
     got = ReuseEngine(model, prof).prefill(own, question)
     assert torch.equal(got.logits, ref.logits)
     assert all(torch.equal(la.latent, b) for a, bs in zip(arts, before) for la, b in zip(a.layers, bs))
