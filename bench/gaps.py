@@ -10,10 +10,10 @@ two kernels (or copies) of the stream with the most kernel time:
   refill it;
 - "host-bound": the kernel after the gap was launched after the gap began (the host was slower than the GPU);
 - "launched early": it was launched before the gap began (launch latency, or a wait on another stream's event).
-The gaps are also summed per innermost `record_function` label (the `rk.*` / `blk.*` phases of the consumer and
-Block.forward), per innermost aten op enclosing the launch (on the launching thread) and, when the profile was
-taken with `with_stack=True`, per innermost Python function of ours (a `runtime/` frame). Not a test: a reading
-aid for a profile.
+The stream's kernels are counted per innermost `record_function` label at their launch (the `rk.*` / `blk.*`
+phases of the consumer and Block.forward), and the gaps are summed per that label, per innermost aten op enclosing
+the launch (on the launching thread) and, when the profile was taken with `with_stack=True`, per innermost Python
+function of ours (a `runtime/` frame). Not a test: a reading aid for a profile.
 """
 from __future__ import annotations
 
@@ -65,6 +65,11 @@ def analyse(events: list[dict], min_us: float = 1.0, where: str = "runtime/") ->
     ops = _Enclosing([e for e in xs if e.get("cat") == "cpu_op"])
     py = _Enclosing([e for e in xs if e.get("cat") == "python_function"], back=4096)   # with_stack=True only
 
+    per_label = defaultdict(int)            # kernels and copies of the stream per phase label at their launch
+    for e in main:
+        host = launch.get(e.get("args", {}).get("correlation"))
+        lab = labels.at(host["ts"], host.get("tid")) if host is not None else None
+        per_label[lab["name"] if lab is not None else "(none)"] += 1
     busy, end = 0.0, main[0]["ts"]
     kinds = defaultdict(lambda: [0, 0.0])
     by_label, by_op, by_py = (defaultdict(lambda: [0, 0.0]) for _ in range(3))
@@ -97,7 +102,8 @@ def analyse(events: list[dict], min_us: float = 1.0, where: str = "runtime/") ->
                 kinds={k: dict(gaps=v[0], us=v[1]) for k, v in kinds.items()},
                 by_label=sorted(((k, v[0], v[1]) for k, v in by_label.items()), key=lambda r: -r[2]),
                 by_op=sorted(((k, v[0], v[1]) for k, v in by_op.items()), key=lambda r: -r[2]),
-                by_py=sorted(((k, v[0], v[1]) for k, v in by_py.items()), key=lambda r: -r[2]))
+                by_py=sorted(((k, v[0], v[1]) for k, v in by_py.items()), key=lambda r: -r[2]),
+                launches=sorted(per_label.items(), key=lambda kv: -kv[1]))
 
 
 def report(path: str, top: int = 20, min_us: float = 1.0, title: str = "") -> str:
@@ -114,6 +120,8 @@ def report(path: str, top: int = 20, min_us: float = 1.0, title: str = "") -> st
     lines += [f"     {n[:48]:48s} {c:7d} gaps {us / 1e3:9.1f} ms" for n, c, us in r["by_label"][:top]]
     lines.append("   idle per innermost host op at that launch:")
     lines += [f"     {n[:48]:48s} {c:7d} gaps {us / 1e3:9.1f} ms" for n, c, us in r["by_op"][:top]]
+    lines.append("   kernels and copies of the stream per innermost phase label at their launch:")
+    lines += [f"     {n[:48]:48s} {c:7d}" for n, c in r["launches"][:top]]
     if r["by_py"]:
         lines.append("   idle per innermost Python function of ours at that launch:")
         lines += [f"     {n[-64:]:64s} {c:7d} gaps {us / 1e3:9.1f} ms" for n, c, us in r["by_py"][:top]]

@@ -40,6 +40,7 @@ def test_gaps_are_found_classified_and_attributed():
     assert labels == {"rk.keys": (2, 12), "rk.keys.comp": (1, 15)}    # launches at 36 and 20; at 58
     ops = {n: (c, us) for n, c, us in r["by_op"]}
     assert ops["aten::mm"] == (1, 15)
+    assert dict(r["launches"]) == {"rk.keys": 3, "rk.keys.comp": 2}     # launches at 0, 36, 20; 58, 74
 
 
 def test_busiest_stream_is_read_and_text_report(tmp_path):
