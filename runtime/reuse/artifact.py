@@ -33,3 +33,11 @@ class DocumentArtifact:
     @property
     def n(self) -> int:
         return len(self.tokens)
+
+
+def is_private(doc: DocumentArtifact, i: int) -> bool:
+    """Whether `doc`'s layer i is this request's own copy, which the consumer may overwrite in place: the layers
+    say so through a `private(i)` method (LayerPrefetcher's device copies, GroupStager's, `owned_copy`); a plain
+    list of layers is the caller's and never is."""
+    private = getattr(doc.layers, "private", None)
+    return bool(private is not None and private(i))

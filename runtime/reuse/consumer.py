@@ -29,7 +29,7 @@ from runtime.model.deepseek_v4 import (NEG_INF, Block, CompressorState, LayerCac
 from runtime.kernels import enabled, merge_stacked, rope_, sparse_mqa_attention
 from runtime.kernels.multiseg import multi_segment_attention
 from runtime.kernels.reference import sparse_mqa_reference
-from .artifact import DocumentArtifact, LayerArtifact
+from .artifact import DocumentArtifact, LayerArtifact, is_private
 from .controller import choose_active
 from .ledger import Ledger
 from .profile import ReuseProfile
@@ -670,8 +670,7 @@ class ReuseEngine:
         """`t` (a field of document j's layer i) to overlay rows on: itself where the layers are this request's own
         staged copies (LayerPrefetcher / GroupStager on CUDA, `private`), else a copy, so an artifact the caller
         keeps is never written."""
-        private = getattr(docs[j].layers, "private", None)
-        return t if private is not None and private(i) else t.clone()
+        return t if is_private(docs[j], i) else t.clone()
 
     def _overlay_entries(self, comp, hn, sp: _Split, entries: dict, prefix_prev, docs, i) -> CompressorState:
         """Re-pool, for every relocated document at once, the compressed entries of blocks holding any active row

@@ -23,7 +23,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from runtime.model.parallel import Parallel
-from .artifact import DocumentArtifact, LayerArtifact
+from .artifact import DocumentArtifact, LayerArtifact, is_private
 from .certificate import FallbackReason, Verdict, agree
 from .store import ArtifactHead, read_layers
 
@@ -84,8 +84,10 @@ class LayerPrefetcher:
     def _issue(self, i: int) -> None:
         if i in self.staged or i >= self.n_layers:
             return
+        inner = [is_private(d, i) for d in self.docs]      # layers already this request's own (GroupStager)
         if not self.cuda:
             self.staged[i] = ([d.layers[i] for d in self.docs], None)
+            self._private[i] = inner
             return
         with torch.cuda.stream(self.stream):
             copied = []
@@ -102,7 +104,7 @@ class LayerPrefetcher:
             ev = torch.cuda.Event()
             ev.record(self.stream)
         self.staged[i] = (layers, ev)
-        self._private[i] = copied
+        self._private[i] = [c or p for c, p in zip(copied, inner)]
 
     def get(self, i: int) -> list[LayerArtifact]:
         """Every document's layer i, ready for the compute stream. The first call for a layer makes the compute
@@ -127,9 +129,10 @@ class LayerPrefetcher:
         return layers
 
     def private(self, i: int, j: int) -> bool:
-        """Whether document j's staged layer i is a device copy made for this request alone, which the consumer
-        may overwrite in place (its overlays) instead of copying it first; False where nothing was copied (no GPU,
-        or the tensors were already on the device: then they are the caller's own)."""
+        """Whether document j's staged layer i is this request's alone, which the consumer may overwrite in place
+        (its overlays) instead of copying it first: a device copy made here, or layers that already said so (a
+        GroupStager's, an `owned_copy`). False where nothing was copied from the caller's own tensors (no GPU, or
+        tensors already on the device), and for a layer not staged yet (known once it was read)."""
         return self._private.get(i, [False] * len(self.docs))[j]
 
     def documents(self) -> list[DocumentArtifact]:

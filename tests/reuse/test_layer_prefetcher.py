@@ -67,3 +67,18 @@ def test_cuda_copies_are_private_and_device_tensors_are_not():
     assert views2[0].layers[0].latent is on_device[0].layers[0].latent or \
         views2[0].layers[0].latent.data_ptr() == on_device[0].layers[0].latent.data_ptr()
     assert not any(v.layers.private(0) for v in views2)       # the caller's tensors: the consumer must copy
+
+
+def test_layers_that_are_already_private_stay_private_through_the_prefetcher():
+    """A GroupStager's or an owned_copy's layers wrapped by LayerPrefetcher (the worker's staged path) keep saying
+    they are the request's own, so the consumer still overlays them in place; a caller's plain layers never do."""
+    from runtime.reuse.artifact import is_private
+    from runtime.reuse.prefetch import owned_copy
+    docs = _docs()
+    own = LayerPrefetcher([owned_copy(d) for d in docs], "cpu").documents()
+    plain = LayerPrefetcher(docs, "cpu").documents()
+    for i in range(len(docs[0].layers)):
+        assert not is_private(own[0], i + 1)                  # not read yet: not known, so not private (safe)
+        _ = [v.layers[i] for v in own + plain]                 # read, as the consumer reads before overlaying
+        assert all(is_private(v, i) for v in own) and not any(is_private(v, i) for v in plain)
+    assert not is_private(docs[0], 0)
