@@ -65,20 +65,17 @@ def analyse(events: list[dict], min_us: float = 1.0, where: str = "runtime/") ->
     ops = _Enclosing([e for e in xs if e.get("cat") == "cpu_op"])
     py = _Enclosing([e for e in xs if e.get("cat") == "python_function"], back=4096)   # with_stack=True only
 
-    per_label = defaultdict(int)            # kernels and copies of the stream per phase label at their launch
-    for e in main:
-        host = launch.get(e.get("args", {}).get("correlation"))
-        lab = labels.at(host["ts"], host.get("tid")) if host is not None else None
-        per_label[lab["name"] if lab is not None else "(none)"] += 1
     busy, end = 0.0, main[0]["ts"]
+    per_label = defaultdict(int)            # kernels and copies of the stream per phase label at their launch
     kinds = defaultdict(lambda: [0, 0.0])
     by_label, by_op, by_py = (defaultdict(lambda: [0, 0.0]) for _ in range(3))
     for k, e in enumerate(main):
         s, d = e["ts"], e.get("dur", 0)
+        host = launch.get(e.get("args", {}).get("correlation"))
+        lab = labels.at(host["ts"], host.get("tid")) if host is not None else None
+        per_label[lab["name"] if lab is not None else "(none)"] += 1
         gap = s - end
         if k and gap >= min_us:
-            corr = e.get("args", {}).get("correlation")
-            host = launch.get(corr)
             j = bisect.bisect_left(syncs, end)
             if j < len(syncs) and syncs[j] <= s:
                 kind = "after a host sync"
@@ -89,7 +86,9 @@ def analyse(events: list[dict], min_us: float = 1.0, where: str = "runtime/") ->
             kinds[kind][0] += 1
             kinds[kind][1] += gap
             t, tid = (host["ts"], host.get("tid")) if host is not None else (s, None)
-            lab, op = labels.at(t, tid), ops.at(t, tid)
+            if host is None:                # no launch record: what the host was in when the kernel started
+                lab = labels.at(t)
+            op = ops.at(t, tid)
             fn = py.at(t, tid, where) if py.ev else None
             for table, ev in ((by_label, lab), (by_op, op)) + (((by_py, fn),) if py.ev else ()):
                 name = ev["name"] if ev is not None else "(none)"

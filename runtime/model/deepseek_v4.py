@@ -105,7 +105,7 @@ class Rotary(nn.Module):
             T, D = x.shape[0], x.shape[-1]
             out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
             out[..., :-rd].copy_(x[..., :-rd])
-            rope_(out.view(T, -1, D), cos.contiguous(), sin.contiguous(), inverse, src=x.reshape(T, -1, D))
+            rope_(out.view(T, -1, D), cos, sin, inverse, src=x.reshape(T, -1, D))
             return out
         shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
         c, s = cos.view(shape), sin.view(shape)

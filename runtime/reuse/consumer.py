@@ -640,8 +640,8 @@ class ReuseEngine:
     def _relocated_keys(self, i, attn, hn, docs, deltas, sp: _Split, ledger):
         """Keys of the prefix (its artifact) and of every relocated segment (artifact, with the active rows'
         recomputed latent and their blocks' re-pooled entries overlaid on copies, or in place on the request's own
-        staged copies: `_writable`); returns the compressor
-        states carried to the new rows' segment. The active rows of all documents go through one projection."""
+        staged copies: `_writable`); returns the compressor states carried to the new rows' segment. The active
+        rows of all documents go through one projection."""
         arts0 = docs[0].layers[i]
         segs = [SegmentKeys(0, arts0.latent, arts0.entries, arts0.index_keys)]
         latents = {j: docs[j].layers[i].latent for j in range(1, len(docs))}
@@ -675,8 +675,8 @@ class ReuseEngine:
     def _overlay_entries(self, comp, hn, sp: _Split, entries: dict, prefix_prev, docs, i) -> CompressorState:
         """Re-pool, for every relocated document at once, the compressed entries of blocks holding any active row
         from the current hidden states (the overlap half carried across each join from the previous segment),
-        replacing `entries[j]` by a copy (`_writable`) with those blocks overlaid; only the needed blocks' rows are projected.
-        Returns the compressor state carried into the new rows' segment."""
+        replacing `entries[j]` by a copy (`_writable`) with those blocks overlaid; only the needed blocks' rows are
+        projected. Returns the compressor state carried into the new rows' segment."""
         r, D = comp.ratio, comp.dim
         plan = self._block_plan(sp, r, comp.overlap)
         carried = CompressorState(prev_kv=None if prefix_prev is None else prefix_prev[0],
