@@ -37,8 +37,9 @@ def supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
 
 
 def linear_f32(x: torch.Tensor, *weights: torch.Tensor, rows: int = ROWS) -> tuple[torch.Tensor, ...]:
-    """(x @ w^T for w in weights), each float32 [T, N_w], through the split bf16 GEMMs. Inference only: the result
-    carries no autograd history (the model's forward runs under inference mode)."""
+    """(x @ w^T for w in weights), each float32 [T, N_w] (column views of one [T, sum N_w] buffer), through the
+    split bf16 GEMMs. Inference only: the result carries no autograd history (the model's forward runs under
+    inference mode)."""
     if not supported(x, *weights):
         raise ValueError(f"linear_f32 takes bf16 x [T, K] and float32 weights [N, K] on CUDA, K % 8 == 0; got x "
                          f"{x.dtype} {tuple(x.shape)} on {x.device}, weights "
@@ -68,13 +69,11 @@ def _linear_f32(x, weights, rows):
     pieces = stacked_pieces(*weights)                                      # [3 S, K]: hi of all, mid of all, lo
     x = x.contiguous()
     T = x.shape[0]
-    outs = [x.new_empty((T, n), dtype=torch.float32) for n in widths]
+    full = x.new_empty((T, S), dtype=torch.float32)      # every weight's columns: (lo + mid) + hi in two launches
     for a in range(0, T, rows):
         b = min(a + rows, T)
         y = torch.mm(x[a:b], pieces.t(), out_dtype=torch.float32)          # [rows, 3 S]
-        c = 0
-        for out, n in zip(outs, widths):
-            torch.add(y[:, 2 * S + c:2 * S + c + n], y[:, S + c:S + c + n], out=out[a:b])
-            out[a:b] += y[:, c:c + n]
-            c += n
-    return tuple(outs)
+        torch.add(y[:, 2 * S:], y[:, S:2 * S], out=full[a:b])
+        full[a:b] += y[:, :S]
+    starts = [sum(widths[:k]) for k in range(len(widths))]
+    return tuple(full[:, c:c + n] for c, n in zip(starts, widths))

@@ -12,6 +12,8 @@ Batch size is one request; a serving batch is a list of requests.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import os
 from dataclasses import dataclass, field
@@ -77,6 +79,63 @@ def yarn_inv_freq(dim: int, base: float, factor: float, original_seq_len: int,
     return interp * (1 - keep_extrap) + extrap * keep_extrap
 
 
+class _SharedAngles:
+    """What `shared_angles` keeps for one scope: position tensors by id (held, so an id is never reused while the
+    scope lasts) with their version counters (None for inference tensors, which keep none), and their cos/sin per
+    rotary frequency set."""
+
+    def __init__(self):
+        self.positions: dict[int, tuple[torch.Tensor, int]] = {}
+        self.ranges: dict[tuple, torch.Tensor] = {}
+        self.angles: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+_SHARED_ANGLES: contextvars.ContextVar[_SharedAngles | None] = contextvars.ContextVar("redknot_shared_angles",
+                                                                                        default=None)
+
+
+@contextlib.contextmanager
+def shared_angles():
+    """A scope (one reuse prefill) in which `Rotary.cos_sin` of a position tensor made by `shared_arange` or
+    registered by `share_positions` is computed once per set of inverse frequencies and handed to every later
+    call with the same tensor, unchanged since (its version counter): the reusable layers rotate the same position
+    sets layer after layer, and every compressed layer has the same frequencies (as every window layer has).
+    Bitwise the same angles; only their recomputation (four launches a call) is saved. The callers only read the
+    returned tensors (RoPE takes them read-only), and a registered tensor is not changed in place (a change is
+    noticed through the version counter, which inference-mode tensors do not keep). Outside a scope nothing is
+    kept."""
+    token = _SHARED_ANGLES.set(_SharedAngles())
+    try:
+        yield
+    finally:
+        _SHARED_ANGLES.reset(token)
+
+
+def share_positions(positions: torch.Tensor) -> torch.Tensor:
+    """Registers `positions` in the current `shared_angles` scope (none: does nothing); returns it."""
+    scope = _SHARED_ANGLES.get()
+    if scope is not None:
+        scope.positions[id(positions)] = (positions, _version(positions))
+    return positions
+
+
+def _version(t: torch.Tensor) -> int | None:
+    return None if t.is_inference() else t._version
+
+
+def shared_arange(start: int, end: int, step: int = 1, device=None) -> torch.Tensor:
+    """torch.arange(start, end, step) (int64); inside a `shared_angles` scope one registered tensor per
+    (start, end, step, device), so its angles are computed once."""
+    scope = _SHARED_ANGLES.get()
+    if scope is None:
+        return torch.arange(start, end, step, device=device)
+    key = (start, end, step, str(torch.device(device) if device is not None else "cpu"))
+    t = scope.ranges.get(key)
+    if t is None or _version(t) != scope.positions.get(id(t), (None, -1))[1]:
+        t = scope.ranges[key] = share_positions(torch.arange(start, end, step, device=device))
+    return t
+
+
 class Rotary(nn.Module):
     """Interleaved RoPE on the trailing `rope_head_dim` channels (pairs 2i, 2i+1)."""
 
@@ -84,8 +143,22 @@ class Rotary(nn.Module):
         super().__init__()
         # a plain attribute, not a buffer: derived from the config, never loaded, moved on first use
         self.inv_freq = inv_freq
+        # the frequencies' values (built on the CPU): rotaries with equal ones share angles (`shared_angles`)
+        self._freq_key = tuple(inv_freq.tolist())
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scope = _SHARED_ANGLES.get()
+        if scope is not None:
+            held = scope.positions.get(id(positions))
+            if held is not None and held[0] is positions and held[1] == _version(positions):
+                key = (self._freq_key, id(positions))
+                got = scope.angles.get(key)
+                if got is None:
+                    got = scope.angles[key] = self._cos_sin(positions)
+                return got
+        return self._cos_sin(positions)
+
+    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
@@ -252,14 +325,14 @@ class Compressor(nn.Module):
         ck = kv[: nb * r].view(nb, r, -1)
         cg = gate[: nb * r].view(nb, r, -1) + self.ape
         prev_kv = prev_gate = None
-        if self.overlap:
-            prev_kv = ck.new_zeros((nb, r, D))
-            prev_gate = cg.new_full((nb, r, D), NEG_INF)              # weight 0 where no previous block
-            prev_kv[1:], prev_gate[1:] = ck[:-1, :, :D], cg[:-1, :, :D]
+        if self.overlap:     # each block's previous block's Ca half; the first block's from the state, if any
             if state.prev_kv is not None:
-                prev_kv[0], prev_gate[0] = state.prev_kv, state.prev_gate
+                kv0, gate0 = state.prev_kv.to(ck.dtype)[None], state.prev_gate.to(cg.dtype)[None]
+            else:
+                kv0, gate0 = ck.new_zeros((1, r, D)), cg.new_full((1, r, D), NEG_INF)   # weight 0: none
+            prev_kv, prev_gate = torch.cat([kv0, ck[:-1, :, :D]]), torch.cat([gate0, cg[:-1, :, :D]])
             state.prev_kv, state.prev_gate = ck[-1, :, :D].clone(), cg[-1, :, :D].clone()
-        pos = first + r * torch.arange(nb, device=x.device)
+        pos = shared_arange(first, first + r * nb, r, device=x.device)
         pooled = self.pool(ck, cg, prev_kv, prev_gate, pos)
         state.entries = pooled if state.entries is None else torch.cat([state.entries, pooled])
         return state.entries
@@ -311,16 +384,24 @@ class Indexer(nn.Module):
         """`scores` from `query`'s outputs, the query roped at `positions`."""
         return self.scores_roped(Rotary.apply(q, *self.rotary.cos_sin(positions)), w_raw, positions, keys)
 
-    def scores_roped(self, q, w_raw, positions, keys, out: torch.Tensor | None = None) -> torch.Tensor:
+    def head_weights(self, q, w_raw) -> torch.Tensor:
+        """The scaled head weights `scores_roped` applies to queries `q` (the kernel path scales the dot products
+        by head_dim^-0.5 itself): a caller scoring the same rows against several key sets computes them once."""
+        from runtime.kernels import enabled
+        return w_raw * (self.n_heads ** -0.5 if enabled(q) else self.n_heads ** -0.5 * self.head_dim ** -0.5)
+
+    def scores_roped(self, q, w_raw, positions, keys, out: torch.Tensor | None = None,
+                     w: torch.Tensor | None = None) -> torch.Tensor:
         """`scores_from` with the query already roped at `positions`; written into `out` (a float32 [T, N] view
-        with unit column stride, e.g. a column slice of a wider score block) when given."""
+        with unit column stride, e.g. a column slice of a wider score block) when given. `w`: `head_weights(q,
+        w_raw)` already computed (w_raw is then not read)."""
         from runtime.kernels import enabled, indexer_scores
+        w = self.head_weights(q, w_raw) if w is None else w
         if enabled(q):
-            return indexer_scores(q, keys.to(q.dtype), w_raw * self.n_heads ** -0.5, positions, out=out)
+            return indexer_scores(q, keys.to(q.dtype), w, positions, out=out)
         # in the activation dtype (the reference runs this in FP8), ReLU in place, heads reduced by a batched
         # matvec: the [T, heads, N] block is written once and read once
         s = torch.relu_(torch.einsum("thd,nd->thn", q, keys.to(q.dtype)))
-        w = w_raw * (self.n_heads ** -0.5 * self.head_dim ** -0.5)
         s = torch.einsum("thn,th->tn", s, w.to(s.dtype)).float()
         ready = (positions + 1) // 4                                    # entries complete before t
         s = s.masked_fill(torch.arange(keys.shape[0], device=q.device)[None, :] >= ready[:, None], NEG_INF)
@@ -641,8 +722,12 @@ class MoE(nn.Module):
         w1, w3, w2 = self.stacks()
         lo, n_local = self.local[0], len(self.local)
         T, k = idx.shape
-        flat = idx.flatten() - lo
-        key = torch.where((flat < 0) | (flat >= n_local), n_local, flat)
+        flat = idx.flatten()
+        if lo == 0 and n_local == self.gate.cfg.n_routed_experts:     # every expert here: only dropped slots go last
+            key = torch.where(flat < 0, n_local, flat)
+        else:
+            flat = flat - lo
+            key = torch.where((flat < 0) | (flat >= n_local), n_local, flat)
         order = torch.argsort(key, stable=True)
         rows = torch.where(key[order] < n_local, order // k, T)              # the spare row T takes the rest
         ws = weights.flatten()[order, None].float()
@@ -654,7 +739,8 @@ class MoE(nn.Module):
         from .quant import fake_quant_fp8_act
         for a in range(0, T * k, chunk):
             b = min(a + chunk, T * k)
-            offs = (ends - a).clamp(0, b - a).to(torch.int32)
+            # each expert's run clamped to the chunk (one chunk: the ends already lie in it)
+            offs = ends.to(torch.int32) if a == 0 and b == T * k else (ends - a).clamp(0, b - a).to(torch.int32)
             r = rows[a:b]
             xs = x.index_select(0, r.clamp(max=T - 1))
             if quant:

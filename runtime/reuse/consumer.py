@@ -25,7 +25,8 @@ from torch.profiler import record_function as phase   # labels for bench/ttft.py
 
 from runtime.model.config import CSA, HCA, WINDOW
 from runtime.model.deepseek_v4 import (NEG_INF, Block, CompressorState, LayerCache, Rotary, Transformer,
-                                       grouped_projection, unweighted_rms_norm)
+                                       grouped_projection, share_positions, shared_angles, shared_arange,
+                                       unweighted_rms_norm)
 from runtime.kernels import enabled, merge_stacked, rope_, sparse_mqa_attention
 from runtime.kernels.multiseg import multi_segment_attention
 from runtime.kernels.reference import sparse_mqa_reference
@@ -68,12 +69,15 @@ def _angles(attn, qpos, lo, hi, delta, trig):
                  lambda: attn.rotary.cos_sin(_shifted(qpos, lo, hi, delta, trig)))
 
 
-def _plan(attn, host, segments, picks, own_picks):
+def _plan(attn, host, segments, picks, own_picks, trig=None):
     """Which rows each segment serves (rows come in increasing position, so a contiguous range found on the
     host): its window rows reach queries up to W-1 rows past its end; its entries every later query (HCA, or
-    CSA picks over the union of segments); own picks only the segment's own rows. -> [(j, lo, hi, mode, picks)]"""
+    CSA picks over the union of segments); own picks only the segment's own rows. -> [(j, lo, hi, mode, picks)]
+
+    With own picks, every segment's picks (its own rows' picks, then -1 for the rows past its end) come out of one
+    gather from own_picks with a -1 row appended; the gather's row ids are built once per call's rows (`trig`)."""
     T, W = host.shape[0], attn.cfg.window_size
-    plan = []
+    plan, own = [], []
     for j, seg in enumerate(segments):
         n = seg.latent.shape[0]
         lo = int(np.searchsorted(host, seg.delta))
@@ -85,14 +89,22 @@ def _plan(attn, host, segments, picks, own_picks):
         elif attn.kind == CSA and n_ent and own_picks is not None:
             own_hi = int(np.searchsorted(host, seg.delta + n))
             if own_hi > lo:      # rows past the segment's end (the next one's first W-1) see its window only
-                pk = own_picks[lo:own_hi]
-                if win_hi > own_hi:
-                    pk = torch.cat([pk, pk.new_full((win_hi - own_hi, pk.shape[1]), -1)])
+                own.append((len(plan), lo, own_hi, win_hi))
                 mode = "picks"
         elif attn.kind == CSA and n_ent and picks is not None and picks[j] is not None:
             mode, hi, pk = "picks", T, picks[j][lo:]
         if hi > lo:
             plan.append((j, lo, hi, mode, pk))
+    if own:
+        rows = _memo(trig, ("own_rows", tuple(own)), lambda: torch.tensor(
+            [r for _, lo, own_hi, win_hi in own for r in [*range(lo, own_hi), *[len(own_picks)] * (win_hi - own_hi)]],
+            dtype=torch.long, device=own_picks.device))
+        every = torch.cat([own_picks, own_picks.new_full((1, own_picks.shape[1]), -1)]).index_select(0, rows)
+        off = 0
+        for p, lo, _, win_hi in own:
+            j, _, hi, mode, _ = plan[p]
+            plan[p] = (j, lo, hi, mode, every[off:off + win_hi - lo])
+            off += win_hi - lo
     return plan
 
 
@@ -136,11 +148,14 @@ def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: l
     n_picks = None                       # the number of picks attended, where the indexer counted it
     if attn.kind == CSA and picks is None and own_picks is None:
         picks, n_picks = _indexer_picks(attn, qpos, segments, idx_inputs, trig)
-    plan = _plan(attn, host, segments, picks, own_picks)
+    plan = _plan(attn, host, segments, picks, own_picks, trig)
     o_buf = torch.empty((len(plan), T, H, D), dtype=torch.float32, device=q_raw.device)
     lse_buf = torch.full((len(plan), T, H), NEG_INF, dtype=torch.float32, device=q_raw.device)
     q = q_raw.clone()                     # the 448 non-RoPE channels are shared by every part
     fast = enabled(q_raw)
+    # where the parts cover most of the stacked rows (HCA: every segment serves every later row), the outputs are
+    # de-rotated in one launch over the whole stack (rows a part does not serve are never read by the merge)
+    at_once = 2 * sum(hi - lo for _, lo, hi, _, _ in plan) >= len(plan) * T
     for p, (j, lo, hi, mode, pk) in enumerate(plan):
         seg = segments[j]
         cos, sin = _angles(attn, qpos, lo, hi, seg.delta, trig)
@@ -154,7 +169,13 @@ def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: l
             ro, rl = sparse_mqa_reference(qs, seg.latent, cl, W, ent, mode, attn.ratio or 1, pk, attn.scale)
             o.copy_(ro)
             lse.copy_(rl)
-        rope_(o, cos, sin, inverse=True)
+        if not at_once:
+            rope_(o, cos, sin, inverse=True)
+    if at_once and plan:
+        cs = _memo(trig, ("stacked", attn.kind == WINDOW, T, tuple(segments[j].delta for j, *_ in plan)),
+                   lambda: [torch.cat(c) for c in zip(*[_angles(attn, qpos, 0, T, segments[j].delta, trig)
+                                                        for j, *_ in plan])])
+        rope_(o_buf.view(len(plan) * T, H, D), *cs, inverse=True)
     out = merge_stacked(o_buf, lse_buf, sink, q_raw.dtype, [(lo, hi) for _, lo, hi, _, _ in plan], out=out)
     # pairs the kernel attends: clipped window rows plus visible entries (on the host), plus picks (on the device)
     pairs = _pairs_host(attn, host, segments, attn.kind == HCA)
@@ -189,13 +210,13 @@ def _fused_segment_attention(attn, q_raw, qpos, segments, sink, idx_inputs, host
     gp = first = total = None
     if mode == "picks":
         first, total = _offsets(segments, "index_keys" if own_picks is None else "entries")
-        gp = own_global_picks(segments, qpos, own_picks, first, total) if own_picks is not None else \
+        gp = own_global_picks(segments, qpos, own_picks, first, total, trig) if own_picks is not None else \
             _indexer_global_picks(attn, qpos, segments, idx_inputs, first, total, trig)
-    return fused_attention(attn, q_raw, qpos, segments, sink, host, mode, gp, first, total, out=out)
+    return fused_attention(attn, q_raw, qpos, segments, sink, host, mode, gp, first, total, out=out, trig=trig)
 
 
 def fused_attention(attn, q_raw, qpos, segments, sink, host, mode: str, gp=None, first=None, total=None,
-                    config: dict | None = None, out: torch.Tensor | None = None):
+                    config: dict | None = None, out: torch.Tensor | None = None, trig: dict | None = None):
     """One launch of the fused multi-segment kernel in `mode` ("none", "causal", or "picks" with gp [T, k] global
     entry ids, `total` for an empty slot, numbered by `first` as `_offsets` does), and the (query, key) pairs it
     attends. `config`: the kernel's block sizes (bench/multiseg.py sweeps them); `out`: where the output goes."""
@@ -203,27 +224,32 @@ def fused_attention(attn, q_raw, qpos, segments, sink, host, mode: str, gp=None,
     if mode == "picks" and gp.shape[1] == 0:     # no slot to pick from: the windows only
         mode, gp, first = "none", None, None
     if mode == "picks":
-        gp, bounds = pick_runs(gp, first, total)
+        gp, bounds = pick_runs(gp, first, total, trig)
         pairs = bounds[:, -1].sum()
     out = multi_segment_attention(q_raw, qpos, segments, sink, attn.cfg.window_size, mode, attn.ratio or 1,
                                   attn.scale, attn.rotary.inv_freq, gp, first, bounds, config=config, out=out)
     return out, pairs + _pairs_host(attn, host, segments, mode == "causal")
 
 
-def own_global_picks(segments, qpos, own_picks, first, total):
+def own_global_picks(segments, qpos, own_picks, first, total, trig=None):
     """[T, k] each row's own-segment picks (local entry ids, -1 = none; the segment holding its position) as global
-    ids numbered by `first` (`total` where a slot picked nothing)."""
-    starts = torch.tensor([s.delta for s in segments], device=qpos.device)
-    own = torch.searchsorted(starts, qpos, right=True) - 1
-    base = torch.tensor(first, device=qpos.device)[own]
-    return torch.where(own_picks >= 0, own_picks.long() + base[:, None], total)
+    ids numbered by `first` (`total` where a slot picked nothing). Each row's base id is built once per call's rows
+    and layout (`trig`): its host->device copies would each wait for the stream."""
+    def base():
+        starts = torch.tensor([s.delta for s in segments], device=qpos.device)
+        own = torch.searchsorted(starts, qpos, right=True) - 1
+        return torch.tensor(first, device=qpos.device)[own][:, None]
+    b = _memo(trig, ("own_base", tuple(s.delta for s in segments), tuple(first)), base)
+    return torch.where(own_picks >= 0, own_picks.long() + b, total)
 
 
-def pick_runs(gp, first, total):
+def pick_runs(gp, first, total, trig=None):
     """Global picks [T, k] -> (the same sorted ascending per row, bounds [T, P+1]: where each segment's run starts
-    in the row's list; bounds[:, P] is the row's count of real picks). What the fused kernel walks."""
+    in the row's list; bounds[:, P] is the row's count of real picks). What the fused kernel walks. The segments'
+    edges are copied to the device once per call's rows and layout (`trig`): the copy waits for the stream."""
     gp = gp.sort(dim=1).values.contiguous()
-    edges = torch.tensor(first + [total], device=gp.device).expand(gp.shape[0], -1).contiguous()
+    edges = _memo(trig, ("edges", tuple(first), total, gp.shape[0]), lambda: torch.tensor(
+        first + [total], device=gp.device).expand(gp.shape[0], -1).contiguous())
     return gp, torch.searchsorted(gp, edges)
 
 
@@ -240,21 +266,28 @@ def _indexer_global_picks(attn, qpos, segments, idx_inputs, first, total, trig=N
     keyed = [(j, seg) for j, seg in enumerate(segments) if seg.index_keys is not None and seg.index_keys.shape[0]]
     if not keyed:
         return torch.full((qpos.shape[0], 0), total, dtype=torch.long, device=qpos.device)
-    q, w = attn.indexer.query(h, qr)
+    col = 0
+    for j, seg in keyed:
+        if first[j] != col:
+            raise ValueError(f"first={first} must number the segments' indexer keys in order")
+        col += seg.index_keys.shape[0]
+    if col != total:
+        raise ValueError(f"total={total} must be the number of indexer keys ({col})")
+    q, w_raw = attn.indexer.query(h, qr)
+    w = attn.indexer.head_weights(q, w_raw)              # once for every segment
     qs = q.clone()
-    # every segment's scores land in their columns of one [T, total] block (no concatenation)
-    s = torch.empty((qpos.shape[0], sum(seg.index_keys.shape[0] for _, seg in keyed)), dtype=torch.float32,
-                    device=h.device)
-    ids, col = [], 0
+    # every segment's scores land in their columns of one [T, total] block (no concatenation); segment j's
+    # columns are first[j].. (checked above), so a column's index IS the entry's global id
+    s = torch.empty((qpos.shape[0], total), dtype=torch.float32, device=h.device)
+    T = qpos.shape[0]
     for j, seg in keyed:
         n = seg.index_keys.shape[0]
-        cos, sin = _angles(attn, qpos, 0, qpos.shape[0], seg.delta, trig)
+        cos, sin = _angles(attn, qpos, 0, T, seg.delta, trig)
         rope_(qs, cos, sin, src=q)
-        attn.indexer.scores_roped(qs, w, qpos - seg.delta, seg.index_keys, out=s[:, col:col + n])
-        ids.append(first[j] + torch.arange(n, device=h.device))
-        col += n
+        attn.indexer.scores_roped(qs, None, _shifted(qpos, 0, T, seg.delta, trig), seg.index_keys,
+                                  out=s[:, first[j]:first[j] + n], w=w)
     top = s.topk(min(attn.indexer.topk, s.shape[1]), dim=-1)
-    return torch.where(torch.isinf(top.values), total, torch.cat(ids)[top.indices])
+    return torch.where(torch.isinf(top.values), total, top.indices)
 
 
 def _offsets(segments: list[SegmentKeys], attr: str) -> tuple[list[int], int]:
@@ -277,6 +310,34 @@ def _indexer_picks(attn, qpos, segments, idx_inputs, trig=None):
         return [None] * len(segments), 0
     gp = _indexer_global_picks(attn, qpos, segments, idx_inputs, first, total, trig)
     return split_picks(gp, first, total), (gp < total).sum()
+
+
+def _rows_view(ts: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]] | None:
+    """Where every tensor of `ts` ([n_j, w], contiguous, one dtype) lies in ONE storage on a whole row of width w
+    counted from its start (LayerPrefetcher's buffer for a layer of pinned documents, `owned_copies`): a [R, w]
+    view of that storage and each tensor's first row in it, so one index_copy_ / index_select serves every
+    document. None otherwise (the caller goes document by document)."""
+    if not ts or ts[0].dim() != 2:
+        return None
+    t0 = ts[0]
+    st, w, es = t0.untyped_storage(), t0.shape[1], t0.element_size()
+    firsts = []
+    for t in ts:
+        if (t.dim() != 2 or t.shape[1] != w or t.dtype != t0.dtype or not t.is_contiguous() or w == 0
+                or t.untyped_storage().data_ptr() != st.data_ptr() or t.storage_offset() % w):
+            return None
+        firsts.append(t.storage_offset() // w)
+    rows = st.nbytes() // (w * es)
+    return torch.empty(0, dtype=t0.dtype, device=t0.device).set_(st, 0, (rows, w), (w, 1)), firsts
+
+
+def _view_rows(sp, what, firsts: list[int], parts) -> torch.Tensor:
+    """The rows in a `_rows_view` of `parts` [(ids of a document's rows, ...)] one after the other, given each
+    document's first row: built once per request and layout (every layer of a kind has the same)."""
+    key = (what, tuple(firsts))
+    if key not in sp.view_rows:
+        sp.view_rows[key] = torch.cat([ids + f for (ids, *_), f in zip(parts, firsts)])
+    return sp.view_rows[key]
 
 
 def gather_rows(parts, n: int, width: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -356,6 +417,8 @@ class _Split:
     blocks: dict = field(default_factory=dict)  # (ratio, overlap) -> _BlockPlan
     seg_ranges: list = field(default_factory=list)   # relocated documents: (start row, n)
     ra_host: torch.Tensor | None = None         # row_active on the host
+    # one-view row ids (`_rows_view`): (what, the documents' first rows in the view) -> their rows in the view
+    view_rows: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -400,10 +463,18 @@ class ReuseEngine:
         n_heads = model.layers[0].attn.n_heads
         self.gmask = global_mask(self.cfg, profile, n_heads, model.par.rank)
         self._gm_ids: dict = {}
+        self._gm_key = tuple(self.gmask.tolist())          # which heads are Global (host side)
 
     # ------------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, docs: list[DocumentArtifact], question: list[int]) -> ReuseResult:
+        """The request's prefill through the reuse path. Its layers rotate the same position sets again and again
+        (the active rows' canonical positions, the dirty blocks', the new rows'), so their RoPE angles are
+        computed once for the request (`shared_angles`)."""
+        with shared_angles():
+            return self._prefill(docs, question)
+
+    def _prefill(self, docs: list[DocumentArtifact], question: list[int]) -> ReuseResult:
         m, cfg, prof = self.model, self.cfg, self.profile
         dev = m.embed.weight.device
         prefix, reloc = docs[0], docs[1:]
@@ -415,7 +486,7 @@ class ReuseEngine:
             pos += d.n
         q_start = pos
         tokens = torch.tensor([t for d in reloc for t in d.tokens] + list(question), device=dev)
-        positions = torch.arange(prefix.n, q_start + len(question), device=dev)
+        positions = shared_arange(prefix.n, q_start + len(question), device=dev)
         n_reloc = q_start - prefix.n
         ledger = Ledger.start(cfg, prof, n_prefix=prefix.n, n_reloc=n_reloc, n_new=len(question))
 
@@ -529,7 +600,7 @@ class ReuseEngine:
         sp.act_reloc = ar.to(dev)
         starts = torch.tensor([st for st, _ in sp.seg_ranges], dtype=torch.long)
         owner = torch.searchsorted(starts, ar, right=True) - 1
-        sp.act_cpos = (ar - starts[owner]).to(dev) if ar.numel() else ar.to(dev)
+        sp.act_cpos = share_positions((ar - starts[owner]).to(dev) if ar.numel() else ar.to(dev))
         sp.ra_host = ra_host
         for i in self.profile.reusable_layers(self.cfg):       # every compressor geometry, before the first layer
             attn = self.model.layers[i].attn
@@ -570,7 +641,8 @@ class ReuseEngine:
             n_need += ids.numel()
         dev = sp.act_reloc.device
         cat = (lambda xs: torch.cat(xs).to(dev) if xs else torch.zeros(0, dtype=torch.long, device=dev))
-        plan = _BlockPlan(cat(need_rows), n_need, cat(dirty_src), cat(dirty_pos), cat(prev_src) if overlap else None,
+        plan = _BlockPlan(cat(need_rows), n_need, cat(dirty_src), share_positions(cat(dirty_pos)),
+                          cat(prev_src) if overlap else None,
                           [(j, B.to(dev), off) for j, B, off in per_doc], carry)
         sp.blocks[(r, overlap)] = plan
         return plan
@@ -647,9 +719,11 @@ class ReuseEngine:
         latents = {j: docs[j].layers[i].latent for j in range(1, len(docs))}
         if sp.act_local:
             fresh = attn.latent(hn.index_select(0, sp.act_reloc), sp.act_cpos)
-            for j, ids, off in sp.act_local:
-                latents[j] = self._writable(docs, j, i, latents[j]).index_copy_(
-                    0, ids, fresh[off:off + ids.numel()].to(latents[j].dtype))
+            if not self._overlay_one_view(sp, docs, i, "latent", latents, [(ids, j) for j, ids, _ in sp.act_local],
+                                          fresh):
+                for j, ids, off in sp.act_local:
+                    latents[j] = self._writable(docs, j, i, latents[j]).index_copy_(
+                        0, ids, fresh[off:off + ids.numel()].to(latents[j].dtype))
             self._defer(ledger, "latent_rows", sp.act_reloc.shape[0])
         entries = {j: docs[j].layers[i].entries for j in range(1, len(docs))}
         index_keys = {j: docs[j].layers[i].index_keys for j in range(1, len(docs))}
@@ -664,6 +738,20 @@ class ReuseEngine:
         for j, delta in zip(range(1, len(docs)), deltas[1:]):
             segs.append(SegmentKeys(delta, latents[j], entries[j], index_keys[j]))
         return segs, comp_state, idx_state
+
+    def _overlay_one_view(self, sp, docs, i, what, fields: dict, parts, fresh) -> bool:
+        """Rows `fresh` (document after document, `parts` [(their local ids, j)]) written into `fields[j]` with ONE
+        index_copy_ where every document's field lies in one `_rows_view` and is this request's own copy; False
+        (nothing written) otherwise."""
+        js = [j for _, j in parts]
+        if not all(is_private(docs[j], i) for j in js):
+            return False
+        view = _rows_view([fields[j] for j in js])
+        if view is None:
+            return False
+        rows, firsts = view
+        rows.index_copy_(0, _view_rows(sp, what, firsts, parts), fresh.to(rows.dtype))
+        return True
 
     @staticmethod
     def _writable(docs, j: int, i: int, t: torch.Tensor) -> torch.Tensor:
@@ -697,9 +785,12 @@ class ReuseEngine:
                 fresh = comp.pool(ck.index_select(0, plan.dirty_src), cg.index_select(0, plan.dirty_src), prev_kv,
                                   prev_gate, plan.dirty_pos)
             with phase("rk.pool.copy"):
-                for j, B, off in plan.per_doc:
-                    entries[j] = self._writable(docs, j, i, entries[j]).index_copy_(
-                        0, B, fresh[off:off + B.numel()].to(entries[j].dtype))
+                what = ("entries", comp.ratio, comp.dim)
+                if not self._overlay_one_view(sp, docs, i, what, entries, [(B, j) for j, B, _ in plan.per_doc],
+                                              fresh):
+                    for j, B, off in plan.per_doc:
+                        entries[j] = self._writable(docs, j, i, entries[j]).index_copy_(
+                            0, B, fresh[off:off + B.numel()].to(entries[j].dtype))
         if comp.overlap:
             carried.prev_kv, carried.prev_gate = ck[plan.carry, :, :D].clone(), cg[plan.carry, :, :D].clone()
         return carried
@@ -714,7 +805,7 @@ class ReuseEngine:
         nrows = slice(n_reloc, M)
         with phase("rk.new_keys"):
             base = state.new_latent[i].shape[0]
-            ncpos = torch.arange(base, base + M - n_reloc, device=x.device)
+            ncpos = shared_arange(base, base + M - n_reloc, device=x.device)
             state.new_latent[i] = torch.cat([state.new_latent[i], attn.latent(hn[nrows], ncpos).to(hn.dtype)])
             new_seg = SegmentKeys(state.new_delta, state.new_latent[i])
             if attn.compressor is not None:
@@ -744,8 +835,7 @@ class ReuseEngine:
             with phase("rk.attn.global"):
                 gm = self._global_heads(x.device)
                 Hg = gm.numel()
-                wq = attn.wq_b.weight.view(attn.n_heads, cfg.head_dim, -1).index_select(0, gm)
-                wq = wq.reshape(Hg * cfg.head_dim, -1)
+                wq = self._global_wq(attn, gm)
                 qg = rest.take(qr)
                 q = unweighted_rms_norm(torch.nn.functional.linear(qg.to(wq.dtype), wq).view(-1, Hg, cfg.head_dim),
                                         cfg.norm_eps)
@@ -821,7 +911,12 @@ class ReuseEngine:
     def _own_picks(self, i, sp: _Split) -> torch.Tensor:
         """[n_rest, k] entry ids: each non-active relocated row's own document's offline picks, in its own segment
         (its window still crosses the joins). Only relocated rows are non-active, in document order."""
-        parts = [self._docs[j].layers[i].picks.index_select(0, ids) for j, ids, _ in sp.rest_local]
+        picks = [self._docs[j].layers[i].picks for j, _, _ in sp.rest_local]
+        view = _rows_view(picks)
+        if view is not None:                 # every document's picks in one buffer, all of one width: one gather
+            rows, firsts = view
+            return rows.index_select(0, _view_rows(sp, "picks", firsts, [(ids,) for _, ids, _ in sp.rest_local]))
+        parts = [p.index_select(0, ids) for p, (_, ids, _) in zip(picks, sp.rest_local)]
         k = max(t.shape[1] for t in parts)
         return torch.cat([torch.nn.functional.pad(t, (0, k - t.shape[1]), value=-1) if t.shape[1] < k else t
                           for t in parts])
@@ -831,6 +926,18 @@ class ReuseEngine:
         if device not in self._gm_ids:
             self._gm_ids[device] = torch.nonzero(self.gmask).flatten().to(device)
         return self._gm_ids[device]
+
+    def _global_wq(self, attn, gm: torch.Tensor) -> torch.Tensor:
+        """[Hg*D, q_lora_rank]: the Global heads' rows of W_q,b, gathered once and kept on the weight while it is
+        unchanged (its storage and version counter, as f32linear.stacked_pieces): a reusable layer's Global-head
+        queries read them at every request."""
+        w = attn.wq_b.weight
+        key = (w.data_ptr(), w._version, tuple(w.shape), self._gm_key)
+        kept = getattr(w, "_rk_global_wq", None)
+        if kept is None or kept[0] != key:
+            sel = w.view(attn.n_heads, self.cfg.head_dim, -1).index_select(0, gm).reshape(-1, w.shape[1])
+            w._rk_global_wq = kept = (key, sel)
+        return kept[1]
 
     def _project_global(self, attn, o_g, local=None):
         """W_a,G O_G on outputs already de-rotated at their query positions: each group's W_a restricted to its
@@ -844,7 +951,12 @@ class ReuseEngine:
     def _restored_local(self, i, sp: _Split, docs, n_rest: int, attn) -> torch.Tensor:
         """[n_rest, G*R] the non-active rows' W_a,L O_L from their documents' artifacts, in the rows' order."""
         w = attn.wo_a.weight
-        return gather_rows([(docs[j].layers[i].local_p, ids, off) for j, ids, off in sp.rest_local], n_rest,
+        local = [docs[j].layers[i].local_p for j, _, _ in sp.rest_local]
+        view = _rows_view(local)
+        if view is not None and view[0].dtype == w.dtype and view[0].device == w.device:     # one gather
+            rows, firsts = view
+            return rows.index_select(0, _view_rows(sp, "local_p", firsts, [(ids,) for _, ids, _ in sp.rest_local]))
+        return gather_rows([(t, ids, off) for t, (j, ids, off) in zip(local, sp.rest_local)], n_rest,
                            attn.n_groups * self.cfg.o_lora_rank, w.dtype, w.device)
 
     def _moe_adaptive(self, block, h, tokens, ledger) -> torch.Tensor:

@@ -15,6 +15,7 @@ compute stream wait on the group's event. A group any rank rejected raises `Stag
 same layer: the caller restarts the request in the recompute arm (docs/services.md)."""
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -40,18 +41,114 @@ def _map(la: LayerArtifact, fn) -> LayerArtifact:
     return LayerArtifact(**out)
 
 
+def _tensors(la: LayerArtifact) -> list[torch.Tensor]:
+    """`la`'s tensors in `_map`'s order."""
+    out = []
+    _map(la, lambda t: (out.append(t), t)[1])
+    return out
+
+
+PACK_ALIGN = 256          # bytes: every tensor of a packed layer starts on this boundary (as the allocator's blocks)
+
+
+def _align(t: torch.Tensor) -> int:
+    """Where `t` may start in a packed buffer: a multiple of PACK_ALIGN and of its row's bytes, so that in a buffer
+    holding several documents' layers (each document at a multiple of all its tensors' alignments) every document's
+    rows of one field are rows of ONE [rows, width] view of the buffer (the consumer's overlays and gathers then
+    take one launch for all documents, `consumer._rows_view`)."""
+    row = math.prod(t.shape[1:]) * t.element_size() if t.dim() >= 1 else t.element_size()
+    return math.lcm(PACK_ALIGN, row) if row else PACK_ALIGN
+
+
+def _layout(ts: list[torch.Tensor]) -> tuple[list[int], int, int]:
+    """Packed byte offsets of `ts`, the buffer's size and the alignment its start needs."""
+    offs, n, whole = [], 0, PACK_ALIGN
+    for t in ts:
+        a = _align(t)
+        whole = math.lcm(whole, a)
+        n = -(-n // a) * a
+        offs.append(n)
+        n += t.numel() * t.element_size()
+    return offs, -(-n // whole) * whole, whole
+
+
+def _pack_into(la: LayerArtifact, flat: torch.Tensor) -> LayerArtifact:
+    ts = _tensors(la)
+    offs, _, _ = _layout(ts)
+    views = iter([flat[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t)
+                  for t, o in zip(ts, offs)])
+    return _map(la, lambda t: next(views))
+
+
+def pack_layer(la: LayerArtifact, pinned: bool) -> LayerArtifact:
+    """A copy of `la` whose tensors are contiguous views of ONE host buffer (page-locked if `pinned`), each at its
+    `_align` boundary: LayerPrefetcher stages such a layer with one host->device copy instead of one per tensor."""
+    flat = torch.empty(_layout(_tensors(la))[1], dtype=torch.uint8, pin_memory=pinned)
+    return _pack_into(la, flat)
+
+
+def packed_storage(la: LayerArtifact) -> torch.Tensor | None:
+    """The one host buffer (uint8) all of `la`'s tensors are views of, laid out as `pack_layer` does; None where
+    they are not (separate tensors, a view into a larger buffer, or on a device)."""
+    ts = _tensors(la)
+    if not ts or any(t.device.type != "cpu" for t in ts):
+        return None
+    st = ts[0].untyped_storage()
+    if any(t.untyped_storage().data_ptr() != st.data_ptr() for t in ts):
+        return None
+    offs, size, _ = _layout(ts)
+    if st.nbytes() != size or [t.storage_offset() * t.element_size() for t in ts] != offs:
+        return None
+    return torch.empty(0, dtype=torch.uint8).set_(st, 0, (st.nbytes(),), (1,))
+
+
+def rebuild(la: LayerArtifact, flat: torch.Tensor) -> LayerArtifact:
+    """`la`'s views (a `packed_storage` layer's) rebuilt on `flat`, a copy of its buffer (e.g. on the device)."""
+    def view(t):
+        es, off = t.element_size(), t.storage_offset() * t.element_size()
+        extent = 0 if t.numel() == 0 else 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+        return flat[off:off + extent * es].view(t.dtype).as_strided(t.shape, t.stride())
+    return _map(la, view)
+
+
+def pack_documents(layers: list[LayerArtifact], device, copy=None) -> tuple[list[LayerArtifact], int]:
+    """Several documents' layer in ONE new buffer on `device`, document after document, each at a multiple of every
+    document's alignment (`_layout`): the consumer reads every document's rows of a field through one view. With
+    `copy` (LayerPrefetcher: an asynchronous host->device copy into a slot of the buffer) the layers must all be
+    `packed_storage` ones and each is copied whole, once; else each tensor is packed into place. Returns the
+    documents' layers and the bytes of the buffer."""
+    plans = [_layout(_tensors(la)) for la in layers]
+    whole = math.lcm(*[a for _, _, a in plans])
+    starts, n = [], 0
+    for _, size, _ in plans:
+        starts.append(n)
+        n += -(-size // whole) * whole
+    buf = torch.empty(n, dtype=torch.uint8, device=device)
+    out = []
+    for la, (_, size, _), o in zip(layers, plans, starts):
+        slot = buf[o:o + size]
+        if copy is not None:
+            copy(slot, packed_storage(la))
+            out.append(rebuild(la, slot))
+        else:
+            out.append(_pack_into(la, slot))
+    return out, n
+
+
 def pin(doc: DocumentArtifact) -> DocumentArtifact:
     """A copy of `doc` whose tensors live in page-locked host memory (the hot tier); plain host memory where no
-    GPU exists (page-locking needs one)."""
+    GPU exists (page-locking needs one). Each layer's tensors are packed into one buffer (`pack_layer`), so the
+    prefetcher stages a document's layer with one copy."""
     pinned = torch.cuda.is_available()
-    return DocumentArtifact(doc.tokens, doc.n_content,
-                            [_map(la, lambda t: t.cpu().pin_memory() if pinned else t.cpu()) for la in doc.layers],
+    return DocumentArtifact(doc.tokens, doc.n_content, [pack_layer(la, pinned) for la in doc.layers],
                             doc.tp_rank, doc.tp_size, dict(doc.meta))
 
 
-class _OwnedLayers(Sequence):
+class _Private(Sequence):
+    """Layers that are this request's own (the consumer may write them in place)."""
+
     def __init__(self, layers):
-        self.layers = [_map(la, torch.clone) for la in layers]
+        self.layers = layers
 
     def __getitem__(self, i):
         return self.layers[i]
@@ -63,11 +160,25 @@ class _OwnedLayers(Sequence):
         return True
 
 
+class _OwnedLayers(_Private):
+    def __init__(self, layers):
+        super().__init__([_map(la, torch.clone) for la in layers])
+
+
 def owned_copy(doc: DocumentArtifact) -> DocumentArtifact:
     """A copy of `doc` made for one request, on the same device: its layers say they are `private`, so the consumer
     overlays active rows in place on them, as on the copies LayerPrefetcher and GroupStager stage on CUDA."""
     return DocumentArtifact(doc.tokens, doc.n_content, _OwnedLayers(doc.layers), doc.tp_rank, doc.tp_size,
                             dict(doc.meta))
+
+
+def owned_copies(docs: list[DocumentArtifact]) -> list[DocumentArtifact]:
+    """`owned_copy` of a request's documents laid out as LayerPrefetcher stages pinned documents: each layer of all
+    documents in one buffer (`pack_documents`), so the consumer's one-view overlays and gathers run."""
+    dev = docs[0].layers[0].latent.device
+    per_layer = [pack_documents([d.layers[i] for d in docs], dev)[0] for i in range(len(docs[0].layers))]
+    return [DocumentArtifact(d.tokens, d.n_content, _Private([per_layer[i][j] for i in range(len(per_layer))]),
+                             d.tp_rank, d.tp_size, dict(d.meta)) for j, d in enumerate(docs)]
 
 
 class LayerPrefetcher:
@@ -97,10 +208,17 @@ class LayerPrefetcher:
                 out = t.to(self.device, non_blocking=True)
                 copied[-1] &= out.data_ptr() != t.data_ptr()      # already on the device: no copy was made
                 return out
-            layers = []
-            for d in self.docs:
-                copied.append(True)
-                layers.append(_map(d.layers[i], copy))
+            host = [d.layers[i] for d in self.docs]
+            if all(packed_storage(la) is not None for la in host):
+                # pinned, packed documents (`pin`): one copy per document into one buffer for the whole layer
+                layers, n = pack_documents(host, self.device, lambda slot, src: slot.copy_(src, non_blocking=True))
+                self.bytes_copied += n
+                copied = [True] * len(host)
+            else:
+                layers = []
+                for la in host:
+                    copied.append(True)
+                    layers.append(_map(la, copy))
             ev = torch.cuda.Event()
             ev.record(self.stream)
         self.staged[i] = (layers, ev)
@@ -117,8 +235,12 @@ class LayerPrefetcher:
         if ev is not None:
             cur = torch.cuda.current_stream(self.device)
             cur.wait_event(ev)
+            seen = set()                   # once per storage: a packed layer's views share one
             for la in layers:
-                _map(la, lambda t: (t.record_stream(cur), t)[1])
+                for t in _tensors(la):
+                    if t.untyped_storage().data_ptr() not in seen:
+                        seen.add(t.untyped_storage().data_ptr())
+                        t.record_stream(cur)
         self._ready.add(i)
         for j in range(i + 1, i + 1 + self.depth):
             self._issue(j)

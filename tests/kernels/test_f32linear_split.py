@@ -41,3 +41,25 @@ def test_stacked_pieces_are_split_once_and_again_after_a_weight_changes():
         wgate[0, 0] += 1.0                                            # an in-place change, as loading a checkpoint
     q = stacked_pieces(wkv, wgate)
     assert q is not p and torch.equal(q, torch.cat([split3(wkv.detach()), split3(wgate.detach())], 1).flatten(0, 1))
+
+
+@pytest.mark.parametrize("rows", [16, 64])
+def test_sums_of_the_pieces_are_assembled_for_every_weight_at_once(rows, monkeypatch):
+    """_linear_f32's assembly (every weight's (lo + mid) + hi in two launches, the outputs column views of one
+    buffer), run on CPU with the GEMM stood in by a float32 mm (CUDA's out_dtype GEMM has no CPU kernel): each
+    output equals the same sum taken weight by weight, in row chunks, bit for bit."""
+    from runtime.kernels.f32linear import _linear_f32
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(50, 64, generator=g).bfloat16()
+    ws = (torch.randn(24, 64, generator=g), torch.randn(40, 64, generator=g))
+    real_mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b, out_dtype=None: real_mm(a.float(), b.float()))
+    got = _linear_f32(x, ws, rows)
+    y = torch.cat([real_mm(x[a:a + rows].float(), stacked_pieces(*ws).float().t()) for a in range(0, 50, rows)])
+    S, c = 64, 0
+    for out, w in zip(got, ws):
+        n = w.shape[0]
+        assert out.shape == (50, n) and out.dtype == torch.float32
+        assert torch.equal(out, (y[:, 2 * S + c:2 * S + c + n] + y[:, S + c:S + c + n]) + y[:, c:c + n])
+        c += n
+    assert torch.allclose(got[0], x.float() @ ws[0].t(), rtol=1e-2, atol=1e-2)    # and it is x @ w^T

@@ -1,5 +1,7 @@
 """LayerPrefetcher: each layer's copies are issued one layer ahead and waited on once, however often the consumer
 reads that layer's fields (the consumer reads them document by document, tens of times a layer)."""
+import math
+
 import pytest
 import torch
 
@@ -81,3 +83,72 @@ def test_layers_that_are_already_private_stay_private_through_the_prefetcher():
         _ = [v.layers[i] for v in own + plain]                 # read, as the consumer reads before overlaying
         assert all(is_private(v, i) for v in own) and not any(is_private(v, i) for v in plain)
     assert not is_private(docs[0], 0)
+
+
+def _full_layer(g):
+    """A layer with every kind of field: tuples, int32 picks, an empty tensor, a non-contiguous source."""
+    return LayerArtifact(torch.randn(8, 4, generator=g), torch.randn(0, 4, generator=g),
+                         torch.randn(2, 6, generator=g).to(torch.bfloat16),
+                         (torch.randn(4, 4, generator=g), torch.randn(4, 4, generator=g)), None,
+                         torch.randn(6, 8, generator=g).t(), torch.randint(-1, 2, (8, 3), generator=g,
+                                                                            dtype=torch.int32))
+
+
+def test_pack_layer_puts_every_tensor_in_one_aligned_buffer():
+    from runtime.reuse.prefetch import PACK_ALIGN, _tensors, pack_layer
+    la = _full_layer(torch.Generator().manual_seed(1))
+    packed = pack_layer(la, pinned=False)
+    src, got = _tensors(la), _tensors(packed)
+    assert len(got) == len(src) == 7 and packed.index_prev is None
+    for a, b in zip(src, got):
+        assert b.dtype == a.dtype and b.shape == a.shape and torch.equal(a, b) and b.is_contiguous()
+        assert b.untyped_storage().data_ptr() == got[0].untyped_storage().data_ptr()      # one buffer
+        assert (b.storage_offset() * b.element_size()) % PACK_ALIGN == 0
+    la.latent.add_(1)                                        # a copy: the source's later changes do not show
+    assert not torch.equal(la.latent, packed.latent)
+
+
+def test_packed_documents_share_one_buffer_with_every_field_on_whole_rows():
+    """pack_documents: several documents' layer in one buffer, each copied whole once from its packed storage, the
+    same views rebuilt; every tensor starts on a whole row of its width counted from the buffer's start (what the
+    consumer's one-view overlays need)."""
+    from runtime.reuse.prefetch import _tensors, pack_documents, pack_layer, packed_storage
+    g = torch.Generator().manual_seed(2)
+    host = [pack_layer(_full_layer(g), pinned=False) for _ in range(3)]
+    assert all(packed_storage(la) is not None for la in host)
+    copies = []
+    staged, n = pack_documents(host, "cpu", lambda slot, src: (copies.append(src.numel()), slot.copy_(src)))
+    assert len(copies) == 3 and copies == [packed_storage(la).numel() for la in host]
+    base = _tensors(staged[0])[0].untyped_storage()
+    assert n == base.nbytes()
+    for la, got in zip(host, staged):
+        for a, b in zip(_tensors(la), _tensors(got)):
+            assert b.dtype == a.dtype and b.shape == a.shape and b.stride() == a.stride() and torch.equal(a, b)
+            assert b.untyped_storage().data_ptr() == base.data_ptr()
+            row = math.prod(b.shape[1:]) * b.element_size()
+            assert (b.storage_offset() * b.element_size()) % row == 0
+    packed, _ = pack_documents([_full_layer(torch.Generator().manual_seed(3)) for _ in range(2)], "cpu")
+    assert len({t.untyped_storage().data_ptr() for la in packed for t in _tensors(la)}) == 1   # packed in place
+    # not packed: separate tensors, or views into a larger buffer
+    assert packed_storage(_full_layer(torch.Generator().manual_seed(3))) is None
+    assert packed_storage(LayerArtifact(torch.randn(1000)[:8].view(2, 4))) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_stages_pinned_documents_with_one_copy_each_into_one_buffer_per_layer(monkeypatch):
+    from runtime.reuse.prefetch import _tensors, pack_documents, pin
+    docs = [pin(d) for d in _docs()]
+    copies = []
+    real_to = torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "to", lambda t, *a, **k: (copies.append(t.dtype), real_to(t, *a, **k))[1])
+    pf = LayerPrefetcher(docs, "cuda")
+    views = pf.documents()
+    for i in range(pf.n_layers):
+        for j, v in enumerate(views):
+            got = v.layers[i]
+            for a, b in zip(_tensors(docs[j].layers[i]), _tensors(got)):
+                assert b.is_cuda and torch.equal(b.cpu(), a)
+            assert len({t.untyped_storage().data_ptr() for t in _tensors(got)}) == 1
+            assert v.layers.private(i)
+    assert copies == []                                           # no per-tensor copies: slot copies (copy_) only
+    assert pf.bytes_copied == sum(pack_documents([d.layers[i] for d in docs], "cpu")[1] for i in range(pf.n_layers))

@@ -262,3 +262,73 @@ def test_overlays_in_place_on_private_copies_equal_the_copying_path(model, reque
     for j, w in enumerate(written, start=1):                     # written in place: no clone between them
         if w:
             assert got.state.seg_keys[i][j].latent is own[j].layers[i].latent
+
+
+def test_shared_angles_save_their_recomputation_and_change_nothing(model, request_tokens, monkeypatch):
+    """The prefill's angle scope (`shared_angles`): far fewer cos/sin computations, the same logits bit for bit."""
+    import contextlib
+    import runtime.reuse.consumer as consumer
+    docs, question = request_tokens
+    prof = ReuseProfile(**BASE, budget=0.25, recent_rows=16, join_rows=8, global_picks="artifact")
+    arts = [produce(model, t, prof) for t in docs]
+    calls = []
+    real = Rotary._cos_sin
+    monkeypatch.setattr(Rotary, "_cos_sin", lambda self, p: (calls.append(1), real(self, p))[1])
+    got = ReuseEngine(model, prof).prefill(arts, question)
+    shared = len(calls)
+    calls.clear()
+    monkeypatch.setattr(consumer, "shared_angles", contextlib.nullcontext)
+    ref = ReuseEngine(model, prof).prefill(arts, question)
+    assert torch.equal(got.logits, ref.logits)
+    assert shared < 0.75 * len(calls), (shared, len(calls))
+
+
+def test_own_picks_of_every_segment_come_from_one_gather():
+    """`_plan` with own picks: each segment's picks are its own rows' picks, then -1 for the rows past its end that
+    its window still reaches; the gather's row ids are built once per call's rows (`trig`)."""
+    import types
+    import numpy as np
+    from runtime.reuse.consumer import _plan
+    attn = types.SimpleNamespace(kind="csa", cfg=types.SimpleNamespace(window_size=4))
+    segs = [SegmentKeys(d, torch.zeros(n, 2), torch.zeros(n // 4, 2)) for d, n in ((0, 8), (8, 12), (20, 8))]
+    host = np.arange(2, 28)                                  # rows at positions 2..27
+    own = torch.arange(26 * 3, dtype=torch.int32).view(26, 3)
+    trig = {}
+    plan = _plan(attn, host, segs, None, own, trig)
+    assert [(j, lo, hi, m) for j, lo, hi, m, _ in plan] == [(0, 0, 9, "picks"), (1, 6, 21, "picks"),
+                                                            (2, 18, 26, "picks")]
+    for j, lo, hi, _, pk in plan:
+        own_hi = int(np.searchsorted(host, segs[j].delta + segs[j].latent.shape[0]))
+        assert torch.equal(pk[:own_hi - lo], own[lo:own_hi]) and (pk[own_hi - lo:] == -1).all()
+        assert pk.shape == (hi - lo, 3) and pk.dtype == own.dtype
+    rows = [v for k, v in trig.items() if k[0] == "own_rows"]
+    assert len(rows) == 1
+    assert _plan(attn, host, segs, None, own + 1, trig)[1][4][0, 0] == own[6, 0] + 1 and len(trig) == 1
+
+
+def test_documents_in_one_buffer_take_one_view_overlays_and_gathers(model, request_tokens, monkeypatch):
+    """Documents staged as LayerPrefetcher stages pinned ones (each layer of all documents in one buffer,
+    `owned_copies`): the overlays, the Local restore and the own picks take one launch for all documents through
+    one view, with the same logits bit for bit as document by document, and the caller's artifacts untouched."""
+    import runtime.reuse.consumer as consumer
+    from runtime.reuse.prefetch import owned_copies, owned_copy
+    docs, question = request_tokens
+    prof = ReuseProfile(**BASE, budget=0.25, recent_rows=16, join_rows=8, global_picks="artifact")
+    arts = [produce(model, t, prof) for t in docs]
+    before = [[la.latent.clone() for la in a.layers] for a in arts]
+    ref = ReuseEngine(model, prof).prefill([owned_copy(a) for a in arts], question)
+    views = []
+    real = consumer._rows_view
+    monkeypatch.setattr(consumer, "_rows_view", lambda ts: (views.append(real(ts) is not None), real(ts))[1])
+    one = owned_copies(arts)
+    got = ReuseEngine(model, prof).prefill(one, question)
+    assert torch.equal(got.logits, ref.logits)
+    assert views and all(views)                                   # every overlay and gather took the one view
+    n_csa = sum(CFG.layer_kind(i) == "csa" for i in prof.reusable_layers(CFG))
+    assert len(views) >= 2 * len(prof.reusable_layers(CFG)) + 2 * n_csa   # latent + Local; picks + entries
+    assert all(torch.equal(la.latent, b) for a, bs in zip(arts, before) for la, b in zip(a.layers, bs))
+    i = prof.reusable_layers(CFG)[0]
+    assert any(not torch.equal(o.layers[i].latent, a.layers[i].latent) for o, a in zip(one[1:], arts[1:]))
+    views.clear()
+    got = ReuseEngine(model, prof).prefill([owned_copy(a) for a in arts], question)   # separate tensors
+    assert torch.equal(got.logits, ref.logits) and views and not any(views)
