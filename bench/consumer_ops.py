@@ -1,12 +1,17 @@
 """Launch and host-sync counts of the reuse arm's reusable layers, measured on CPU (torch.profiler) at real head
 counts (64 heads of 512, 8 output groups, window 128) with a small model width, a few layers and a few thousand
 tokens. The consumer takes its GPU code path: `enabled()` is forced on and each GPU kernel (sparse attention, RoPE
-slice, stacked merge, the fused multi-segment kernel, mHC pre/post; `Rotary.apply` as its copy and its RoPE kernel)
-is replaced by its torch reference wrapped as ONE counted launch; every other top-level aten
-op inside a reusable layer counts as one launch, every `_local_scalar_dense` / `nonzero` as a host sync.
-Not a test.
+slice, stacked merge, the fused multi-segment kernel, mHC pre/post; `Rotary.apply` as its copy and its RoPE kernel;
+the model's RMS norm and indexer scores; the compressor's float32 projections as their GEMM and two adds; the
+grouped MoE's GEMMs) is replaced by its torch reference wrapped as counted launches; every other top-level aten
+op inside a reusable layer counts as one launch, every `_local_scalar_dense` / `nonzero` outside a kernel's
+stand-in as a host sync. The documents are laid out as LayerPrefetcher stages pinned ones (`owned_copies`: each
+layer of all documents in one buffer). Not a test.
 
-    python bench/consumer_ops.py --tokens 2048 --layers 6
+    python bench/consumer_ops.py --tokens 2048 --layers 8 [--by-phase] [--layer 4]
+
+`--layer N` gives reusable layer N's phases (0 = the first, which also builds the request's caches) instead of
+the average; `--by-phase` each phase's ops.
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ from bench.ttft import init_model, request  # noqa: E402
 from runtime.model.config import FLASH  # noqa: E402
 from runtime.model.deepseek_v4 import Transformer  # noqa: E402
 from runtime.reuse.consumer import ReuseEngine  # noqa: E402
-from runtime.reuse.prefetch import owned_copy  # noqa: E402
+from runtime.reuse.prefetch import owned_copies  # noqa: E402
 from runtime.reuse.producer import produce  # noqa: E402
 from runtime.reuse.profile import FLASH_PROFILE  # noqa: E402
 
@@ -105,6 +110,33 @@ def _gpu_path() -> None:
                 return rotate(x, cos, sin, inverse)
         Rotary.apply = staticmethod(apply)
         Rotary._counted = True
+    # the model's own CUDA kernels, which its CPU path runs op by op (the CPU model here is float32, so their
+    # `supported` checks would refuse): RMS norm one launch; the indexer's scores its weight scaling and one
+    # launch; the compressor's float32 projections (runtime/kernels/f32linear.py, under ROWS rows) one GEMM and
+    # two adds for all weights; MoE's routed experts the grouped form (torch._grouped_mm, which runs on CPU too)
+    from runtime.model.deepseek_v4 import MoE, RMSNorm, Compressor, Indexer, weighted_rms_norm
+    if not getattr(RMSNorm, "_counted", False):
+        RMSNorm.forward = one("rms_norm", lambda self, x: weighted_rms_norm(x, self.weight, self.eps))
+        score = Indexer.scores_roped
+
+        def scores_roped(self, q, w_raw, positions, keys, out=None, w=None):
+            if w is None:
+                w = self.head_weights(q, w_raw)                          # the kernel path's weight scaling
+            with torch.profiler.record_function("kernel::indexer_scores"):
+                return score(self, q, None, positions, keys, out=out, w=w)
+        Indexer.scores_roped = scores_roped
+        project = Compressor.project
+
+        def project_counted(self, x):
+            for _ in range(2):
+                with torch.profiler.record_function("kernel::f32linear_add"):
+                    pass
+            with torch.profiler.record_function("kernel::f32linear_mm"):      # its torch ops are inside: not counted
+                return project(self, x)
+        Compressor.project = project_counted
+        MoE.grouped_ok = lambda self, x: True
+        torch._grouped_mm = one("grouped_mm", torch._grouped_mm)    # its CPU fallback's host reads are not CUDA's
+        RMSNorm._counted = True
     layer = consumer.ReuseEngine._reusable_layer
 
     def counted(self, *a, **kw):
@@ -120,6 +152,9 @@ def main() -> int:
     ap.add_argument("--docs", type=int, default=8)
     ap.add_argument("--question", type=int, default=64)
     ap.add_argument("--top", type=int, default=16, help="ops shown")
+    ap.add_argument("--by-phase", action="store_true", help="also each phase label's ops")
+    ap.add_argument("--layer", type=int, default=None,
+                    help="the phase counts of this reusable layer (0 = the first) instead of the average")
     args = ap.parse_args()
     torch.manual_seed(0)
     cfg = FLASH.replace(dim=512, q_lora_rank=256, o_lora_rank=256, index_n_heads=8, index_head_dim=64,
@@ -133,30 +168,35 @@ def main() -> int:
     arts = [produce(model, d, prof) for d in docs]
     eng = ReuseEngine(model, prof)
     _gpu_path()
-    arts = [owned_copy(a) for a in arts]     # overlaid in place, as LayerPrefetcher's copies on CUDA
+    arts = owned_copies(arts)    # one buffer a layer, overlaid in place: as LayerPrefetcher stages pinned documents
+    for blk in model.layers:                 # the grouped MoE's weight stacks, built in the warm-up on CUDA
+        if hasattr(blk.ffn, "stacks"):
+            blk.ffn.stacks()
     from torch.profiler import ProfilerActivity, profile
     t = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU]) as p:
         res = eng.prefill(arts, question)
     wall = time.perf_counter() - t
-    counts, syncs, phases = Counter(), Counter(), Counter()
+    counts, syncs, per_layer, per_op = Counter(), Counter(), Counter(), Counter()
     for ev in p.events():
         if not (ev.name.startswith("aten::") or ev.name.startswith("kernel::")):
             continue
-        up, top, label = ev.cpu_parent, True, None
+        up, top, label, in_kernel = ev.cpu_parent, True, None, False
         while up is not None and up.name != "reusable_layer":
             top = top and not ((up.name.startswith("aten::") and up.name not in NO_LAUNCH)
                                or up.name.startswith("kernel::"))
+            in_kernel = in_kernel or up.name.startswith("kernel::")
             if label is None and up.name.startswith("rk."):
                 label = up.name                                  # the innermost phase label
             up = up.cpu_parent
         if up is None:
             continue
-        if ev.name in SYNCS:                                     # at any depth
+        if ev.name in SYNCS and not in_kernel:                   # at any depth outside a kernel's stand-in
             syncs[ev.name] += 1
         if top and ev.name not in NO_LAUNCH:                     # a launch of a reusable layer
             counts[ev.name] += 1
-            phases[label or "(no label)"] += 1
+            per_layer[up.time_range.start] += 1
+            per_op[(up.time_range.start, label or "(no label)", ev.name)] += 1
     launches, n_sync = sum(counts.values()), sum(syncs.values())
     led = res.ledger.summary()
     print(f"# {cfg.n_layers} layers ({len(prof.reusable_layers(cfg))} reusable), {cfg.n_heads} heads x "
@@ -165,11 +205,25 @@ def main() -> int:
     n_r = len(prof.reusable_layers(cfg))
     print(f"reusable layers: {launches} launches ({launches / n_r:.0f} per layer), {n_sync} host syncs "
           f"({n_sync / n_r:.0f} per layer: {dict(syncs)})")
+    print("  each reusable layer in order (the first builds the request's angle caches):",
+          [per_layer[k] for k in sorted(per_layer)])
     for k, v in counts.most_common(args.top):
         print(f"  {k:28s} {v:6d}")
-    print("per reusable layer, by innermost phase label (runtime/reuse/consumer.py):")
+    starts = sorted(per_layer)
+    pick, div = (None, n_r) if args.layer is None else (starts[args.layer], 1)
+    phases, phase_ops = Counter(), Counter()
+    for (st, ph, op), c in per_op.items():
+        if pick is None or st == pick:
+            phases[ph] += c
+            phase_ops[(ph, op)] += c
+    print("per reusable layer" if pick is None else f"reusable layer {args.layer}",
+          "by innermost phase label (runtime/reuse/consumer.py):")
     for k, v in phases.most_common():
-        print(f"  {k:28s} {v / n_r:6.0f}")
+        print(f"  {k:28s} {v / div:6.0f}")
+        if args.by_phase:
+            for (ph, op), c in sorted(phase_ops.items(), key=lambda kv: -kv[1]):
+                if ph == k:
+                    print(f"      {op:28s} {c / div:6.1f}")
     return 0
 
 
