@@ -1,12 +1,13 @@
 """Launch and host-sync counts of the reuse arm's reusable layers, measured on CPU (torch.profiler) at real head
 counts (64 heads of 512, 8 output groups, window 128) with a small model width, a few layers and a few thousand
-tokens. The consumer takes its GPU code path: `enabled()` is forced on and each GPU kernel (sparse attention, RoPE
-slice, stacked merge, the fused multi-segment kernel, mHC pre/post; `Rotary.apply` as its copy and its RoPE kernel;
-the model's RMS norm and indexer scores; the compressor's float32 projections as their GEMM and two adds; the
-grouped MoE's GEMMs) is replaced by its torch reference wrapped as counted launches; every other top-level aten
-op inside a reusable layer counts as one launch, every `_local_scalar_dense` / `nonzero` outside a kernel's
-stand-in as a host sync. The documents are laid out as LayerPrefetcher stages pinned ones (`owned_copies`: each
-layer of all documents in one buffer). Not a test.
+tokens. The consumer takes its GPU code path: `enabled()` is forced on and each GPU kernel is replaced by its
+torch reference wrapped as counted launches: sparse attention, RoPE slice, stacked merge, the fused
+multi-segment kernel, mHC pre/post; `Rotary.apply` as its copy and its RoPE kernel; the model's RMS norm and
+indexer scores; the multi-segment indexer scores with their table's copy; the compressor's float32 projections
+as their GEMM and two adds; the grouped MoE's GEMMs. Every other top-level aten op inside a reusable layer counts
+as one launch, every `_local_scalar_dense` / `nonzero` outside a kernel's stand-in as a host sync. The documents
+are laid out as LayerPrefetcher stages pinned ones (`owned_copies`: each layer of all documents in one buffer).
+Not a test.
 
     python bench/consumer_ops.py --tokens 2048 --layers 8 [--by-phase] [--layer 4]
 
@@ -82,7 +83,25 @@ def _gpu_path() -> None:
                                               qpos_host=qpos.cpu().numpy())[0]
         finally:
             consumer.enabled = lambda t: True
+    def index_segments(q, w, qpos, keys, deltas, cols, cos, sin, out, ratio=4, blocks=None, config=None):
+        """The one-launch multi-segment indexer scores by the torch formula, segment by segment."""
+        from runtime.kernels.rope import rope_reference_
+        for j, (k, d, c) in enumerate(zip(keys, deltas, cols)):
+            qs = rope_reference_(q.clone(), cos[j], sin[j], src=q)
+            sc = torch.einsum("thn,th->tn", torch.relu(torch.einsum("thd,nd->thn", qs, k.to(qs.dtype))), w.float())
+            sc = sc * q.shape[-1] ** -0.5
+            ready = (qpos - d + 1).clamp(min=0) // ratio
+            out[:, c:c + k.shape[0]] = sc.masked_fill(torch.arange(k.shape[0])[None, :] >= ready[:, None],
+                                                      float("-inf"))
+        return out
     consumer.enabled = lambda t: True
+    with_table = one("indexer_segments", index_segments)
+
+    def counted_segments(*a, **kw):
+        with torch.profiler.record_function("kernel::segment_table_copy"):
+            pass
+        return with_table(*a, **kw)
+    consumer.indexer_scores_segments = counted_segments
     consumer.sparse_mqa_attention = one("sparse_mqa", sparse)
     consumer.multi_segment_attention = one("multiseg", multiseg)
     if hasattr(consumer, "rope_"):

@@ -29,6 +29,13 @@ from .parallel import Parallel
 NEG_INF = float("-inf")
 
 
+def phase(name: str):
+    """A profiler label (bench/ttft.py --profile-at, bench/gaps.py): torch.profiler.record_function while a profiler
+    runs, else nothing. Entering record_function is a dispatcher call even when no profiler runs (several
+    microseconds), and the reuse arm enters tens a layer."""
+    return record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
+
+
 # ============================================================================ norms and rotary
 
 class RMSNorm(nn.Module):
@@ -834,10 +841,10 @@ class Block(nn.Module):
         return post.to(dt).unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(comb.to(dt).transpose(-1, -2), x)
 
     def forward(self, x, tokens, positions, cache: LayerCache, q_chunk: int) -> torch.Tensor:
-        with record_function("blk.attn"):      # profiler labels (bench/ttft.py --profile-at); no effect otherwise
+        with phase("blk.attn"):
             h, post, comb = self.hc_pre(x, "attn")
             x = self.hc_post(self.attn(self.attn_norm(h), positions, cache, q_chunk), x, post, comb)
-        with record_function("blk.ffn"):
+        with phase("blk.ffn"):
             h, post, comb = self.hc_pre(x, "ffn")
             return self.hc_post(self.ffn(self.ffn_norm(h), tokens), x, post, comb)
 

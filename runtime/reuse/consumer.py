@@ -21,13 +21,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from torch.profiler import record_function as phase   # labels for bench/ttft.py --profile-at
 
 from runtime.model.config import CSA, HCA, WINDOW
 from runtime.model.deepseek_v4 import (NEG_INF, Block, CompressorState, LayerCache, Rotary, Transformer,
-                                       grouped_projection, share_positions, shared_angles, shared_arange,
-                                       unweighted_rms_norm)
-from runtime.kernels import enabled, merge_stacked, rope_, sparse_mqa_attention
+                                       grouped_projection, phase, share_positions, shared_angles,
+                                       shared_arange, unweighted_rms_norm)
+from runtime.kernels import enabled, indexer_scores_segments, merge_stacked, rope_, sparse_mqa_attention
 from runtime.kernels.multiseg import multi_segment_attention
 from runtime.kernels.reference import sparse_mqa_reference
 from .artifact import DocumentArtifact, LayerArtifact, is_private
@@ -275,11 +274,18 @@ def _indexer_global_picks(attn, qpos, segments, idx_inputs, first, total, trig=N
         raise ValueError(f"total={total} must be the number of indexer keys ({col})")
     q, w_raw = attn.indexer.query(h, qr)
     w = attn.indexer.head_weights(q, w_raw)              # once for every segment
-    qs = q.clone()
     # every segment's scores land in their columns of one [T, total] block (no concatenation); segment j's
     # columns are first[j].. (checked above), so a column's index IS the entry's global id
     s = torch.empty((qpos.shape[0], total), dtype=torch.float32, device=h.device)
     T = qpos.shape[0]
+    if enabled(q) and len(keyed) > 1:        # one launch: the query turned to each segment's frame on load
+        deltas = [seg.delta for _, seg in keyed]
+        cos, sin = _memo(trig, ("index_angles", T, tuple(deltas)), lambda: [torch.stack(c) for c in zip(
+            *[_angles(attn, qpos, 0, T, d, trig) for d in deltas])])
+        indexer_scores_segments(q, w, qpos, [seg.index_keys for _, seg in keyed], deltas, [first[j] for j, _ in keyed],
+                                cos, sin, s, blocks=trig)
+        keyed = []
+    qs = q.clone() if keyed else None        # each segment's turned query, one after the other
     for j, seg in keyed:
         n = seg.index_keys.shape[0]
         cos, sin = _angles(attn, qpos, 0, T, seg.delta, trig)

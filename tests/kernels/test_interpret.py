@@ -233,3 +233,38 @@ def test_fused_kernel_rows_per_program_equal_the_reference(kind, H, rows_per_pro
     one_row = H >= 16 or rows_per_program == 1
     assert launched == ["_multiseg_packed_kernel" if not one_row else
                         "_multiseg_keyframe_kernel" if frame == "key" else "_multiseg_kernel"]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("ID,rd", [(16, 16), (32, 16)])
+def test_indexer_scores_of_every_segment_in_one_launch(ID, rd, kernels_on):
+    """indexer_scores_segments (the query turned to each segment's frame on load, one launch for all segments)
+    writes bit for bit what rope_ + indexer_scores write segment by segment, into the segments' columns; columns
+    past a segment's causal limit are -inf; the column-block table is kept in `blocks` for the next call."""
+    from runtime.kernels.indexer import indexer_scores, indexer_scores_segments
+    from runtime.model.deepseek_v4 import Rotary, yarn_inv_freq
+    g = torch.Generator().manual_seed(11)
+    T, IH = 20, 4
+    rot = Rotary(yarn_inv_freq(rd, 160000.0, 16.0, 64, 32.0, 1.0))
+    qpos = torch.arange(300, 300 + T)
+    deltas, sizes = [0, 40, 200, 260], [10, 40, 15, 30]    # the last segment: its rows see 10-15 of its 30 entries
+    keys = [torch.randn(n, ID, generator=g) for n in sizes]
+    cols = [sum(sizes[:j]) for j in range(len(sizes))]
+    q = torch.randn(T, IH, ID, generator=g)
+    w = torch.rand(T, IH, generator=g)
+    want = torch.full((T, sum(sizes)), 7.0)
+    for k, d, c in zip(keys, deltas, cols):
+        qs = q.clone()
+        K.rope_(qs, *rot.cos_sin(qpos - d), src=q)
+        indexer_scores(qs, k, w, qpos - d, out=want[:, c:c + k.shape[0]], config=dict(BLOCK_T=8, BLOCK_N=16))
+    cs = [torch.stack(t) for t in zip(*[rot.cos_sin(qpos - d) for d in deltas])]
+    got, blocks = torch.full_like(want, 7.0), {}
+    indexer_scores_segments(q, w, qpos, keys, deltas, cols, *cs, got, blocks=blocks,
+                            config=dict(BLOCK_T=8, BLOCK_N=16))
+    assert torch.equal(got, want)
+    assert torch.isinf(got).any() and torch.isfinite(got).any()
+    assert len(blocks) == 1 and next(iter(blocks.values())).shape == (sum(-(-n // 16) for n in sizes), 2)
+    again = torch.zeros_like(want)
+    indexer_scores_segments(q, w, qpos, keys, deltas, cols, *cs, again, blocks=blocks,
+                            config=dict(BLOCK_T=8, BLOCK_N=16))
+    assert torch.equal(again, want) and len(blocks) == 1
