@@ -258,6 +258,15 @@ def split_picks(gp, first, total):
     return [torch.where((gp >= f) & (gp < e), gp - f, -1) for f, e in zip(first, first[1:] + [total])]
 
 
+def indexer_segments_on() -> bool:
+    """Whether the online indexer on CUDA scores all segments in one launch (`indexer_scores_segments`), per
+    REDKNOT_INDEXER_SEGMENTS: "1" (default) or "0" (segment by segment: `rope_` + `indexer_scores` each)."""
+    mode = os.environ.get("REDKNOT_INDEXER_SEGMENTS", "1")
+    if mode not in ("0", "1"):
+        raise ValueError(f"REDKNOT_INDEXER_SEGMENTS must be 0 or 1, got {mode!r}")
+    return mode == "1"
+
+
 def _indexer_global_picks(attn, qpos, segments, idx_inputs, first, total, trig=None):
     """Native lightning-indexer top-k over the union of every segment's visible entries (the indexer query rotated
     per segment) as global ids (segment j's entry w = first[j] + w; `total` where a slot picked nothing)."""
@@ -278,7 +287,7 @@ def _indexer_global_picks(attn, qpos, segments, idx_inputs, first, total, trig=N
     # columns are first[j].. (checked above), so a column's index IS the entry's global id
     s = torch.empty((qpos.shape[0], total), dtype=torch.float32, device=h.device)
     T = qpos.shape[0]
-    if enabled(q) and len(keyed) > 1:        # one launch: the query turned to each segment's frame on load
+    if enabled(q) and len(keyed) > 1 and indexer_segments_on():   # one launch, the query turned per segment
         deltas = [seg.delta for _, seg in keyed]
         cos, sin = _memo(trig, ("index_angles", T, tuple(deltas)), lambda: [torch.stack(c) for c in zip(
             *[_angles(attn, qpos, 0, T, d, trig) for d in deltas])])

@@ -264,6 +264,13 @@ def test_indexer_scores_of_every_segment_in_one_launch(ID, rd, kernels_on):
     assert torch.equal(got, want)
     assert torch.isinf(got).any() and torch.isfinite(got).any()
     assert len(blocks) == 1 and next(iter(blocks.values())).shape == (sum(-(-n // 16) for n in sizes), 2)
+    from runtime.reuse.consumer import indexer_segments_on
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("REDKNOT_INDEXER_SEGMENTS", "0")
+        assert not indexer_segments_on()
+        mp.setenv("REDKNOT_INDEXER_SEGMENTS", "yes")
+        with pytest.raises(ValueError, match="REDKNOT_INDEXER_SEGMENTS must be 0 or 1"):
+            indexer_segments_on()
     again = torch.zeros_like(want)
     indexer_scores_segments(q, w, qpos, keys, deltas, cols, *cs, again, blocks=blocks,
                             config=dict(BLOCK_T=8, BLOCK_N=16))

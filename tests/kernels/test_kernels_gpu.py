@@ -217,6 +217,31 @@ def test_indexer_scores(T, N, IH, ID):
     assert rel_err(s[fin], ref[fin]) < TOL
 
 
+@pytest.mark.parametrize("T,IH,ID", [(300, 16, 32), (4096, 64, 128)])
+def test_indexer_scores_of_every_segment_in_one_launch(T, IH, ID):
+    """indexer_scores_segments (bf16, compiled) against rope_ + indexer_scores segment by segment: the same -inf
+    pattern and the scores to bf16 rounding of the turned query (the two kernels' dots are the same)."""
+    from runtime.kernels import indexer_scores_segments, rope_
+    from runtime.model.deepseek_v4 import Rotary, yarn_inv_freq
+    g = torch.Generator(device=DEV).manual_seed(T)
+    rot = Rotary(yarn_inv_freq(64 if ID >= 64 else ID, 160000.0, 16.0, 65536, 32.0, 1.0))
+    sizes, deltas = [256, 1024, 300, 64], [0, 1024, 5120, 6400]
+    keys = [torch.randn(n, ID, device=DEV, generator=g).to(DT) for n in sizes]
+    cols = [sum(sizes[:j]) for j in range(len(sizes))]
+    q = torch.randn(T, IH, ID, device=DEV, generator=g).to(DT)
+    w = torch.randn(T, IH, device=DEV, generator=g) * IH ** -0.5
+    qpos = torch.arange(6500 - T // 2, 6500 - T // 2 + T, device=DEV)
+    want = torch.empty((T, sum(sizes)), device=DEV)
+    for k, d, c in zip(keys, deltas, cols):
+        qs = rope_(q.clone(), *rot.cos_sin(qpos - d), src=q)
+        indexer_scores(qs, k, w, qpos - d, out=want[:, c:c + k.shape[0]])
+    cs = [torch.stack(t) for t in zip(*[rot.cos_sin(qpos - d) for d in deltas])]
+    got = indexer_scores_segments(q, w, qpos, keys, deltas, cols, *cs, torch.empty_like(want), blocks={})
+    assert torch.equal(torch.isinf(got), torch.isinf(want)) and torch.isinf(want).any()
+    fin = torch.isfinite(want)
+    assert rel_err(got[fin], want[fin]) < 1e-3
+
+
 @pytest.mark.parametrize("T,N,k,offset", [(4096, 1024, 512, 0), (8192, 4096, 512, None), (1000, 300, 512, 0)])
 def test_indexer_topk(T, N, k, offset):
     q, keys, w, cpos = _indexer_inputs(T, N, seed=k + T, offset=offset)
