@@ -19,6 +19,27 @@ from ._triton import HAVE_TRITON, check_runnable, dot_precision, tl, triton
 if HAVE_TRITON:
 
     @triton.jit
+    def _score_tile(q_ptr, w_ptr, kt, offs_t, tmask, offs_d, offs_n, ready, scale, stride_qt, stride_qh, stride_wt,
+                    rope, c, sn, sgn, partner, IH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                    PREC: tl.constexpr, ROPE: tl.constexpr):
+        """One [BLOCK_T, BLOCK_N] tile of scores against the key tile kt [ID, BLOCK_N], the heads reduced in
+        registers; -inf past each row's `ready` entries. ROPE: the query's rope channels are turned on load
+        (x_d c + sgn_d x_partner(d) s in float32, rounded to the query's dtype, `rope_`'s arithmetic)."""
+        acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+        for h in range(IH):
+            base = q_ptr + offs_t[:, None] * stride_qt + h * stride_qh
+            if ROPE:
+                x = tl.load(base + offs_d[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+                xp = tl.load(base + partner[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+                qh = tl.where(rope[None, :], x * c + (sgn[None, :] * xp) * sn, x).to(q_ptr.dtype.element_ty)
+            else:
+                qh = tl.load(base + offs_d[None, :], mask=tmask[:, None], other=0.0)   # [BLOCK_T, ID]
+            s = tl.dot(qh, kt, input_precision=PREC)
+            wh = tl.load(w_ptr + offs_t * stride_wt + h, mask=tmask, other=0.0)
+            acc += wh[:, None] * tl.maximum(s, 0.0)
+        return tl.where(offs_n[None, :] < ready[:, None], acc * scale, float("-inf"))
+
+    @triton.jit
     def _indexer_scores_kernel(q_ptr, k_ptr, w_ptr, cpos_ptr, o_ptr, T, N, ratio, scale,
                                stride_qt, stride_qh, stride_wt, stride_ot,
                                IH: tl.constexpr, ID: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -36,14 +57,8 @@ if HAVE_TRITON:
         if n0 < tl.max(ready, 0):
             kt = tl.load(k_ptr + offs_n[None, :].to(tl.int64) * ID + offs_d[:, None], mask=nmask[None, :],
                          other=0.0)                                      # [ID, BLOCK_N]
-            acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-            for h in range(IH):
-                qh = tl.load(q_ptr + offs_t[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-                             mask=tmask[:, None], other=0.0)             # [BLOCK_T, ID]
-                s = tl.dot(qh, kt, input_precision=PREC)
-                wh = tl.load(w_ptr + offs_t * stride_wt + h, mask=tmask, other=0.0)
-                acc += wh[:, None] * tl.maximum(s, 0.0)
-            res = tl.where(offs_n[None, :] < ready[:, None], acc * scale, float("-inf"))
+            res = _score_tile(q_ptr, w_ptr, kt, offs_t, tmask, offs_d, offs_n, ready, scale, stride_qt, stride_qh,
+                              stride_wt, 0, 0, 0, 0, 0, IH, BLOCK_T, BLOCK_N, PREC, False)
         else:
             res = tl.full([BLOCK_T, BLOCK_N], float("-inf"), tl.float32)
         tl.store(o_ptr + offs_t[:, None] * stride_ot + offs_n[None, :], res, mask=tmask[:, None] & nmask[None, :])
@@ -85,16 +100,8 @@ if HAVE_TRITON:
             sn = tl.load(sin_ptr + cs_off, mask=tmask[:, None] & rope[None, :], other=0.0)
             sgn = tl.where(offs_d % 2 == 0, -1.0, 1.0)
             partner = tl.where(rope, offs_d ^ 1, offs_d)
-            acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-            for h in range(IH):
-                base = q_ptr + offs_t[:, None] * stride_qt + h * stride_qh
-                x = tl.load(base + offs_d[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
-                xp = tl.load(base + partner[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
-                qh = tl.where(rope[None, :], x * c + (sgn[None, :] * xp) * sn, x).to(q_ptr.dtype.element_ty)
-                s = tl.dot(qh, kt, input_precision=PREC)
-                wh = tl.load(w_ptr + offs_t * stride_wt + h, mask=tmask, other=0.0)
-                acc += wh[:, None] * tl.maximum(s, 0.0)
-            res = tl.where(offs_n[None, :] < ready[:, None], acc * scale, float("-inf"))
+            res = _score_tile(q_ptr, w_ptr, kt, offs_t, tmask, offs_d, offs_n, ready, scale, stride_qt, stride_qh,
+                              stride_wt, rope, c, sn, sgn, partner, IH, BLOCK_T, BLOCK_N, PREC, True)
         else:
             res = tl.full([BLOCK_T, BLOCK_N], float("-inf"), tl.float32)
         tl.store(o_ptr + offs_t[:, None] * stride_ot + col0 + offs_n[None, :], res,

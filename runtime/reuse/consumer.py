@@ -349,10 +349,8 @@ def _rows_view(ts: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]] | None:
 def _view_rows(sp, what, firsts: list[int], parts) -> torch.Tensor:
     """The rows in a `_rows_view` of `parts` [(ids of a document's rows, ...)] one after the other, given each
     document's first row: built once per request and layout (every layer of a kind has the same)."""
-    key = (what, tuple(firsts))
-    if key not in sp.view_rows:
-        sp.view_rows[key] = torch.cat([ids + f for (ids, *_), f in zip(parts, firsts)])
-    return sp.view_rows[key]
+    return _memo(sp.view_rows, (what, tuple(firsts)),
+                 lambda: torch.cat([ids + f for (ids, *_), f in zip(parts, firsts)]))
 
 
 def gather_rows(parts, n: int, width: int, dtype: torch.dtype, device) -> torch.Tensor:

@@ -111,12 +111,17 @@ def rebuild(la: LayerArtifact, flat: torch.Tensor) -> LayerArtifact:
     return _map(la, view)
 
 
-def pack_documents(layers: list[LayerArtifact], device, copy=None) -> tuple[list[LayerArtifact], int]:
+def pack_documents(layers: list[LayerArtifact], device, copy=None,
+                   sources: list[torch.Tensor] | None = None) -> tuple[list[LayerArtifact], int]:
     """Several documents' layer in ONE new buffer on `device`, document after document, each at a multiple of every
     document's alignment (`_layout`): the consumer reads every document's rows of a field through one view. With
     `copy` (LayerPrefetcher: an asynchronous host->device copy into a slot of the buffer) the layers must all be
-    `packed_storage` ones and each is copied whole, once; else each tensor is packed into place. Returns the
-    documents' layers and the bytes of the buffer."""
+    `packed_storage` ones and each is copied whole, once (`sources`: their storages, where the caller has them);
+    else each tensor is packed into place. Returns the documents' layers and the bytes of the buffer."""
+    if copy is not None:
+        sources = [packed_storage(la) for la in layers] if sources is None else sources
+        if len(sources) != len(layers) or any(src is None for src in sources):
+            raise ValueError("a whole-buffer copy needs every layer packed in one host buffer (pack_layer)")
     plans = [_layout(_tensors(la)) for la in layers]
     whole = math.lcm(*[a for _, _, a in plans])
     starts, n = [], 0
@@ -125,10 +130,10 @@ def pack_documents(layers: list[LayerArtifact], device, copy=None) -> tuple[list
         n += -(-size // whole) * whole
     buf = torch.empty(n, dtype=torch.uint8, device=device)
     out = []
-    for la, (_, size, _), o in zip(layers, plans, starts):
+    for j, (la, (_, size, _), o) in enumerate(zip(layers, plans, starts)):
         slot = buf[o:o + size]
         if copy is not None:
-            copy(slot, packed_storage(la))
+            copy(slot, sources[j])
             out.append(rebuild(la, slot))
         else:
             out.append(_pack_into(la, slot))
@@ -209,9 +214,11 @@ class LayerPrefetcher:
                 copied[-1] &= out.data_ptr() != t.data_ptr()      # already on the device: no copy was made
                 return out
             host = [d.layers[i] for d in self.docs]
-            if all(packed_storage(la) is not None for la in host):
+            sources = [packed_storage(la) for la in host]
+            if all(src is not None for src in sources):
                 # pinned, packed documents (`pin`): one copy per document into one buffer for the whole layer
-                layers, n = pack_documents(host, self.device, lambda slot, src: slot.copy_(src, non_blocking=True))
+                layers, n = pack_documents(host, self.device, lambda slot, src: slot.copy_(src, non_blocking=True),
+                                           sources)
                 self.bytes_copied += n
                 copied = [True] * len(host)
             else:

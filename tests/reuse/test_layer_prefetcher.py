@@ -127,6 +127,8 @@ def test_packed_documents_share_one_buffer_with_every_field_on_whole_rows():
             assert b.untyped_storage().data_ptr() == base.data_ptr()
             row = math.prod(b.shape[1:]) * b.element_size()
             assert (b.storage_offset() * b.element_size()) % row == 0
+    with pytest.raises(ValueError, match="packed in one host buffer"):     # a loose layer can't be copied whole
+        pack_documents(host[:1] + [_full_layer(g)], "cpu", lambda slot, src: slot.copy_(src))
     packed, _ = pack_documents([_full_layer(torch.Generator().manual_seed(3)) for _ in range(2)], "cpu")
     assert len({t.untyped_storage().data_ptr() for la in packed for t in _tensors(la)}) == 1   # packed in place
     # not packed: separate tensors, or views into a larger buffer
