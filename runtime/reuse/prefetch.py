@@ -87,25 +87,69 @@ def pack_layer(la: LayerArtifact, pinned: bool) -> LayerArtifact:
     return _pack_into(la, flat)
 
 
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def slab_plan(sizes: list[int], aligns: list[int]) -> list[tuple[int, list[tuple[int, int]]]]:
+    """Host buffers ("slabs") for a document's packed layers: [(slab bytes, [(layer, byte offset)])], every slab a
+    power of two. torch's pinned allocator rounds each allocation up to a power of two, so one buffer per layer
+    wastes up to half of it (a 257 MiB layer takes 512 MiB); slabs of exactly a power of two waste only the tail
+    that no further layer fills. At each slab: either one slab for all the layers left, or the next power of two
+    down (never below the largest layer's) filled in order and the rest planned alike; the smaller total wins."""
+    n = len(sizes)
+
+    def fill(i, cap):
+        placed, o = [], 0
+        while i < n:
+            start = -(-o // aligns[i]) * aligns[i]
+            if start + sizes[i] > cap:
+                break
+            placed.append((i, start))
+            o = start + sizes[i]
+            i += 1
+        return placed, i
+
+    def plan_from(i):
+        if i == n:
+            return []
+        rest = sum(-(-sizes[j] // aligns[j]) * aligns[j] for j in range(i, n))
+        up = _pow2_ceil(max(rest, PACK_ALIGN))
+        best = [(up, fill(i, up)[0])]                       # rest is the padded bytes: one slab of `up` holds all
+        if up // 2 >= _pow2_ceil(max(max(sizes[i:]), 1)):
+            placed, j = fill(i, up // 2)
+            other = [(up // 2, placed)] + plan_from(j)
+            if sum(c for c, _ in other) < up:
+                best = other
+        return best
+    return plan_from(0)
+
+
 def packed_storage(la: LayerArtifact) -> torch.Tensor | None:
-    """The one host buffer (uint8) all of `la`'s tensors are views of, laid out as `pack_layer` does; None where
-    they are not (separate tensors, a view into a larger buffer, or on a device)."""
+    """The host bytes (uint8) all of `la`'s tensors are views of, laid out as `pack_layer` does from a start on the
+    layer's alignment (a buffer of its own, or its place in a `pin` slab); None where they are not (separate
+    tensors, another layout, a strided tensor, or on a device)."""
     ts = _tensors(la)
-    if not ts or any(t.device.type != "cpu" for t in ts):
+    if not ts or any(t.device.type != "cpu" or not t.is_contiguous() for t in ts):
         return None
     st = ts[0].untyped_storage()
     if any(t.untyped_storage().data_ptr() != st.data_ptr() for t in ts):
         return None
-    offs, size, _ = _layout(ts)
-    if st.nbytes() != size or [t.storage_offset() * t.element_size() for t in ts] != offs:
+    offs, size, whole = _layout(ts)
+    base = ts[0].storage_offset() * ts[0].element_size()
+    if (base % whole or base + size > st.nbytes()
+            or [t.storage_offset() * t.element_size() - base for t in ts] != offs):
         return None
-    return torch.empty(0, dtype=torch.uint8).set_(st, 0, (st.nbytes(),), (1,))
+    return torch.empty(0, dtype=torch.uint8).set_(st, base, (size,), (1,))
 
 
 def rebuild(la: LayerArtifact, flat: torch.Tensor) -> LayerArtifact:
-    """`la`'s views (a `packed_storage` layer's) rebuilt on `flat`, a copy of its buffer (e.g. on the device)."""
+    """`la`'s views (a `packed_storage` layer's) rebuilt on `flat`, a copy of its bytes (e.g. on the device)."""
+    ts = _tensors(la)
+    base = ts[0].storage_offset() * ts[0].element_size() if ts else 0
+
     def view(t):
-        es, off = t.element_size(), t.storage_offset() * t.element_size()
+        es, off = t.element_size(), t.storage_offset() * t.element_size() - base
         extent = 0 if t.numel() == 0 else 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
         return flat[off:off + extent * es].view(t.dtype).as_strided(t.shape, t.stride())
     return _map(la, view)
@@ -142,11 +186,17 @@ def pack_documents(layers: list[LayerArtifact], device, copy=None,
 
 def pin(doc: DocumentArtifact) -> DocumentArtifact:
     """A copy of `doc` whose tensors live in page-locked host memory (the hot tier); plain host memory where no
-    GPU exists (page-locking needs one). Each layer's tensors are packed into one buffer (`pack_layer`), so the
-    prefetcher stages a document's layer with one copy."""
+    GPU exists (page-locking needs one). Each layer's tensors are packed as `pack_layer` packs them, so the
+    prefetcher stages a document's layer with one copy; the layers lie in power-of-two slabs (`slab_plan`), so
+    the pinned allocator's rounding wastes little (one buffer per layer could double the host memory)."""
     pinned = torch.cuda.is_available()
-    return DocumentArtifact(doc.tokens, doc.n_content, [pack_layer(la, pinned) for la in doc.layers],
-                            doc.tp_rank, doc.tp_size, dict(doc.meta))
+    layouts = [_layout(_tensors(la)) for la in doc.layers]
+    layers: list[LayerArtifact | None] = [None] * len(doc.layers)
+    for cap, placed in slab_plan([size for _, size, _ in layouts], [whole for _, _, whole in layouts]):
+        slab = torch.empty(cap, dtype=torch.uint8, pin_memory=pinned)
+        for li, o in placed:
+            layers[li] = _pack_into(doc.layers[li], slab[o:o + layouts[li][1]])
+    return DocumentArtifact(doc.tokens, doc.n_content, layers, doc.tp_rank, doc.tp_size, dict(doc.meta))
 
 
 class _Private(Sequence):

@@ -112,7 +112,7 @@ def test_packed_documents_share_one_buffer_with_every_field_on_whole_rows():
     """pack_documents: several documents' layer in one buffer, each copied whole once from its packed storage, the
     same views rebuilt; every tensor starts on a whole row of its width counted from the buffer's start (what the
     consumer's one-view overlays need)."""
-    from runtime.reuse.prefetch import _tensors, pack_documents, pack_layer, packed_storage
+    from runtime.reuse.prefetch import PACK_ALIGN, _tensors, pack_documents, pack_layer, packed_storage
     g = torch.Generator().manual_seed(2)
     host = [pack_layer(_full_layer(g), pinned=False) for _ in range(3)]
     assert all(packed_storage(la) is not None for la in host)
@@ -131,9 +131,52 @@ def test_packed_documents_share_one_buffer_with_every_field_on_whole_rows():
         pack_documents(host[:1] + [_full_layer(g)], "cpu", lambda slot, src: slot.copy_(src))
     packed, _ = pack_documents([_full_layer(torch.Generator().manual_seed(3)) for _ in range(2)], "cpu")
     assert len({t.untyped_storage().data_ptr() for la in packed for t in _tensors(la)}) == 1   # packed in place
-    # not packed: separate tensors, or views into a larger buffer
+    # not packed: separate tensors, or views of a buffer off the layer's alignment or layout
     assert packed_storage(_full_layer(torch.Generator().manual_seed(3))) is None
-    assert packed_storage(LayerArtifact(torch.randn(1000)[:8].view(2, 4))) is None
+    assert packed_storage(LayerArtifact(torch.randn(1000)[3:11].view(2, 4))) is None
+    assert packed_storage(LayerArtifact(torch.randn(1000)[::2][:8].view(2, 4))) is None
+    buf = torch.randn(1000)                          # a view on the alignment, laid out as pack_layer lays it out
+    assert packed_storage(LayerArtifact(buf[64:72].view(2, 4))).numel() == PACK_ALIGN
+
+
+def test_slabs_are_powers_of_two_and_hold_every_layer_once_on_its_alignment():
+    """pin's slabs: torch's pinned allocator rounds each block up to a power of two, so the slabs are powers of two
+    and the waste is their unfilled tails: a 128K-token document (43 layers just over 256 MiB, a few small ones)
+    fits in slabs at most 1/8 larger than its bytes, where one buffer per layer would take nearly twice them."""
+    from runtime.reuse.prefetch import slab_plan
+    mib = 1 << 20
+    cases = [([257 * mib + 4096 * k for k in range(37)] + [3 * mib] * 6, [2304] * 43),
+             ([0, 10, 300, 4096, 0], [256, 256, 512, 256, 256]), ([1], [256]), ([5000] * 9, [1024] * 9)]
+    for sizes, aligns in cases:
+        plan = slab_plan(sizes, aligns)
+        seen = [li for _, placed in plan for li, _ in placed]
+        assert seen == list(range(len(sizes)))                                  # every layer once, in order
+        for cap, placed in plan:
+            assert cap & (cap - 1) == 0 and placed
+            ends = 0
+            for li, o in placed:
+                assert o % aligns[li] == 0 and o >= ends and o + sizes[li] <= cap
+                ends = o + sizes[li]
+        if sizes[0] > mib:
+            total = sum(cap for cap, _ in plan)
+            assert total <= 1.125 * sum(sizes) and len(plan) <= 6, (total / sum(sizes), len(plan))
+            per_layer = sum(1 << (n - 1).bit_length() for n in sizes)
+            assert per_layer > 1.9 * sum(sizes)
+
+
+def test_pin_packs_every_layer_for_one_copy_in_shared_slabs():
+    from runtime.reuse.prefetch import PACK_ALIGN, _tensors, packed_storage, pin, rebuild
+    g = torch.Generator().manual_seed(4)
+    doc = DocumentArtifact(torch.arange(8), 8, [_full_layer(g) for _ in range(5)], 0, 1, {})
+    hot = pin(doc)
+    slabs = {_tensors(la)[0].untyped_storage().data_ptr() for la in hot.layers}
+    assert len(slabs) < len(hot.layers)                                          # layers share slabs
+    for la, src in zip(hot.layers, doc.layers):
+        flat = packed_storage(la)
+        assert flat is not None and flat.numel() % PACK_ALIGN == 0
+        again = rebuild(la, flat.clone())                                        # its bytes hold the whole layer
+        for a, b, c in zip(_tensors(src), _tensors(la), _tensors(again)):
+            assert torch.equal(a, b) and torch.equal(a, c) and c.dtype == a.dtype and c.shape == a.shape
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
