@@ -353,6 +353,33 @@ def _view_rows(sp, what, firsts: list[int], parts) -> torch.Tensor:
                  lambda: torch.cat([ids + f for (ids, *_), f in zip(parts, firsts)]))
 
 
+def _in_larger(t) -> bool:
+    """Whether `t` is a view of a buffer holding more than it (a packed staged layer's field)."""
+    return t is not None and t.untyped_storage().nbytes() > t.numel() * t.element_size()
+
+
+def _keep_apart(segs: list[SegmentKeys], states: list[CompressorState], docs, i: int) -> None:
+    """The request keeps every reusable layer's segment keys and carried compressor state to its end (later calls,
+    decode). Where they are views of the request's own staged copy of a layer (`private`: LayerPrefetcher packs a
+    layer's documents into ONE device buffer, W_a,L O_L and picks included), keeping a view would keep the whole
+    buffer: they are copied out, one launch per field for all documents, and the buffer is freed with its layer."""
+    for name in ("latent", "entries", "index_keys"):
+        own = [s for j, s in enumerate(segs) if is_private(docs[j], i) and _in_larger(getattr(s, name))]
+        ts = [getattr(s, name) for s in own]
+        if not ts:
+            continue
+        if len({(t.dtype, t.shape[1:]) for t in ts}) == 1:
+            parts = torch.cat(ts).split([t.shape[0] for t in ts])
+        else:
+            parts = [t.clone() for t in ts]
+        for s, t in zip(own, parts):
+            setattr(s, name, t)
+    for st in states:
+        for name in ("tail_kv", "tail_gate", "prev_kv", "prev_gate", "entries"):
+            if _in_larger(getattr(st, name)):
+                setattr(st, name, getattr(st, name).clone())
+
+
 def gather_rows(parts, n: int, width: int, dtype: torch.dtype, device) -> torch.Tensor:
     """[n, width]: for each (src [m, width], ids, off) of `parts`, rows off.. of the result = src[ids], gathered
     straight into place (no temporary per part). The parts must cover rows 0..n-1."""
@@ -682,6 +709,8 @@ class ReuseEngine:
             hn = block.attn_norm(h)
         with phase("rk.keys"):
             segs, comp_state, idx_state = self._relocated_keys(i, attn, hn, docs, deltas, split, ledger)
+            if any(is_private(d, i) for d in docs):
+                _keep_apart(segs, [comp_state, idx_state], docs, i)
         state.seg_keys[i] = segs
         state.new_comp[i], state.new_index[i] = comp_state, idx_state
         state.new_latent[i] = hn.new_zeros((0, self.cfg.head_dim))

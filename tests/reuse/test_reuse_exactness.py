@@ -327,6 +327,16 @@ def test_documents_in_one_buffer_take_one_view_overlays_and_gathers(model, reque
     n_csa = sum(CFG.layer_kind(i) == "csa" for i in prof.reusable_layers(CFG))
     assert len(views) >= 2 * len(prof.reusable_layers(CFG)) + 2 * n_csa   # latent + Local; picks + entries
     assert all(torch.equal(la.latent, b) for a, bs in zip(arts, before) for la, b in zip(a.layers, bs))
+    # what the request keeps (segment keys, carried compressor state) holds no view of the staged layer buffers,
+    # which would keep each whole layer (W_a,L O_L and picks included) alive to the request's end
+    from dataclasses import fields as dc_fields
+    from runtime.reuse.prefetch import _tensors
+    staged = {t.untyped_storage().data_ptr() for d in one for la in d.layers for t in _tensors(la)}
+    st = got.state
+    kept = [t for segs in st.seg_keys.values() for sk in segs for t in (sk.latent, sk.entries, sk.index_keys)]
+    kept += [getattr(c, f.name) for c in [*st.new_comp.values(), *st.new_index.values()] for f in dc_fields(c)]
+    kept = [t for t in kept if isinstance(t, torch.Tensor)]
+    assert kept and not any(t.untyped_storage().data_ptr() in staged for t in kept)
     i = prof.reusable_layers(CFG)[0]
     assert any(not torch.equal(o.layers[i].latent, a.layers[i].latent) for o, a in zip(one[1:], arts[1:]))
     views.clear()
