@@ -260,8 +260,11 @@ def split_picks(gp, first, total):
 
 def indexer_segments_on() -> bool:
     """Whether the online indexer on CUDA scores all segments in one launch (`indexer_scores_segments`), per
-    REDKNOT_INDEXER_SEGMENTS: "1" (default) or "0" (segment by segment: `rope_` + `indexer_scores` each)."""
-    mode = os.environ.get("REDKNOT_INDEXER_SEGMENTS", "1")
+    REDKNOT_INDEXER_SEGMENTS: "0" (default: segment by segment, `rope_` + `indexer_scores` each) or "1". The one
+    launch is opt-in: it turns the query in every program, once per column block instead of once per segment,
+    and on an H200 it is 2.5x (16K tokens) to 10.5x (128K) slower than segment by segment
+    (bench/indexer_segments.py, docs/BENCHMARKS.md run 13)."""
+    mode = os.environ.get("REDKNOT_INDEXER_SEGMENTS", "0")
     if mode not in ("0", "1"):
         raise ValueError(f"REDKNOT_INDEXER_SEGMENTS must be 0 or 1, got {mode!r}")
     return mode == "1"

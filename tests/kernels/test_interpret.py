@@ -266,6 +266,10 @@ def test_indexer_scores_of_every_segment_in_one_launch(ID, rd, kernels_on):
     assert len(blocks) == 1 and next(iter(blocks.values())).shape == (sum(-(-n // 16) for n in sizes), 2)
     from runtime.reuse.consumer import indexer_segments_on
     with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("REDKNOT_INDEXER_SEGMENTS", raising=False)
+        assert not indexer_segments_on()                # opt-in: slower than segment by segment on an H200
+        mp.setenv("REDKNOT_INDEXER_SEGMENTS", "1")
+        assert indexer_segments_on()
         mp.setenv("REDKNOT_INDEXER_SEGMENTS", "0")
         assert not indexer_segments_on()
         mp.setenv("REDKNOT_INDEXER_SEGMENTS", "yes")
