@@ -72,10 +72,10 @@ def _layout(ts: list[torch.Tensor]) -> tuple[list[int], int, int]:
     return offs, -(-n // whole) * whole, whole
 
 
-def _pack_into(la: LayerArtifact, flat: torch.Tensor) -> LayerArtifact:
+def _pack_into(la: LayerArtifact, flat: torch.Tensor, non_blocking: bool = False) -> LayerArtifact:
     ts = _tensors(la)
     offs, _, _ = _layout(ts)
-    views = iter([flat[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t)
+    views = iter([flat[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t, non_blocking)
                   for t, o in zip(ts, offs)])
     return _map(la, lambda t: next(views))
 
@@ -159,13 +159,14 @@ def pack_documents(layers: list[LayerArtifact], device, copy=None,
                    sources: list[torch.Tensor] | None = None) -> tuple[list[LayerArtifact], int]:
     """Several documents' layer in ONE new buffer on `device`, document after document, each at a multiple of every
     document's alignment (`_layout`): the consumer reads every document's rows of a field through one view. With
-    `copy` (LayerPrefetcher: an asynchronous host->device copy into a slot of the buffer) the layers must all be
-    `packed_storage` ones and each is copied whole, once (`sources`: their storages, where the caller has them);
-    else each tensor is packed into place. Returns the documents' layers and the bytes of the buffer."""
+    `copy` (LayerPrefetcher: an asynchronous host->device copy into a slot of the buffer) each `packed_storage`
+    layer is copied whole, once (`sources`: their storages, where the caller has them; None for a layer that is
+    not packed), and any other is packed into its slot tensor by tensor (asynchronous copies too); without `copy`
+    each tensor is packed into place. Returns the documents' layers and the bytes of the buffer."""
     if copy is not None:
         sources = [packed_storage(la) for la in layers] if sources is None else sources
-        if len(sources) != len(layers) or any(src is None for src in sources):
-            raise ValueError("a whole-buffer copy needs every layer packed in one host buffer (pack_layer)")
+        if len(sources) != len(layers):
+            raise ValueError(f"{len(sources)} sources for {len(layers)} layers")
     plans = [_layout(_tensors(la)) for la in layers]
     whole = math.lcm(*[a for _, _, a in plans])
     starts, n = [], 0
@@ -176,11 +177,11 @@ def pack_documents(layers: list[LayerArtifact], device, copy=None,
     out = []
     for j, (la, (_, size, _), o) in enumerate(zip(layers, plans, starts)):
         slot = buf[o:o + size]
-        if copy is not None:
+        if copy is not None and sources[j] is not None:
             copy(slot, sources[j])
             out.append(rebuild(la, slot))
         else:
-            out.append(_pack_into(la, slot))
+            out.append(_pack_into(la, slot, non_blocking=copy is not None))
     return out, n
 
 
@@ -246,6 +247,7 @@ class LayerPrefetcher:
         self._ready: set[int] = set()           # layers whose copy the compute stream already waits on
         self._private: dict[int, list[bool]] = {}   # per layer and document: every tensor is this request's copy
         self.bytes_copied = 0
+        self.loose = 0              # (layer, document) pairs staged tensor by tensor: not packed by `pin`
 
     def _issue(self, i: int) -> None:
         if i in self.staged or i >= self.n_layers:
@@ -264,9 +266,11 @@ class LayerPrefetcher:
                 copied[-1] &= out.data_ptr() != t.data_ptr()      # already on the device: no copy was made
                 return out
             host = [d.layers[i] for d in self.docs]
-            sources = [packed_storage(la) for la in host]
-            if all(src is not None for src in sources):
-                # pinned, packed documents (`pin`): one copy per document into one buffer for the whole layer
+            if all(t.device.type == "cpu" for la in host for t in _tensors(la)):
+                # host documents: one buffer for the whole layer; a pinned, packed document's layer (`pin`) is
+                # copied whole (one copy), any other tensor by tensor into its slot (counted in `loose`)
+                sources = [packed_storage(la) for la in host]
+                self.loose += sum(src is None for src in sources)
                 layers, n = pack_documents(host, self.device, lambda slot, src: slot.copy_(src, non_blocking=True),
                                            sources)
                 self.bytes_copied += n

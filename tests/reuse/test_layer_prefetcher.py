@@ -50,9 +50,12 @@ def test_cuda_waits_and_records_once_per_layer(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: (records.append(1), real_record(t, s))[1])
     pf = _run("cuda")
     assert len(waits) == pf.n_layers                          # one device-side wait per layer
-    assert len(records) == pf.n_layers * 3 * 3                # three tensors of three documents, once each
-    assert pf.bytes_copied == sum(t.numel() * 4 for d in _docs() for la in d.layers
-                                  for t in (la.latent, la.entries, la.local_p))
+    # host documents not packed by `pin`: each tensor copied into the layer's one buffer, recorded once per buffer
+    from runtime.reuse.prefetch import pack_documents
+    assert len(records) == pf.n_layers
+    assert pf.loose == pf.n_layers * 3
+    assert pf.bytes_copied == sum(pack_documents([d.layers[i] for d in _docs()], "cpu")[1]
+                                  for i in range(pf.n_layers))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -127,8 +130,17 @@ def test_packed_documents_share_one_buffer_with_every_field_on_whole_rows():
             assert b.untyped_storage().data_ptr() == base.data_ptr()
             row = math.prod(b.shape[1:]) * b.element_size()
             assert (b.storage_offset() * b.element_size()) % row == 0
-    with pytest.raises(ValueError, match="packed in one host buffer"):     # a loose layer can't be copied whole
-        pack_documents(host[:1] + [_full_layer(g)], "cpu", lambda slot, src: slot.copy_(src))
+    # a layer not packed (here: separate tensors) goes into its slot tensor by tensor; the packed ones still whole
+    loose = _full_layer(g)
+    copies.clear()
+    mixed, _ = pack_documents([host[0], loose, host[1]], "cpu",
+                              lambda slot, src: (copies.append(src.numel()), slot.copy_(src)))
+    assert copies == [packed_storage(host[0]).numel(), packed_storage(host[1]).numel()]
+    assert len({t.untyped_storage().data_ptr() for la in mixed for t in _tensors(la)}) == 1
+    for la, got in zip([host[0], loose, host[1]], mixed):
+        assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(_tensors(la), _tensors(got)))
+    with pytest.raises(ValueError, match="2 sources for 3 layers"):
+        pack_documents([host[0], loose, host[1]], "cpu", lambda slot, src: slot.copy_(src), [None, None])
     packed, _ = pack_documents([_full_layer(torch.Generator().manual_seed(3)) for _ in range(2)], "cpu")
     assert len({t.untyped_storage().data_ptr() for la in packed for t in _tensors(la)}) == 1   # packed in place
     # not packed: separate tensors, or views of a buffer off the layer's alignment or layout
@@ -164,6 +176,24 @@ def test_slabs_are_powers_of_two_and_hold_every_layer_once_on_its_alignment():
             assert per_layer > 1.9 * sum(sizes)
 
 
+def test_a_pinned_layer_with_its_last_fields_dropped_is_still_copied_whole():
+    """bench/ttft.py drops the prefix document's Local and picks (the last fields); what is left is a prefix of the
+    packed layout, so it is still one copy (of fewer bytes) and not staged tensor by tensor."""
+    import dataclasses
+    from runtime.reuse.prefetch import _tensors, pack_documents, packed_storage, pin
+    g = torch.Generator().manual_seed(5)
+    la = LayerArtifact(torch.randn(8, 4, generator=g), torch.randn(2, 4, generator=g), None, None, None,
+                       torch.randn(8, 16, generator=g), torch.randint(0, 2, (8, 3), generator=g, dtype=torch.int32))
+    hot = pin(DocumentArtifact(torch.arange(8), 8, [la], 0, 1, {})).layers[0]
+    cut = dataclasses.replace(hot, local_p=None, picks=None)
+    whole, part = packed_storage(hot), packed_storage(cut)
+    assert part is not None and part.numel() < whole.numel() and part.data_ptr() == whole.data_ptr()
+    copies = []
+    staged, _ = pack_documents([cut, hot], "cpu", lambda slot, src: (copies.append(src.numel()), slot.copy_(src)))
+    assert copies == [part.numel(), whole.numel()]
+    assert all(torch.equal(a, b) for x, y in zip([cut, hot], staged) for a, b in zip(_tensors(x), _tensors(y)))
+
+
 def test_pin_packs_every_layer_for_one_copy_in_shared_slabs():
     from runtime.reuse.prefetch import PACK_ALIGN, _tensors, packed_storage, pin, rebuild
     g = torch.Generator().manual_seed(4)
@@ -195,5 +225,5 @@ def test_cuda_stages_pinned_documents_with_one_copy_each_into_one_buffer_per_lay
                 assert b.is_cuda and torch.equal(b.cpu(), a)
             assert len({t.untyped_storage().data_ptr() for t in _tensors(got)}) == 1
             assert v.layers.private(i)
-    assert copies == []                                           # no per-tensor copies: slot copies (copy_) only
+    assert copies == [] and pf.loose == 0                         # no per-tensor copies: slot copies (copy_) only
     assert pf.bytes_copied == sum(pack_documents([d.layers[i] for d in docs], "cpu")[1] for i in range(pf.n_layers))
