@@ -48,19 +48,26 @@ def linear_f32(x: torch.Tensor, *weights: torch.Tensor, rows: int = ROWS) -> tup
         return _linear_f32(x, weights, rows)
 
 
+def kept_on_weights(weights, attr: str, make, extra=()):
+    """`make()`, kept on weights[0] as `attr` and reused while the same weights are unchanged (their storage,
+    version counters and shapes) and `extra` is equal: what is derived from a layer's weights is built once, not at
+    every call; an in-place change of a weight (loading a checkpoint) makes it built again."""
+    key = (tuple((id(w), w.data_ptr(), w._version, tuple(w.shape)) for w in weights), extra)
+    kept = getattr(weights[0], attr, None)
+    if kept is None or kept[0] != key:
+        with torch.no_grad():
+            kept = (key, make())
+        setattr(weights[0], attr, kept)
+    return kept[1]
+
+
 def stacked_pieces(*weights: torch.Tensor) -> torch.Tensor:
     """bf16 [3 S, K]: the split3 pieces of all `weights` stacked along N (hi of all, mid of all, lo of all), kept
-    on the first weight and reused while the same weights are unchanged (their storage and version counters), so a
-    layer's weights are split once, not at every call (about ten launches each). Costs 1.5x the weights' float32
-    bytes of device memory while kept; an in-place change of a weight (loading a checkpoint) makes it split again."""
-    key = tuple((id(w), w.data_ptr(), w._version, tuple(w.shape)) for w in weights)
-    kept = getattr(weights[0], "_rk_pieces", None)
-    if kept is not None and kept[0] == key:
-        return kept[1]
-    with torch.no_grad():
-        pieces = torch.cat([split3(w) for w in weights], dim=1).flatten(0, 1)
-    weights[0]._rk_pieces = (key, pieces)
-    return pieces
+    on the first weight while the weights are unchanged (`kept_on_weights`), so a layer's weights are split once,
+    not at every call (about ten launches each). Costs 1.5x the weights' float32 bytes of device memory while
+    kept."""
+    return kept_on_weights(weights, "_rk_pieces",
+                           lambda: torch.cat([split3(w) for w in weights], dim=1).flatten(0, 1))
 
 
 def _linear_f32(x, weights, rows):

@@ -17,7 +17,7 @@ re-pool, RoPE angles) is built once per request, so a reusable layer makes no ho
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields as dataclass_fields
 
 import numpy as np
 import torch
@@ -27,6 +27,7 @@ from runtime.model.deepseek_v4 import (NEG_INF, Block, CompressorState, LayerCac
                                        grouped_projection, phase, share_positions, shared_angles,
                                        shared_arange, unweighted_rms_norm)
 from runtime.kernels import enabled, indexer_scores_segments, merge_stacked, rope_, sparse_mqa_attention
+from runtime.kernels.f32linear import kept_on_weights
 from runtime.kernels.multiseg import multi_segment_attention
 from runtime.kernels.reference import sparse_mqa_reference
 from .artifact import DocumentArtifact, LayerArtifact, is_private
@@ -378,9 +379,9 @@ def _keep_apart(segs: list[SegmentKeys], states: list[CompressorState], docs, i:
         for s, t in zip(own, parts):
             setattr(s, name, t)
     for st in states:
-        for name in ("tail_kv", "tail_gate", "prev_kv", "prev_gate", "entries"):
-            if _in_larger(getattr(st, name)):
-                setattr(st, name, getattr(st, name).clone())
+        for f in dataclass_fields(st):
+            if _in_larger(getattr(st, f.name)):
+                setattr(st, f.name, getattr(st, f.name).clone())
 
 
 def gather_rows(parts, n: int, width: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -974,15 +975,11 @@ class ReuseEngine:
 
     def _global_wq(self, attn, gm: torch.Tensor) -> torch.Tensor:
         """[Hg*D, q_lora_rank]: the Global heads' rows of W_q,b, gathered once and kept on the weight while it is
-        unchanged (its storage and version counter, as f32linear.stacked_pieces): a reusable layer's Global-head
-        queries read them at every request."""
+        unchanged (`kept_on_weights`, as f32linear.stacked_pieces): a reusable layer's Global-head queries read them
+        at every request."""
         w = attn.wq_b.weight
-        key = (w.data_ptr(), w._version, tuple(w.shape), self._gm_key)
-        kept = getattr(w, "_rk_global_wq", None)
-        if kept is None or kept[0] != key:
-            sel = w.view(attn.n_heads, self.cfg.head_dim, -1).index_select(0, gm).reshape(-1, w.shape[1])
-            w._rk_global_wq = kept = (key, sel)
-        return kept[1]
+        return kept_on_weights((w,), "_rk_global_wq", lambda: w.view(attn.n_heads, self.cfg.head_dim, -1)
+                               .index_select(0, gm).reshape(-1, w.shape[1]), self._gm_key)
 
     def _project_global(self, attn, o_g, local=None):
         """W_a,G O_G on outputs already de-rotated at their query positions: each group's W_a restricted to its

@@ -72,19 +72,16 @@ def _layout(ts: list[torch.Tensor]) -> tuple[list[int], int, int]:
     return offs, -(-n // whole) * whole, whole
 
 
+def _view_at(flat: torch.Tensor, o: int, t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor shaped as `t` on bytes o.. of `flat` (uint8)."""
+    return flat[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+
+
 def _pack_into(la: LayerArtifact, flat: torch.Tensor, non_blocking: bool = False) -> LayerArtifact:
     ts = _tensors(la)
     offs, _, _ = _layout(ts)
-    views = iter([flat[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t, non_blocking)
-                  for t, o in zip(ts, offs)])
+    views = iter([_view_at(flat, o, t).copy_(t, non_blocking) for t, o in zip(ts, offs)])
     return _map(la, lambda t: next(views))
-
-
-def pack_layer(la: LayerArtifact, pinned: bool) -> LayerArtifact:
-    """A copy of `la` whose tensors are contiguous views of ONE host buffer (page-locked if `pinned`), each at its
-    `_align` boundary: LayerPrefetcher stages such a layer with one host->device copy instead of one per tensor."""
-    flat = torch.empty(_layout(_tensors(la))[1], dtype=torch.uint8, pin_memory=pinned)
-    return _pack_into(la, flat)
 
 
 def _pow2_ceil(n: int) -> int:
@@ -126,7 +123,7 @@ def slab_plan(sizes: list[int], aligns: list[int]) -> list[tuple[int, list[tuple
 
 
 def packed_storage(la: LayerArtifact) -> torch.Tensor | None:
-    """The host bytes (uint8) all of `la`'s tensors are views of, laid out as `pack_layer` does from a start on the
+    """The host bytes (uint8) all of `la`'s tensors are views of, laid out as `pin` packs them (`_layout`) from a start on the
     layer's alignment (a buffer of its own, or its place in a `pin` slab); None where they are not (separate
     tensors, another layout, a strided tensor, or on a device)."""
     ts = _tensors(la)
@@ -144,15 +141,11 @@ def packed_storage(la: LayerArtifact) -> torch.Tensor | None:
 
 
 def rebuild(la: LayerArtifact, flat: torch.Tensor) -> LayerArtifact:
-    """`la`'s views (a `packed_storage` layer's) rebuilt on `flat`, a copy of its bytes (e.g. on the device)."""
+    """`la`'s views (a `packed_storage` layer's: contiguous, laid out by `_layout`) rebuilt on `flat`, a copy of its
+    bytes (e.g. on the device)."""
     ts = _tensors(la)
-    base = ts[0].storage_offset() * ts[0].element_size() if ts else 0
-
-    def view(t):
-        es, off = t.element_size(), t.storage_offset() * t.element_size() - base
-        extent = 0 if t.numel() == 0 else 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-        return flat[off:off + extent * es].view(t.dtype).as_strided(t.shape, t.stride())
-    return _map(la, view)
+    views = iter([_view_at(flat, o, t) for t, o in zip(ts, _layout(ts)[0])])
+    return _map(la, lambda t: next(views))
 
 
 def pack_documents(layers: list[LayerArtifact], device, copy=None,
@@ -187,7 +180,7 @@ def pack_documents(layers: list[LayerArtifact], device, copy=None,
 
 def pin(doc: DocumentArtifact) -> DocumentArtifact:
     """A copy of `doc` whose tensors live in page-locked host memory (the hot tier); plain host memory where no
-    GPU exists (page-locking needs one). Each layer's tensors are packed as `pack_layer` packs them, so the
+    GPU exists (page-locking needs one). Each layer's tensors are packed in one run of bytes (`_layout`), so the
     prefetcher stages a document's layer with one copy; the layers lie in power-of-two slabs (`slab_plan`), so
     the pinned allocator's rounding wastes little (one buffer per layer could double the host memory)."""
     pinned = torch.cuda.is_available()

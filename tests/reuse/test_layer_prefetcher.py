@@ -97,10 +97,16 @@ def _full_layer(g):
                                                                             dtype=torch.int32))
 
 
-def test_pack_layer_puts_every_tensor_in_one_aligned_buffer():
-    from runtime.reuse.prefetch import PACK_ALIGN, _tensors, pack_layer
+def _packed(la):
+    """`la` packed as `pin` packs a document's layer."""
+    from runtime.reuse.prefetch import pin
+    return pin(DocumentArtifact(list(range(8)), 8, [la])).layers[0]
+
+
+def test_pin_puts_every_tensor_of_a_layer_in_one_aligned_buffer():
+    from runtime.reuse.prefetch import PACK_ALIGN, _tensors
     la = _full_layer(torch.Generator().manual_seed(1))
-    packed = pack_layer(la, pinned=False)
+    packed = _packed(la)
     src, got = _tensors(la), _tensors(packed)
     assert len(got) == len(src) == 7 and packed.index_prev is None
     for a, b in zip(src, got):
@@ -115,9 +121,9 @@ def test_packed_documents_share_one_buffer_with_every_field_on_whole_rows():
     """pack_documents: several documents' layer in one buffer, each copied whole once from its packed storage, the
     same views rebuilt; every tensor starts on a whole row of its width counted from the buffer's start (what the
     consumer's one-view overlays need)."""
-    from runtime.reuse.prefetch import PACK_ALIGN, _tensors, pack_documents, pack_layer, packed_storage
+    from runtime.reuse.prefetch import PACK_ALIGN, _tensors, pack_documents, packed_storage
     g = torch.Generator().manual_seed(2)
-    host = [pack_layer(_full_layer(g), pinned=False) for _ in range(3)]
+    host = [_packed(_full_layer(g)) for _ in range(3)]
     assert all(packed_storage(la) is not None for la in host)
     copies = []
     staged, n = pack_documents(host, "cpu", lambda slot, src: (copies.append(src.numel()), slot.copy_(src)))
@@ -147,7 +153,7 @@ def test_packed_documents_share_one_buffer_with_every_field_on_whole_rows():
     assert packed_storage(_full_layer(torch.Generator().manual_seed(3))) is None
     assert packed_storage(LayerArtifact(torch.randn(1000)[3:11].view(2, 4))) is None
     assert packed_storage(LayerArtifact(torch.randn(1000)[::2][:8].view(2, 4))) is None
-    buf = torch.randn(1000)                          # a view on the alignment, laid out as pack_layer lays it out
+    buf = torch.randn(1000)                          # a view on the alignment, laid out as pin lays it out
     assert packed_storage(LayerArtifact(buf[64:72].view(2, 4))).numel() == PACK_ALIGN
 
 
