@@ -8,6 +8,7 @@ analytic FLOP ratio. Also the cold arm (artifact construction included) at --col
 
     python bench/ttft.py --lengths 131072 --cold-at 0 --extra-budgets 0.1 --json a.json   # one length per call
     python bench/ttft.py --plot-from a.json b.json --plot ttft.png                         # plot earlier runs
+    python bench/ttft.py --plot-from a.json --cold-from c.json --plot ttft.png              # cold arm from run c
 
 Wall time on one H200 (2026-11-30): 16K + 32K with a second budget ~3 min, 64K with the cold arm ~4.5 min, 128K
 ~6.5 min (per length: artifact build and pinning, a warm-up and --reps interleaved runs of every arm; the recompute
@@ -37,6 +38,7 @@ from unittest import mock
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.syncs import allocator_counters, allocator_delta, sync_report  # noqa: E402
 from runtime.model.config import CSA, FLASH  # noqa: E402
 from runtime.model.deepseek_v4 import Transformer  # noqa: E402
 from runtime.reuse.artifact import DocumentArtifact  # noqa: E402
@@ -166,8 +168,9 @@ def release_pinned() -> None:
         torch._C._host_emptyCache()
 
 
-def plot(rows: list[dict], name: str, out: str) -> None:
-    """TTFT per arm against request tokens (log-log): recompute, the hot reuse arm per budget, the cold arm.
+def plot(rows: list[dict], name: str, out: str, cold_rows: tuple[str, list[dict]] | None = None) -> None:
+    """TTFT per arm against request tokens (log-log): recompute, the hot reuse arm per budget, the cold arm (from
+    `rows`, or only from `cold_rows` = (its source's name, rows) when given: a cold arm measured in another run).
     Needs matplotlib (`pip install -e .[bench]`); without it the JSON is still written and the plot can be drawn
     later with --plot-from."""
     try:
@@ -189,10 +192,11 @@ def plot(rows: list[dict], name: str, out: str) -> None:
     for (b, pts), mark in zip(sorted(arms.items(), reverse=True), "sdv<>"):
         pts.sort()
         plt.plot([p[0] for p in pts], [p[1] for p in pts], mark + "-", label=f"reuse arm, hot, budget {b:.0%}")
-    for r in rows:
+    source, cold = ("", rows) if cold_rows is None else (f", {cold_rows[0]}", cold_rows[1])
+    for r in cold:
         if "cold_s" in r:
             plt.plot([r["tokens"]], [r["cold_s"]], "^", color="tab:red",
-                     label=f"reuse arm, cold (artifacts built), {r['tokens'] // 1024}K")
+                     label=f"reuse arm, cold (artifacts built), {r['tokens'] // 1024}K{source}")
     plt.xscale("log", base=2)
     plt.yscale("log")
     plt.xlabel("request tokens")
@@ -209,9 +213,14 @@ def main() -> int:
         pp = argparse.ArgumentParser()
         pp.add_argument("--plot-from", nargs="+", required=True)
         pp.add_argument("--plot", required=True)
+        pp.add_argument("--cold-from", default=None,
+                        help="take the cold arm only from this run's --json (the --plot-from runs' own are left out)")
         pa = pp.parse_args()
         runs = [json.load(open(f)) for f in pa.plot_from]
-        plot([r for run in runs for r in run["rows"]], runs[0]["device"], pa.plot)
+        cold = None
+        if pa.cold_from:
+            cold = (os.path.splitext(os.path.basename(pa.cold_from))[0], json.load(open(pa.cold_from))["rows"])
+        plot([r for run in runs for r in run["rows"]], runs[0]["device"], pa.plot, cold)
         return 0
     tp = argparse.ArgumentParser(add_help=False)
     tp.add_argument("--tp", type=int, default=1)
@@ -225,6 +234,9 @@ def main() -> int:
     ap.add_argument("--profile-at", type=int, default=0, help="print a torch.profiler table of both arms at this length")
     ap.add_argument("--profile-stack", action="store_true",
                     help="record Python stacks in the profile, so the GPU-idle reading names our functions")
+    ap.add_argument("--syncs-at", type=int, default=0,
+                    help="at this length, print every host sync of one reuse prefill with our code that made it, and "
+                         "the caching allocator's synchronizations (bench/syncs.py)")
     ap.add_argument("--check-at", type=int, default=0,
                     help="at this length, compare first-token logits of the kernel path against the reference path")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -310,7 +322,7 @@ def main() -> int:
             ("moe", {"REDKNOT_MOE_GROUPED": "1" if args.moe_too == "grouped" else "0"}, "moe_form", args.moe_too),
             ("frame", {"REDKNOT_MULTISEG_FRAME": args.frame_too}, "frame", args.frame_too)) if on}
 
-        rec_t, reu_t = [], []
+        rec_t, reu_t, alloc = [], [], []
         other_t, other_res = {b: [] for b in extra}, {}
         timed(lambda: model(full), device)                       # warm-up, every arm
         _, res = timed(reuse, device)
@@ -321,7 +333,9 @@ def main() -> int:
             timed(lambda: reuse_with(env), device)
         for _ in range(args.reps):                               # interleaved, side by side
             rec_t.append(timed(lambda: model(full), device)[0])
+            before = allocator_counters()
             t, res = timed(reuse, device)
+            alloc.append(allocator_delta(before))
             reu_t.append(t)
             for name, (env, _, _) in beside.items():
                 bes_t[name].append(timed(lambda: reuse_with(env), device)[0])
@@ -337,7 +351,11 @@ def main() -> int:
                    structural_ceiling=led["structural_ceiling"], token_row_saving=led["token_row_saving"],
                    flop_saving=led["flop_saving"], build_s=t_build, active=led["rows"]["active"],
                    relocated=led["rows"]["relocated"], recompute_all=rec_t, reuse_all=reu_t, extra=[],
-                   staged_loose=max(loose, default=0))
+                   staged_loose=max(loose, default=0),
+                   allocator=max(alloc, key=lambda d: d["num_sync_all_streams"], default={}))
+        if row["allocator"].get("num_sync_all_streams") or row["allocator"].get("num_alloc_retries"):
+            print(f"## {L} tokens: the caching allocator synchronized during a reuse run: {row['allocator']}",
+                  flush=True)
         if row["staged_loose"]:
             print(f"## {L} tokens: {row['staged_loose']} (layer, document) pairs were staged tensor by tensor, "
                   f"not with one copy (not packed by pin)", flush=True)
@@ -361,6 +379,8 @@ def main() -> int:
                 a, b = got["1"][k], got["0"][k]
                 print(f"## check at {L}: {arm} arm, kernels vs reference path: rel err "
                       f"{((a - b).norm() / b.norm()).item():.2e}, same argmax {int(a.argmax()) == int(b.argmax())}")
+        if L == args.syncs_at and device.type == "cuda":
+            print(sync_report(reuse, title=f"of one reuse prefill at {L}"), flush=True)
         if L == args.profile_at and device.type == "cuda":
             from torch.profiler import ProfilerActivity, profile
             for arm, fn in (("reuse", reuse), ("recompute", lambda: model(full))):
