@@ -736,9 +736,11 @@ class MoE(nn.Module):
             flat = flat - lo
             key = torch.where((flat < 0) | (flat >= n_local), n_local, flat)
         order = torch.argsort(key, stable=True)
-        rows = torch.where(key[order] < n_local, order // k, T)              # the spare row T takes the rest
+        sorted_key = key[order]
+        rows = torch.where(sorted_key < n_local, order // k, T)              # the spare row T takes the rest
         ws = weights.flatten()[order, None].float()
-        ends = torch.bincount(key, minlength=n_local + 1)[:n_local].cumsum(0)
+        # ends[e] = slots of experts <= e, counted on the sorted keys (bincount would read its size on the host)
+        ends = torch.searchsorted(sorted_key, torch.arange(1, n_local + 1, device=key.device, dtype=key.dtype))
         ex = self.experts[str(lo)]                  # every routed expert has the same clamp and FP8 switch
         quant = ex.w1.simulate
         y = torch.zeros((T + 1, x.shape[1]), dtype=torch.float32, device=x.device)

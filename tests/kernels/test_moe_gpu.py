@@ -41,3 +41,26 @@ def test_grouped_moe_matches_the_float32_loop(chunk, drop, monkeypatch):
     err = float((got.double() - want.double()).norm() / want.double().norm())
     assert err < TOL, f"rel err {err:.2e}"
     assert float((via.double() - want.double()).norm() / want.double().norm()) < TOL
+
+
+def test_grouped_moe_never_waits_for_the_gpu():
+    """No host read in the grouped form (its expert runs are counted on the device): under torch's sync debug mode
+    "error" any synchronizing call would raise."""
+    from runtime.model.config import FLASH
+    from runtime.model.deepseek_v4 import MoE, Parallel
+    cfg = FLASH.replace(dim=256, moe_inter_dim=128, n_routed_experts=8)
+    with torch.device("cuda"):
+        moe = MoE(cfg, cfg.n_hash_layers, Parallel(), torch.bfloat16)
+    x = torch.randn(500, cfg.dim, device="cuda").bfloat16()
+    with torch.inference_mode():
+        w, idx = moe.gate(x, torch.zeros(500, dtype=torch.long, device="cuda"))
+        idx = torch.where(torch.arange(idx.numel(), device="cuda").view_as(idx) % 5 == 0, -1, idx)
+        moe.stacks()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = moe.routed_grouped(x, w, idx, chunk=128)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        want = moe.routed_loop(x, w, idx)
+    assert ((got - want).norm() / want.norm()).item() < TOL
