@@ -769,10 +769,15 @@ class MoE(nn.Module):
         # every expert sees the same rows and y sums them in the same order.
         # Row ids and weights are gathered once for all experts, each expert reading its contiguous run; the
         # activations are gathered per expert (all at once they would be T x top-k rows: 6 GB at 128K tokens).
+        # The counts come from the sorted ids (torch.bincount would read its input's min and max on the host first:
+        # three syncs where one is needed).
         flat = idx.flatten()
-        counts = torch.bincount(flat + 1, minlength=self.gate.cfg.n_routed_experts + 1).tolist()
+        order = torch.argsort(flat, stable=True)
+        E = self.gate.cfg.n_routed_experts
+        edges = torch.searchsorted(flat[order], torch.arange(-1, E + 1, device=flat.device, dtype=flat.dtype))
+        counts = (edges[1:] - edges[:-1]).tolist()                       # slots of id -1, 0, .., E-1
         k, skip = idx.shape[1], counts[0]                                 # the -1 slots sort first
-        order = torch.argsort(flat, stable=True)[skip:]
+        order = order[skip:]
         rows, ws = order // k, weights.flatten()[order, None]
         a = 0
         for e in range(self.gate.cfg.n_routed_experts):

@@ -64,3 +64,24 @@ def test_grouped_moe_never_waits_for_the_gpu():
             torch.cuda.set_sync_debug_mode(0)
         want = moe.routed_loop(x, w, idx)
     assert ((got - want).norm() / want.norm()).item() < TOL
+
+
+def test_the_loop_reads_the_expert_counts_once():
+    """routed_loop's one host read (the expert counts) is its only sync: found with bench/syncs.py."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from bench.syncs import find_syncs
+    from runtime.model.config import FLASH
+    from runtime.model.deepseek_v4 import MoE, Parallel
+    cfg = FLASH.replace(dim=256, moe_inter_dim=128, n_routed_experts=8)
+    with torch.device("cuda"):
+        moe = MoE(cfg, cfg.n_hash_layers, Parallel(), torch.bfloat16)
+    x = torch.randn(500, cfg.dim, device="cuda").bfloat16()
+    with torch.inference_mode():
+        w, idx = moe.gate(x, torch.zeros(500, dtype=torch.long, device="cuda"))
+        idx = torch.where(torch.arange(idx.numel(), device="cuda").view_as(idx) % 5 == 0, -1, idx)
+        got, seen, _ = find_syncs(lambda: moe.routed_loop(x, w, idx), depth=1)
+        want = moe.routed_grouped(x, w, idx)
+    assert list(seen.values()) == [1] and "routed_loop" in next(iter(seen)), seen
+    assert ((got - want).norm() / want.norm()).item() < TOL
