@@ -10,8 +10,9 @@ two kernels (or copies) of the stream with the most kernel time:
   refill it;
 - "host-bound": the kernel after the gap was launched after the gap began (the host was slower than the GPU);
 - "launched early": it was launched before the gap began (launch latency, or a wait on another stream's event).
-The stream's kernels are counted per innermost `record_function` label at their launch (the `rk.*` / `blk.*`
-phases of the consumer and Block.forward), and the gaps are summed per that label, per innermost aten op enclosing
+The stream's kernels are counted, and their GPU time summed per kernel name, per innermost `record_function` label
+at their launch (the `rk.*` / `blk.*` phases of the consumer and Block.forward: which kernels a phase's time goes
+to), and the gaps are summed per that label, per innermost aten op enclosing
 the launch (on the launching thread) and, when the profile was taken with `with_stack=True`, per innermost Python
 function of ours (a `runtime/` frame). Not a test: a reading aid for a profile.
 """
@@ -67,6 +68,7 @@ def analyse(events: list[dict], min_us: float = 1.0, where: str = "runtime/") ->
 
     busy, end = 0.0, main[0]["ts"]
     per_label = defaultdict(int)            # kernels and copies of the stream per phase label at their launch
+    per_kernel = defaultdict(lambda: [0, 0.0])   # (label, kernel name) -> [count, GPU us]
     kinds = defaultdict(lambda: [0, 0.0])
     by_label, by_op, by_py = (defaultdict(lambda: [0, 0.0]) for _ in range(3))
     for k, e in enumerate(main):
@@ -74,6 +76,9 @@ def analyse(events: list[dict], min_us: float = 1.0, where: str = "runtime/") ->
         host = launch.get(e.get("args", {}).get("correlation"))
         lab = labels.at(host["ts"], host.get("tid")) if host is not None else None
         per_label[lab["name"] if lab is not None else "(none)"] += 1
+        pk = per_kernel[(lab["name"] if lab is not None else "(none)", e.get("name", "?"))]
+        pk[0] += 1
+        pk[1] += d
         gap = s - end
         if k and gap >= min_us:
             j = bisect.bisect_left(syncs, end)
@@ -102,10 +107,20 @@ def analyse(events: list[dict], min_us: float = 1.0, where: str = "runtime/") ->
                 by_label=sorted(((k, v[0], v[1]) for k, v in by_label.items()), key=lambda r: -r[2]),
                 by_op=sorted(((k, v[0], v[1]) for k, v in by_op.items()), key=lambda r: -r[2]),
                 by_py=sorted(((k, v[0], v[1]) for k, v in by_py.items()), key=lambda r: -r[2]),
-                launches=sorted(per_label.items(), key=lambda kv: -kv[1]))
+                launches=sorted(per_label.items(), key=lambda kv: -kv[1]),
+                kernels_by_label=_by_label(per_kernel))
 
 
-def report(path: str, top: int = 20, min_us: float = 1.0, title: str = "") -> str:
+def _by_label(per_kernel) -> list[tuple[str, float, list[tuple[str, int, float]]]]:
+    """[(label, GPU us of its kernels, [(kernel, count, us)] largest first)], labels by GPU time."""
+    groups = defaultdict(list)
+    for (lab, name), (c, us) in per_kernel.items():
+        groups[lab].append((name, c, us))
+    return sorted(((lab, sum(us for _, _, us in ks), sorted(ks, key=lambda k: -k[2])) for lab, ks in groups.items()),
+                  key=lambda r: -r[1])
+
+
+def report(path: str, top: int = 20, min_us: float = 1.0, title: str = "", per_label_kernels: int = 6) -> str:
     """The summary of a chrome trace file as text."""
     with open(path) as fh:
         data = json.load(fh)
@@ -121,6 +136,10 @@ def report(path: str, top: int = 20, min_us: float = 1.0, title: str = "") -> st
     lines += [f"     {n[:48]:48s} {c:7d} gaps {us / 1e3:9.1f} ms" for n, c, us in r["by_op"][:top]]
     lines.append("   kernels and copies of the stream per innermost phase label at their launch:")
     lines += [f"     {n[:48]:48s} {c:7d}" for n, c in r["launches"][:top]]
+    lines.append("   GPU time of the stream per innermost phase label at the launch, and its largest kernels:")
+    for lab, us, ks in r["kernels_by_label"][:top]:
+        lines.append(f"     {lab[:48]:48s} {us / 1e3:9.1f} ms")
+        lines += [f"       {n[:60]:60s} {c:7d} x {u / 1e3:9.1f} ms" for n, c, u in ks[:per_label_kernels]]
     if r["by_py"]:
         lines.append("   idle per innermost Python function of ours at that launch:")
         lines += [f"     {n[-64:]:64s} {c:7d} gaps {us / 1e3:9.1f} ms" for n, c, us in r["by_py"][:top]]

@@ -41,6 +41,9 @@ def test_gaps_are_found_classified_and_attributed():
     ops = {n: (c, us) for n, c, us in r["by_op"]}
     assert ops["aten::mm"] == (1, 15)
     assert dict(r["launches"]) == {"rk.keys": 3, "rk.keys.comp": 2}     # launches at 0, 36, 20; 58, 74
+    # the stream's GPU time per label, and per kernel within it, largest first
+    assert r["kernels_by_label"] == [("rk.keys", 33, [("k1", 1, 20), ("k4", 1, 8), ("k2", 1, 5)]),
+                                     ("rk.keys.comp", 13, [("k3", 1, 10), ("k5", 1, 3)])]
 
 
 def test_busiest_stream_is_read_and_text_report(tmp_path):
@@ -51,6 +54,7 @@ def test_busiest_stream_is_read_and_text_report(tmp_path):
     text = report(str(p), title="reuse")
     assert "GPU idle reuse: stream 7, 5 kernels" in text and "idle 0.0 ms (38.6%)" in text
     assert "rk.keys.comp" in text and "aten::mm" in text
+    assert "its largest kernels" in text and "k1" in text
 
 
 def test_a_trace_without_gpu_events_is_refused():
