@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ._host import to_device_nowait
 from ._triton import HAVE_TRITON, check_runnable, dot_precision, tl, triton
 
 if HAVE_TRITON:
@@ -197,13 +198,11 @@ def indexer_scores_segments(q: torch.Tensor, weights: torch.Tensor, qpos: torch.
         rows = [[j, a] for j, n in enumerate(sizes) for a in range(0, n, cfg["BLOCK_N"])]
         if not rows:                                            # no keys at all
             return out
-        blk = torch.tensor(rows, dtype=torch.int32).to(q.device)
+        blk = to_device_nowait(torch.tensor(rows, dtype=torch.int32), q.device)
         if blocks is not None:
             blocks[key] = blk
-    tab = torch.tensor([[k.data_ptr(), k.shape[0], c, d] for k, c, d in zip(keep, cols, deltas)], dtype=torch.int64)
-    if q.is_cuda:
-        tab = tab.pin_memory()
-    tab = tab.to(q.device, non_blocking=True)
+    tab = to_device_nowait(torch.tensor([[k.data_ptr(), k.shape[0], c, d] for k, c, d in zip(keep, cols, deltas)],
+                                        dtype=torch.int64), q.device)
     q = q if q.stride(-1) == 1 else q.contiguous()
     weights = weights.float()
     weights = weights if weights.stride(-1) == 1 else weights.contiguous()

@@ -59,6 +59,7 @@ import os
 
 import torch
 
+from ._host import to_device_nowait
 from ._triton import HAVE_TRITON, check_runnable, dot_precision, tl, triton
 
 MODES = {"none": 0, "causal": 1, "picks": 2}
@@ -449,10 +450,7 @@ def segment_table(segments, device, dtype, with_entries: bool, pick_first: list[
         rows.append([lat.data_ptr() if lat.shape[0] else 0, lat.shape[0], int(seg.delta),
                      ent.data_ptr() if n_ent else 0, n_ent, n_before if pick_first is None else pick_first[j]])
         n_before += n_ent
-    host = torch.tensor(rows, dtype=torch.int64).reshape(-1, COLS)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True), keep
+    return to_device_nowait(torch.tensor(rows, dtype=torch.int64).reshape(-1, COLS), device), keep
 
 
 def multi_segment_attention(q_raw: torch.Tensor, qpos: torch.Tensor, segments, sink: torch.Tensor, window: int,

@@ -27,6 +27,7 @@ from runtime.model.deepseek_v4 import (NEG_INF, Block, CompressorState, LayerCac
                                        grouped_projection, phase, share_positions, shared_angles,
                                        shared_arange, unweighted_rms_norm)
 from runtime.kernels import enabled, indexer_scores_segments, merge_stacked, rope_, sparse_mqa_attention
+from runtime.kernels._host import to_device_nowait
 from runtime.kernels.f32linear import kept_on_weights
 from runtime.kernels.multiseg import multi_segment_attention
 from runtime.kernels.reference import sparse_mqa_reference
@@ -384,15 +385,6 @@ def _keep_apart(segs: list[SegmentKeys], states: list[CompressorState], docs, i:
                 setattr(st, f.name, getattr(st, f.name).clone())
 
 
-def _to_device(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
-    """A host index tensor on `dev` without waiting for the stream: to CUDA through page-locked memory with a
-    non-blocking copy (a blocking one from pageable memory synchronizes the stream, and the request's setup makes
-    dozens). The pinned source is torch's: its block is not reused before the copy has run."""
-    if dev.type != "cuda" or t.device.type != "cpu":
-        return t.to(dev)
-    return t.pin_memory().to(dev, non_blocking=True)
-
-
 def gather_rows(parts, n: int, width: int, dtype: torch.dtype, device) -> torch.Tensor:
     """[n, width]: for each (src [m, width], ids, off) of `parts`, rows off.. of the result = src[ids], gathered
     straight into place (no temporary per part). The parts must cover rows 0..n-1."""
@@ -624,7 +616,7 @@ class ReuseEngine:
     # ------------------------------------------------------------------------------------------------
     def _split(self, active, positions, reloc, n_q) -> _Split:
         """Every per-request index the reusable layers use, built once on the host from one read of the active
-        mask (the only host sync of the reuse layers' indices) and copied without waiting (`_to_device`)."""
+        mask (the only host sync of the reuse layers' indices) and copied without waiting (`to_device_nowait`)."""
         dev = positions.device
         n_reloc = active.shape[0]
         row_active = torch.cat([active, torch.ones(n_q, dtype=torch.bool, device=dev)])
@@ -636,7 +628,7 @@ class ReuseEngine:
                 return None
             if ids.numel() == row_active.shape[0]:
                 return _Rows(None, positions, pos_host.numpy())
-            d = _to_device(ids, dev)
+            d = to_device_nowait(ids, dev)
             return _Rows(d, positions.index_select(0, d), pos_host[ids].numpy())
         sp = _Split(rows(act_h), rows(rest_h))
         a = n_act = n_rest = 0
@@ -644,16 +636,16 @@ class ReuseEngine:
             mine = ra_host[a:a + d.n]
             ai, ri = torch.nonzero(mine).flatten(), torch.nonzero(~mine).flatten()
             if ai.numel():
-                sp.act_local.append((j, _to_device(ai, dev), n_act))
+                sp.act_local.append((j, to_device_nowait(ai, dev), n_act))
             if ri.numel():
-                sp.rest_local.append((j, _to_device(ri, dev), n_rest))
+                sp.rest_local.append((j, to_device_nowait(ri, dev), n_rest))
             sp.seg_ranges.append((a, d.n))
             n_act, n_rest, a = n_act + ai.numel(), n_rest + ri.numel(), a + d.n
         ar = act_h[act_h < n_reloc]
-        sp.act_reloc = _to_device(ar, dev)
+        sp.act_reloc = to_device_nowait(ar, dev)
         starts = torch.tensor([st for st, _ in sp.seg_ranges], dtype=torch.long)
         owner = torch.searchsorted(starts, ar, right=True) - 1
-        sp.act_cpos = share_positions(_to_device(ar - starts[owner] if ar.numel() else ar, dev))
+        sp.act_cpos = share_positions(to_device_nowait(ar - starts[owner] if ar.numel() else ar, dev))
         sp.ra_host = ra_host
         for i in self.profile.reusable_layers(self.cfg):       # every compressor geometry, before the first layer
             attn = self.model.layers[i].attn
@@ -693,10 +685,10 @@ class ReuseEngine:
                 last_of_prev = carry + 1
             n_need += ids.numel()
         dev = sp.act_reloc.device
-        cat = (lambda xs: _to_device(torch.cat(xs), dev) if xs else torch.zeros(0, dtype=torch.long, device=dev))
+        cat = (lambda xs: to_device_nowait(torch.cat(xs), dev) if xs else torch.zeros(0, dtype=torch.long, device=dev))
         plan = _BlockPlan(cat(need_rows), n_need, cat(dirty_src), share_positions(cat(dirty_pos)),
                           cat(prev_src) if overlap else None,
-                          [(j, _to_device(B, dev), off) for j, B, off in per_doc], carry)
+                          [(j, to_device_nowait(B, dev), off) for j, B, off in per_doc], carry)
         sp.blocks[(r, overlap)] = plan
         return plan
 

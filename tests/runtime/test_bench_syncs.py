@@ -40,10 +40,10 @@ def test_each_host_read_is_counted_where_it_was_made_and_device_work_is_not():
 
 @cuda
 def test_a_blocking_index_copy_waits_and_the_consumers_pinned_copy_does_not():
-    from runtime.reuse.consumer import _to_device
+    from runtime.kernels._host import to_device_nowait
     ids = torch.arange(5000)
     _, seen, _ = find_syncs(lambda: ids.to("cuda"), where="tests/")
     assert sum(seen.values()) >= 1, "a blocking copy from pageable memory waits for the stream"
-    out, seen, _ = find_syncs(lambda: _to_device(ids, torch.device("cuda")), where="tests/")
+    out, seen, _ = find_syncs(lambda: to_device_nowait(ids, "cuda"), where="tests/")
     assert not seen, seen
     assert torch.equal(out.cpu(), ids)
