@@ -718,6 +718,15 @@ class MoE(nn.Module):
             self._stacks_key = tuple(p.data_ptr() for group in params for p in group)
         return self._stacks
 
+    @staticmethod
+    def _sorted_runs(ids: torch.Tensor, first: int, last: int):
+        """(the stable order of `ids`, the ids in that order, edges [last - first + 1] with edges[v - first] = how
+        many ids are < v, for v = first..last): where each id's run starts in the sorted slots, counted on the device
+        (torch.bincount would read its input's min and max on the host first, two syncs)."""
+        order = torch.argsort(ids, stable=True)
+        s = ids[order]
+        return order, s, torch.searchsorted(s, torch.arange(first, last + 1, device=ids.device, dtype=ids.dtype))
+
     def routed_grouped(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
                        chunk: int = 32768) -> torch.Tensor:
         """`routed_loop`'s sum with one grouped GEMM per weight (torch._grouped_mm over `stacks`) and no host read:
@@ -735,12 +744,9 @@ class MoE(nn.Module):
         else:
             flat = flat - lo
             key = torch.where((flat < 0) | (flat >= n_local), n_local, flat)
-        order = torch.argsort(key, stable=True)
-        sorted_key = key[order]
+        order, sorted_key, ends = self._sorted_runs(key, 1, n_local)       # ends[e]: slots of experts <= e
         rows = torch.where(sorted_key < n_local, order // k, T)              # the spare row T takes the rest
         ws = weights.flatten()[order, None].float()
-        # ends[e] = slots of experts <= e, counted on the sorted keys (bincount would read its size on the host)
-        ends = torch.searchsorted(sorted_key, torch.arange(1, n_local + 1, device=key.device, dtype=key.dtype))
         ex = self.experts[str(lo)]                  # every routed expert has the same clamp and FP8 switch
         quant = ex.w1.simulate
         y = torch.zeros((T + 1, x.shape[1]), dtype=torch.float32, device=x.device)
@@ -769,12 +775,8 @@ class MoE(nn.Module):
         # every expert sees the same rows and y sums them in the same order.
         # Row ids and weights are gathered once for all experts, each expert reading its contiguous run; the
         # activations are gathered per expert (all at once they would be T x top-k rows: 6 GB at 128K tokens).
-        # The counts come from the sorted ids (torch.bincount would read its input's min and max on the host first:
-        # three syncs where one is needed).
         flat = idx.flatten()
-        order = torch.argsort(flat, stable=True)
-        E = self.gate.cfg.n_routed_experts
-        edges = torch.searchsorted(flat[order], torch.arange(-1, E + 1, device=flat.device, dtype=flat.dtype))
+        order, _, edges = self._sorted_runs(flat, -1, self.gate.cfg.n_routed_experts)
         counts = (edges[1:] - edges[:-1]).tolist()                       # slots of id -1, 0, .., E-1
         k, skip = idx.shape[1], counts[0]                                 # the -1 slots sort first
         order = order[skip:]

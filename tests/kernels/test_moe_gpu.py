@@ -43,9 +43,8 @@ def test_grouped_moe_matches_the_float32_loop(chunk, drop, monkeypatch):
     assert float((via.double() - want.double()).norm() / want.double().norm()) < TOL
 
 
-def test_grouped_moe_never_waits_for_the_gpu():
-    """No host read in the grouped form (its expert runs are counted on the device): under torch's sync debug mode
-    "error" any synchronizing call would raise."""
+def _small_routed_call():
+    """A small bf16 MoE on CUDA and one routed call's inputs (x, weights, ids), every fifth slot dropped (-1)."""
     from runtime.model.config import FLASH
     from runtime.model.deepseek_v4 import MoE, Parallel
     cfg = FLASH.replace(dim=256, moe_inter_dim=128, n_routed_experts=8)
@@ -55,6 +54,14 @@ def test_grouped_moe_never_waits_for_the_gpu():
     with torch.inference_mode():
         w, idx = moe.gate(x, torch.zeros(500, dtype=torch.long, device="cuda"))
         idx = torch.where(torch.arange(idx.numel(), device="cuda").view_as(idx) % 5 == 0, -1, idx)
+    return moe, x, w, idx
+
+
+def test_grouped_moe_never_waits_for_the_gpu():
+    """No host read in the grouped form (its expert runs are counted on the device): under torch's sync debug mode
+    "error" any synchronizing call would raise."""
+    moe, x, w, idx = _small_routed_call()
+    with torch.inference_mode():
         moe.stacks()
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -72,15 +79,8 @@ def test_the_loop_reads_the_expert_counts_once():
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from bench.syncs import find_syncs
-    from runtime.model.config import FLASH
-    from runtime.model.deepseek_v4 import MoE, Parallel
-    cfg = FLASH.replace(dim=256, moe_inter_dim=128, n_routed_experts=8)
-    with torch.device("cuda"):
-        moe = MoE(cfg, cfg.n_hash_layers, Parallel(), torch.bfloat16)
-    x = torch.randn(500, cfg.dim, device="cuda").bfloat16()
+    moe, x, w, idx = _small_routed_call()
     with torch.inference_mode():
-        w, idx = moe.gate(x, torch.zeros(500, dtype=torch.long, device="cuda"))
-        idx = torch.where(torch.arange(idx.numel(), device="cuda").view_as(idx) % 5 == 0, -1, idx)
         got, seen, _ = find_syncs(lambda: moe.routed_loop(x, w, idx), depth=1)
         want = moe.routed_grouped(x, w, idx)
     assert list(seen.values()) == [1] and "routed_loop" in next(iter(seen)), seen
