@@ -77,9 +77,9 @@ def _view_at(flat: torch.Tensor, o: int, t: torch.Tensor) -> torch.Tensor:
     return flat[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
 
 
-def _pack_into(la: LayerArtifact, flat: torch.Tensor, non_blocking: bool = False) -> LayerArtifact:
+def _pack_into(la: LayerArtifact, flat: torch.Tensor, offs: list[int], non_blocking: bool = False) -> LayerArtifact:
+    """`la` packed into `flat` at `offs` (its `_layout` offsets)."""
     ts = _tensors(la)
-    offs, _, _ = _layout(ts)
     views = iter([_view_at(flat, o, t).copy_(t, non_blocking) for t, o in zip(ts, offs)])
     return _map(la, lambda t: next(views))
 
@@ -140,11 +140,11 @@ def packed_storage(la: LayerArtifact) -> torch.Tensor | None:
     return torch.empty(0, dtype=torch.uint8).set_(st, base, (size,), (1,))
 
 
-def rebuild(la: LayerArtifact, flat: torch.Tensor) -> LayerArtifact:
+def rebuild(la: LayerArtifact, flat: torch.Tensor, offs: list[int] | None = None) -> LayerArtifact:
     """`la`'s views (a `packed_storage` layer's: contiguous, laid out by `_layout`) rebuilt on `flat`, a copy of its
-    bytes (e.g. on the device)."""
+    bytes (e.g. on the device); `offs`: that layout's offsets, where the caller has them."""
     ts = _tensors(la)
-    views = iter([_view_at(flat, o, t) for t, o in zip(ts, _layout(ts)[0])])
+    views = iter([_view_at(flat, o, t) for t, o in zip(ts, _layout(ts)[0] if offs is None else offs)])
     return _map(la, lambda t: next(views))
 
 
@@ -168,13 +168,13 @@ def pack_documents(layers: list[LayerArtifact], device, copy=None,
         n += -(-size // whole) * whole
     buf = torch.empty(n, dtype=torch.uint8, device=device)
     out = []
-    for j, (la, (_, size, _), o) in enumerate(zip(layers, plans, starts)):
+    for j, (la, (offs, size, _), o) in enumerate(zip(layers, plans, starts)):
         slot = buf[o:o + size]
         if copy is not None and sources[j] is not None:
             copy(slot, sources[j])
-            out.append(rebuild(la, slot))
+            out.append(rebuild(la, slot, offs))
         else:
-            out.append(_pack_into(la, slot, non_blocking=copy is not None))
+            out.append(_pack_into(la, slot, offs, non_blocking=copy is not None))
     return out, n
 
 
@@ -189,7 +189,7 @@ def pin(doc: DocumentArtifact) -> DocumentArtifact:
     for cap, placed in slab_plan([size for _, size, _ in layouts], [whole for _, _, whole in layouts]):
         slab = torch.empty(cap, dtype=torch.uint8, pin_memory=pinned)
         for li, o in placed:
-            layers[li] = _pack_into(doc.layers[li], slab[o:o + layouts[li][1]])
+            layers[li] = _pack_into(doc.layers[li], slab[o:o + layouts[li][1]], layouts[li][0])
     return DocumentArtifact(doc.tokens, doc.n_content, layers, doc.tp_rank, doc.tp_size, dict(doc.meta))
 
 
