@@ -3,7 +3,8 @@
 `LayerPrefetcher` (benchmarks): hot artifacts already in pinned host memory, staged one layer ahead on a
 dedicated CUDA stream. The consumer asks for layer i; the copy of layer i (issued while layer i-1 ran) is ordered
 before its use by a CUDA event that the compute stream waits on (a device-side wait, never a host poll), and layer
-i+1's copy is issued at once. Staged tensors are recorded on the compute stream so their memory is not reused early.
+i+1's copy is issued at once. A layer's buffer is allocated from the compute stream's pool (one pool for the
+forward and its staging); the side stream waits for that allocation before writing it.
 
 `GroupStager` (the worker): one request's documents arriving layer group by layer group (from the store or the
 host tier, `StagedSource`). A staging thread takes each group as soon as its bytes are there, verifies every shard
@@ -149,13 +150,14 @@ def rebuild(la: LayerArtifact, flat: torch.Tensor, offs: list[int] | None = None
 
 
 def pack_documents(layers: list[LayerArtifact], device, copy=None,
-                   sources: list[torch.Tensor] | None = None) -> tuple[list[LayerArtifact], int]:
+                   sources: list[torch.Tensor] | None = None, alloc=None) -> tuple[list[LayerArtifact], int]:
     """Several documents' layer in ONE new buffer on `device`, document after document, each at a multiple of every
     document's alignment (`_layout`): the consumer reads every document's rows of a field through one view. With
     `copy` (LayerPrefetcher: an asynchronous host->device copy into a slot of the buffer) each `packed_storage`
     layer is copied whole, once (`sources`: their storages, where the caller has them; None for a layer that is
     not packed), and any other is packed into its slot tensor by tensor (asynchronous copies too); without `copy`
-    each tensor is packed into place. Returns the documents' layers and the bytes of the buffer."""
+    each tensor is packed into place. `alloc(n)` makes the buffer (default: torch.empty on `device`). Returns the
+    documents' layers and the bytes of the buffer."""
     if copy is not None:
         sources = [packed_storage(la) for la in layers] if sources is None else sources
         if len(sources) != len(layers):
@@ -166,7 +168,7 @@ def pack_documents(layers: list[LayerArtifact], device, copy=None,
     for _, size, _ in plans:
         starts.append(n)
         n += -(-size // whole) * whole
-    buf = torch.empty(n, dtype=torch.uint8, device=device)
+    buf = alloc(n) if alloc is not None else torch.empty(n, dtype=torch.uint8, device=device)
     out = []
     for j, (la, (offs, size, _), o) in enumerate(zip(layers, plans, starts)):
         slot = buf[o:o + size]
@@ -250,6 +252,25 @@ class LayerPrefetcher:
             self.staged[i] = ([d.layers[i] for d in self.docs], None)
             self._private[i] = inner
             return
+        cur = torch.cuda.current_stream(self.device)
+
+        def alloc(n: int) -> torch.Tensor:
+            # the layer's buffer comes from the compute stream's pool, which reads it and frees it: blocks cached
+            # for the side stream cannot serve the compute stream's allocations, and with them beside what a
+            # recompute-sized forward leaves cached, a 128K reuse request made the allocator retry (free its cache,
+            # synchronizing every stream) and map memory anew, 61 cudaMallocs a request; with one pool, none
+            # (docs/BENCHMARKS.md run 15).
+            # The side stream writes it only once the compute stream reached this allocation (the block may be one
+            # the compute stream freed and its queued work still uses), and it is recorded on the side stream so
+            # that a buffer freed before its copy ended (a layer never read) is not reused early.
+            with torch.cuda.stream(cur):
+                buf = torch.empty(n, dtype=torch.uint8, device=self.device)
+                ev = torch.cuda.Event()
+                ev.record(cur)
+            self.stream.wait_event(ev)
+            buf.record_stream(self.stream)
+            return buf
+
         with torch.cuda.stream(self.stream):
             copied = []
 
@@ -265,7 +286,7 @@ class LayerPrefetcher:
                 sources = [packed_storage(la) for la in host]
                 self.loose += sum(src is None for src in sources)
                 layers, n = pack_documents(host, self.device, lambda slot, src: slot.copy_(src, non_blocking=True),
-                                           sources)
+                                           sources, alloc)
                 self.bytes_copied += n
                 copied = [True] * len(host)
             else:

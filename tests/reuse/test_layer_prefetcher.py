@@ -46,13 +46,17 @@ def test_cpu_each_layer_once_one_ahead():
 def test_cuda_waits_and_records_once_per_layer(monkeypatch):
     waits, records = [], []
     real_wait, real_record = torch.cuda.Stream.wait_event, torch.Tensor.record_stream
-    monkeypatch.setattr(torch.cuda.Stream, "wait_event", lambda s, ev: (waits.append(ev), real_wait(s, ev))[1])
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: (records.append(1), real_record(t, s))[1])
+    monkeypatch.setattr(torch.cuda.Stream, "wait_event", lambda s, ev: (waits.append(s), real_wait(s, ev))[1])
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: (records.append(s), real_record(t, s))[1])
     pf = _run("cuda")
-    assert len(waits) == pf.n_layers                          # one device-side wait per layer
+    compute = torch.cuda.current_stream()
+    # per layer, device-side waits only: the compute stream on the copy, the side stream on the buffer's allocation
+    # (the buffer comes from the compute stream's pool)
+    assert waits.count(compute) == waits.count(pf.stream) == pf.n_layers and len(waits) == 2 * pf.n_layers
     # host documents not packed by `pin`: each tensor copied into the layer's one buffer, recorded once per buffer
+    # on each stream that used it
     from runtime.reuse.prefetch import pack_documents
-    assert len(records) == pf.n_layers
+    assert records.count(compute) == records.count(pf.stream) == pf.n_layers and len(records) == 2 * pf.n_layers
     assert pf.loose == pf.n_layers * 3
     assert pf.bytes_copied == sum(pack_documents([d.layers[i] for d in _docs()], "cpu")[1]
                                   for i in range(pf.n_layers))
