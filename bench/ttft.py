@@ -324,8 +324,19 @@ def main() -> int:
 
         rec_t, reu_t, alloc = [], [], []
         other_t, other_res = {b: [] for b in extra}, {}
-        timed(lambda: model(full), device)                       # warm-up, every arm
-        _, res = timed(reuse, device)
+        mem = {}                                                 # warm-up, every arm
+        for arm, fn in (("recompute", lambda: model(full)), ("reuse", reuse)):
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            _, res = timed(fn, device)
+            if device.type == "cuda":
+                mem[arm] = dict(peak_allocated=torch.cuda.max_memory_allocated(),
+                                peak_reserved=torch.cuda.max_memory_reserved())
+        if mem:
+            gpu = torch.cuda.get_device_properties(device).total_memory
+            print(f"## {L} tokens, warm-up: " + "; ".join(
+                f"{arm} peak allocated {m['peak_allocated'] / 2**30:.1f} GiB, reserved {m['peak_reserved'] / 2**30:.1f}"
+                f" GiB" for arm, m in mem.items()) + f" (GPU {gpu / 2**30:.1f} GiB)", flush=True)
         for b, eng in others.items():
             timed(lambda: reuse(eng), device)
         bes_t = {name: [] for name in beside}
@@ -352,7 +363,7 @@ def main() -> int:
                    flop_saving=led["flop_saving"], build_s=t_build, active=led["rows"]["active"],
                    relocated=led["rows"]["relocated"], recompute_all=rec_t, reuse_all=reu_t, extra=[],
                    staged_loose=max(loose, default=0),
-                   allocator=max(alloc, key=lambda d: d["num_sync_all_streams"], default={}))
+                   allocator=max(alloc, key=lambda d: d["num_sync_all_streams"], default={}), warmup_memory=mem)
         if row["allocator"].get("num_sync_all_streams") or row["allocator"].get("num_alloc_retries"):
             print(f"## {L} tokens: the caching allocator synchronized during a reuse run: {row['allocator']}",
                   flush=True)
