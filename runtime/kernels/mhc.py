@@ -107,15 +107,21 @@ if HAVE_TRITON:
                      mask=rmask[:, None] & dmask[None, :])
 
     @triton.jit
-    def _hc_post_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, T, D, HC: tl.constexpr, BT: tl.constexpr,
-                        BD: tl.constexpr):
+    def _hc_post_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, yrow_ptr, orow_ptr, T, D, HC: tl.constexpr,
+                        BT: tl.constexpr, BD: tl.constexpr, Y_ROWS: tl.constexpr, OUT_ROWS: tl.constexpr):
         rows = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
         ds = tl.program_id(1) * BD + tl.arange(0, BD)
         rmask = rows < T
         dmask = ds < D
         h = tl.arange(0, HC)
         m2 = rmask[:, None] & dmask[None, :]
-        y = tl.load(y_ptr + rows[:, None] * D + ds[None, :], mask=m2, other=0.0).to(tl.float32)
+        yr = rows
+        if Y_ROWS:                     # row t's block output is row yrow[t] of y (y in another row order)
+            yr = tl.load(yrow_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        orow = rows
+        if OUT_ROWS:                   # row t's new streams go to row orow[t] of out (written in place)
+            orow = tl.load(orow_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        y = tl.load(y_ptr + yr[:, None] * D + ds[None, :], mask=m2, other=0.0).to(tl.float32)
         x3 = tl.load(x_ptr + rows[:, None, None] * (HC * D) + h[None, :, None] * D + ds[None, None, :],
                      mask=rmask[:, None, None] & dmask[None, None, :], other=0.0).to(tl.float32)
         for i in tl.static_range(HC):
@@ -123,7 +129,7 @@ if HAVE_TRITON:
             cj = tl.load(comb_ptr + rows[:, None] * (HC * HC) + h[None, :] * HC + i,
                          mask=rmask[:, None], other=0.0)                       # comb[t, j, i] over j
             o = p[:, None] * y + tl.sum(cj[:, :, None] * x3, axis=1)
-            tl.store(out_ptr + rows[:, None] * (HC * D) + i * D + ds[None, :], o.to(out_ptr.dtype.element_ty),
+            tl.store(out_ptr + orow[:, None] * (HC * D) + i * D + ds[None, :], o.to(out_ptr.dtype.element_ty),
                      mask=m2)
 
 
@@ -185,18 +191,33 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     return out, pre, post, comb
 
 
-def hc_post(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """post_i * y + sum_j comb[j, i] x_j for every stream i: `Block.hc_post` in one launch, in x's dtype."""
+def hc_post(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+            y_rows: torch.Tensor | None = None, out: torch.Tensor | None = None,
+            out_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """post_i * y + sum_j comb[j, i] x_j for every stream i: `Block.hc_post` in one launch, in x's dtype. With
+    `y_rows` [T], row t's block output is y[y_rows[t]] (y in another row order, read where it lies); with `out` and
+    `out_rows` [T], row t's new streams are written into out[out_rows[t]] and out is returned (the caller's
+    row-wise replacement, without a copy of the result first)."""
     check_runnable(x)
     assert supported(x), x.shape
     T, hc, D = x.shape
-    assert y.shape == (T, D) and post.shape == (T, hc) and comb.shape == (T, hc, hc), (y.shape, post.shape)
+    assert y.dim() == 2 and y.shape[1] == D and (y_rows is not None or y.shape[0] == T), (y.shape, x.shape)
+    assert post.shape == (T, hc) and comb.shape == (T, hc, hc), (post.shape, comb.shape)
+    assert (out is None) == (out_rows is None), "out and out_rows come together"
+    for r in (y_rows, out_rows):
+        assert r is None or (r.shape == (T,) and r.device == x.device and not r.is_floating_point()), r
     x, y = x.contiguous(), y.contiguous()
     post, comb = post.float().contiguous(), comb.float().contiguous()
-    out = torch.empty_like(x)
+    if out is None:
+        out = torch.empty_like(x)
+    else:
+        assert out.dim() == 3 and out.shape[1:] == x.shape[1:] and out.dtype == x.dtype and out.is_contiguous(), \
+            (out.shape, out.dtype)
     if T == 0:
         return out
     bt, bd = 16, min(128, triton.next_power_of_2(D))
-    _hc_post_kernel[(triton.cdiv(T, bt), triton.cdiv(D, bd))](y, x, post, comb, out, T, D, HC=hc, BT=bt, BD=bd,
-                                                              num_warps=4)
+    _hc_post_kernel[(triton.cdiv(T, bt), triton.cdiv(D, bd))](
+        y, x, post, comb, out, x if y_rows is None else y_rows.contiguous(),
+        x if out_rows is None else out_rows.contiguous(), T, D, HC=hc, BT=bt, BD=bd, Y_ROWS=y_rows is not None,
+        OUT_ROWS=out_rows is not None, num_warps=4)
     return out

@@ -444,15 +444,16 @@ class Indexer(nn.Module):
 
 # ============================================================================ attention
 
-def grouped_projection(o: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def grouped_projection(o: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
+                       add: bool = True) -> torch.Tensor:
     """Each group's block of W_a: o [T, G, i], w [G, R, i] -> [T, G*R] with columns g*R..(g+1)*R = o[:, g] @ w[g]^T.
     One batched GEMM over strided views (the groups are the batch): o and w are read where they lie and the result
     is written in its [T, G*R] layout, where an einsum permutes its result and copies it. With `out` [T, G*R]
     given, the products are added to it inside the same GEMM (beta = 1: the sum is rounded once) and out is
-    returned."""
+    returned; with `add` False they are written into it (beta = 0: its contents are never read)."""
     T, G, _ = o.shape
     R = w.shape[1]
-    beta = 1.0
+    beta = 1.0 if add else 0.0
     if out is None:     # beta = 0: the empty tensor's contents are never read (nor a NaN in them propagated)
         out, beta = torch.empty((T, G * R), dtype=o.dtype, device=o.device), 0.0
     assert out.shape == (T, G * R) and out.is_contiguous(), (out.shape, T, G, R)
@@ -512,11 +513,12 @@ class Attention(nn.Module):
         position (so the output depends on relative positions only), then each group's block of W_a."""
         return self.project_relative(Rotary.apply(o, *self.rotary.cos_sin(positions), inverse=True))
 
-    def project_relative(self, o: torch.Tensor) -> torch.Tensor:
+    def project_relative(self, o: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """`project` on outputs whose inverse RoPE is already applied (the reuse consumer de-rotates each segment's
-        partial output at its own shifted query position): each group's block of W_a."""
+        partial output at its own shifted query position): each group's block of W_a (written into `out`, given)."""
         T, G, R = o.shape[0], self.n_groups, self.cfg.o_lora_rank
-        return grouped_projection(o.reshape(T, G, -1).to(self.wo_a.weight.dtype), self.wo_a.weight.view(G, R, -1))
+        return grouped_projection(o.reshape(T, G, -1).to(self.wo_a.weight.dtype), self.wo_a.weight.view(G, R, -1),
+                                  out, add=False)
 
     def output(self, p: torch.Tensor) -> torch.Tensor:
         """W_b once, row-parallel: one all-reduce."""
@@ -841,13 +843,22 @@ class Block(nn.Module):
         return collapsed, post, comb
 
     @staticmethod
-    def hc_post(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-        """New streams: post * block output + comb^T @ old streams (comb is doubly stochastic, not symmetric)."""
+    def hc_post(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                y_rows: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                out_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """New streams: post * block output + comb^T @ old streams (comb is doubly stochastic, not symmetric).
+        With `y_rows`, row t's block output is y[y_rows[t]]; with `out` and `out_rows`, row t's new streams replace
+        out[out_rows[t]] (in place) and out is returned. The kernel reads and writes those rows where they lie."""
         from runtime.kernels import enabled, mhc
+        if (out is None) != (out_rows is None):
+            raise ValueError("hc_post: out and out_rows come together")
         if enabled(x) and mhc.supported(x):
-            return mhc.hc_post(y, x, post, comb)
+            return mhc.hc_post(y, x, post, comb, y_rows, out, out_rows)
         dt = x.dtype
-        return post.to(dt).unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(comb.to(dt).transpose(-1, -2), x)
+        if y_rows is not None:
+            y = y.index_select(0, y_rows)
+        new = post.to(dt).unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(comb.to(dt).transpose(-1, -2), x)
+        return new if out is None else out.index_copy_(0, out_rows, new)
 
     def forward(self, x, tokens, positions, cache: LayerCache, q_chunk: int) -> torch.Tensor:
         with phase("blk.attn"):

@@ -385,14 +385,18 @@ def _keep_apart(segs: list[SegmentKeys], states: list[CompressorState], docs, i:
                 setattr(st, f.name, getattr(st, f.name).clone())
 
 
-def gather_rows(parts, n: int, width: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """[n, width]: for each (src [m, width], ids, off) of `parts`, rows off.. of the result = src[ids], gathered
-    straight into place (no temporary per part). The parts must cover rows 0..n-1."""
+def gather_rows(parts, n: int, width: int, dtype: torch.dtype, device, out=None) -> torch.Tensor:
+    """[n, width]: for each (src [m, width], ids, off) of `parts`, rows off.. of the result (`out`, given) =
+    src[ids], gathered straight into place (no temporary per part). The parts must cover rows 0..n-1."""
     spans = sorted((off, off + ids.numel()) for _, ids, off in parts)
     ends = [0] + [b for _, b in spans]
     if [a for a, _ in spans] != ends[:-1] or ends[-1] != n:     # no row left unwritten, none written twice
         raise ValueError(f"the parts' row ranges {spans} must tile rows 0..{n - 1} exactly")
-    out = torch.empty((n, width), dtype=dtype, device=device)
+    if out is None:
+        out = torch.empty((n, width), dtype=dtype, device=device)
+    elif out.shape != (n, width) or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"gather_rows: out must be contiguous [{n}, {width}] {dtype}, got {tuple(out.shape)} "
+                         f"{out.dtype}")
     for src, ids, off in parts:
         dst = out[off:off + ids.numel()]
         if src.dtype == dtype and src.device == dst.device:
@@ -464,6 +468,9 @@ class _Split:
     ra_host: torch.Tensor | None = None         # row_active on the host
     # one-view row ids (`_rows_view`): (what, the documents' first rows in the view) -> their rows in the view
     view_rows: dict = field(default_factory=dict)
+    # where both kinds of rows exist: each call row's place in the split order (active rows, then the others),
+    # in which the projected state is written (`_rows`)
+    split_pos: torch.Tensor | None = None
 
 
 @dataclass
@@ -631,6 +638,11 @@ class ReuseEngine:
             d = to_device_nowait(ids, dev)
             return _Rows(d, positions.index_select(0, d), pos_host[ids].numpy())
         sp = _Split(rows(act_h), rows(rest_h))
+        if sp.act is not None and sp.rest is not None:
+            split_pos = torch.empty(row_active.shape[0], dtype=torch.long)
+            split_pos[act_h] = torch.arange(act_h.numel())
+            split_pos[rest_h] = torch.arange(act_h.numel(), row_active.shape[0])
+            sp.split_pos = to_device_nowait(split_pos, dev)
         a = n_act = n_rest = 0
         for j, d in enumerate(reloc, start=1):
             mine = ra_host[a:a + d.n]
@@ -865,20 +877,29 @@ class ReuseEngine:
             qr = attn.q_norm(attn.wq_a(hn))
         act, rest = sp.act, (None if fence else sp.rest)
         pairs = 0
-        P = (hn.new_zeros if sp.rest is not None and fence else hn.new_empty)((M, attn.n_groups * cfg.o_lora_rank))
+        GR = attn.n_groups * cfg.o_lora_rank
+        # with both kinds of rows, the projected state is laid out in the split order (active rows, then the
+        # others): each part's GEMM writes its own rows' block in place, and hc_post reads W_b's output through
+        # `split_pos`, so no part is scattered into the rows' order through HBM; otherwise in the rows' order
+        split = (act is not None and rest is not None and sp.split_pos is not None
+                 and hn.dtype == attn.wo_a.weight.dtype)
+        P = (hn.new_zeros if sp.rest is not None and fence else hn.new_empty)((M, GR))
         if act is not None:                        # every head, native W_a
             with phase("rk.attn.active"):
                 qa = act.take(qr)
                 q = unweighted_rms_norm(attn.wq_b(qa).view(-1, attn.n_heads, cfg.head_dim), cfg.norm_eps)
                 o, p = self._attend(attn, q, act, all_segs, attn.attn_sink, act.take(hn) if attn.indexer else None,
                                     qa)
-                P = act.put_(P, attn.project_relative(o.to(hn.dtype)))
+                if split:
+                    attn.project_relative(o.to(hn.dtype), P[:act.n])
+                else:
+                    P = act.put_(P, attn.project_relative(o.to(hn.dtype)))
                 pairs = pairs + p * attn.n_heads
         if rest is not None:                       # Global heads only, their slice of wq_b and of W_a
-            pg = None
+            pg = P[M - rest.n:] if split else None
             if docs is not None:                   # W_a,L O_L of these rows from their documents, in the rows' order
                 with phase("rk.restore"):
-                    pg = self._restored_local(i, sp, docs, rest.n, attn)
+                    pg = self._restored_local(i, sp, docs, rest.n, attn, pg)
             with phase("rk.attn.global"):
                 gm = self._global_heads(x.device)
                 Hg = gm.numel()
@@ -891,15 +912,17 @@ class ReuseEngine:
                     own = self._own_picks(i, sp)
                 o, p = self._attend(attn, q, rest, all_segs, attn.attn_sink.index_select(0, gm),
                                     rest.take(hn) if attn.indexer and own is None else None, qg, own)
-                pg = self._project_global(attn, o.to(hn.dtype), pg)     # + W_a,G O_G, in the same GEMM
-            P = rest.put_(P, pg)
+                # + W_a,G O_G in the same GEMM (onto the restored rows), or written into the split layout's rows
+                pg = self._project_global(attn, o.to(hn.dtype), pg, add=docs is not None)
+            if not split:
+                P = rest.put_(P, pg)
             pairs = pairs + p * Hg
         par = self.model.par.size                  # every rank holds its own heads
         self._defer(ledger, "reusable_layer", i, act.n if act else 0, 0 if fence or not sp.rest else sp.rest.n,
                     (0 if fence else int(self.gmask.sum())) * par, pairs * par,
                     (act.n if act else 0) if (fence or prof.global_picks == "artifact") else M)
         with phase("rk.output"):
-            x_attn = block.hc_post(attn.output(P), x, post, comb)
+            x_attn = block.hc_post(attn.output(P), x, post, comb, sp.split_pos if split else None)
 
         if fence or prof.ffn_mode == "skip":
             # only active rows have an FFN: the others keep the attention sub-block's output (residual identity),
@@ -918,8 +941,11 @@ class ReuseEngine:
                 else:
                     y = self._moe_adaptive(block, hn2, ta, ledger)
                 y = block.ffn.par.all_reduce(y).to(x.dtype)
-                mixed = block.hc_post(y, xa, post2, comb2)
-            return act.put(keep, mixed) if keep is x else act.put_(keep, mixed)
+                if keep is x or act.idx is None:
+                    mixed = block.hc_post(y, xa, post2, comb2)
+                    return act.put(keep, mixed) if keep is x else act.put_(keep, mixed)
+                # the active rows' new streams written straight into their rows of this layer's own output
+                return block.hc_post(y, xa, post2, comb2, out=keep, out_rows=act.idx)
         h2, post2, comb2 = block.hc_pre(x_attn, "ffn")
         hn2 = block.ffn_norm(h2)
         y = torch.zeros_like(hn2, dtype=torch.float32)
@@ -982,25 +1008,28 @@ class ReuseEngine:
         return kept_on_weights((w,), "_rk_global_wq", lambda: w.view(attn.n_heads, self.cfg.head_dim, -1)
                                .index_select(0, gm).reshape(-1, w.shape[1]), self._gm_key)
 
-    def _project_global(self, attn, o_g, local=None):
+    def _project_global(self, attn, o_g, local=None, add=True):
         """W_a,G O_G on outputs already de-rotated at their query positions: each group's W_a restricted to its
         Global heads' columns (a strided view of the weight, not a copy). With `local` (the rows' W_a,L O_L,
-        `_restored_local`) the products are added to it in the GEMM: P = W_a,G O_G + W_a,L O_L rounded once."""
+        `_restored_local`) the products are added to it in the GEMM: P = W_a,G O_G + W_a,L O_L rounded once; with
+        `add` False, `local` is only where they are written."""
         cfg, prof = self.cfg, self.profile
         G, R, hpg, gpg = attn.n_groups, cfg.o_lora_rank, cfg.heads_per_group, prof.global_per_group
         w = attn.wo_a.weight.view(G, R, hpg, cfg.head_dim)[:, :, :gpg].reshape(G, R, gpg * cfg.head_dim)
-        return grouped_projection(o_g.reshape(-1, G, gpg * cfg.head_dim).to(w.dtype), w, local)
+        return grouped_projection(o_g.reshape(-1, G, gpg * cfg.head_dim).to(w.dtype), w, local, add)
 
-    def _restored_local(self, i, sp: _Split, docs, n_rest: int, attn) -> torch.Tensor:
-        """[n_rest, G*R] the non-active rows' W_a,L O_L from their documents' artifacts, in the rows' order."""
+    def _restored_local(self, i, sp: _Split, docs, n_rest: int, attn, out=None) -> torch.Tensor:
+        """[n_rest, G*R] the non-active rows' W_a,L O_L from their documents' artifacts, in the rows' order
+        (gathered into `out`, given: contiguous, of W_a's dtype)."""
         w = attn.wo_a.weight
         local = [docs[j].layers[i].local_p for j, _, _ in sp.rest_local]
         view = _rows_view(local)
         if view is not None and view[0].dtype == w.dtype and view[0].device == w.device:     # one gather
             rows, firsts = view
-            return rows.index_select(0, _view_rows(sp, "local_p", firsts, [(ids,) for _, ids, _ in sp.rest_local]))
+            ids = _view_rows(sp, "local_p", firsts, [(ids,) for _, ids, _ in sp.rest_local])
+            return rows.index_select(0, ids) if out is None else torch.index_select(rows, 0, ids, out=out)
         return gather_rows([(t, ids, off) for t, (j, ids, off) in zip(local, sp.rest_local)], n_rest,
-                           attn.n_groups * self.cfg.o_lora_rank, w.dtype, w.device)
+                           attn.n_groups * self.cfg.o_lora_rank, w.dtype, w.device, out)
 
     def _moe_adaptive(self, block, h, tokens, ledger) -> torch.Tensor:
         """Top-6 by the router, then k = smallest k >= min_experts whose normalized cumulative weight reaches

@@ -25,7 +25,8 @@ INDEXER = dict(q_ptr="*bf16", k_ptr="*bf16", w_ptr="*fp32", cpos_ptr="*i64", o_p
 HC_MIX = dict(x_ptr="*bf16", fn_ptr="*fp32", mix_ptr="*fp32", norm_eps="fp32")
 HC_WEIGHTS = dict(x_ptr="*bf16", mix_ptr="*fp32", base_ptr="*fp32", scale_ptr="*fp32", pre_ptr="*fp32",
                   post_ptr="*fp32", comb_ptr="*fp32", out_ptr="*bf16", hc_eps="fp32")
-HC_POST = dict(y_ptr="*bf16", x_ptr="*bf16", post_ptr="*fp32", comb_ptr="*fp32", out_ptr="*bf16")
+HC_POST = dict(y_ptr="*bf16", x_ptr="*bf16", post_ptr="*fp32", comb_ptr="*fp32", out_ptr="*bf16",
+               yrow_ptr="*i64", orow_ptr="*i64")
 ROPE = dict(x_ptr="*bf16", s_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32")
 RMS = dict(x_ptr="*bf16", w_ptr="*fp32", y_ptr="*bf16", eps="fp32")
 FUSED_C = dict(D=512, HALF_R=32, RP=32, COLS=multiseg.COLS, PREC="tf32")
@@ -52,7 +53,9 @@ KERNELS = [
     ("mHC mix, float32 FMA dot", mhc._hc_mix_kernel, dict(HC_MIX, x_ptr="*fp32"),
      dict(MIX=24, MIXP=32, BT=32, BK=64, SPLIT=False), 4, False),
     ("mHC weights", mhc._hc_weights_kernel, HC_WEIGHTS, dict(HC=4, BT=16, BD=256), 4, False),
-    ("mHC post", mhc._hc_post_kernel, HC_POST, dict(HC=4, BT=16, BD=128), 4, False),
+    ("mHC post", mhc._hc_post_kernel, HC_POST, dict(HC=4, BT=16, BD=128, Y_ROWS=False, OUT_ROWS=False), 4, False),
+    ("mHC post, row maps", mhc._hc_post_kernel, HC_POST, dict(HC=4, BT=16, BD=128, Y_ROWS=True, OUT_ROWS=True), 4,
+     False),
     ("RoPE slice", rope._rope_kernel, ROPE, dict(INVERSE=False, HALF=32, BLOCK_H=16), 1, False),
     ("RMS norm, 4096 wide", rmsnorm._rms_norm_kernel, RMS, dict(BLOCK=4096), 8, False),
 ]

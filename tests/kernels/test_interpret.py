@@ -172,6 +172,15 @@ def test_mhc_kernels_equal_the_torch_path():
     assert max(rel_err(pre, rpre), rel_err(post, rpost), rel_err(comb, rcomb)) <= TOL
     assert rel_err(col, (rpre.unsqueeze(-1) * x).sum(1)) <= TOL
     assert rel_err(mhc.hc_post(y, x, post, comb), Block.hc_post(y, x, rpost, rcomb)) <= TOL
+    # row maps: y read in another order, the result written into given rows of an existing tensor (others kept)
+    perm, rows = torch.randperm(37, generator=g), torch.randperm(50, generator=g)[:37]
+    dst = torch.randn(50, 4, 64, generator=g)
+    keep = dst.clone()
+    got = mhc.hc_post(y, x, post, comb, perm, dst, rows)
+    assert got is dst and rel_err(got[rows], Block.hc_post(y[perm], x, rpost, rcomb)) <= TOL
+    others = torch.ones(50, dtype=torch.bool)
+    others[rows] = False
+    assert torch.equal(got[others], keep[others])
 
 
 @torch.no_grad()

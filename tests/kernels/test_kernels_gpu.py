@@ -367,6 +367,17 @@ def test_mhc_kernels_equal_model_hc(T, D, dtype):
     tol = 1e-6 if dtype == torch.float32 else TOL
     assert rel_err(col, (rpre.unsqueeze(-1) * x.double()).sum(1)) < tol
     assert rel_err(new, Block.hc_post(y.double(), x.double(), post.double(), comb.double())) < tol
+    # row maps (the consumer's split layout and in-place FFN rows): bit for bit the plain kernel on gathered y, its
+    # result written into the given rows of an existing tensor, the other rows untouched
+    perm = torch.randperm(T, device=DEV, generator=g)
+    dst = torch.randn(T + 5, hc, D, device=DEV, generator=g).to(dtype)
+    rows = torch.randperm(T + 5, device=DEV, generator=g)[:T]
+    keep = dst.clone()
+    got = mhc.hc_post(y, x, post, comb, perm, dst, rows)
+    assert got is dst and torch.equal(got[rows], mhc.hc_post(y[perm], x, post, comb))
+    others = torch.ones(T + 5, dtype=torch.bool, device=DEV)
+    others[rows] = False
+    assert torch.equal(got[others], keep[others])
 
 
 @pytest.mark.parametrize("kind,H", [("window", 64), ("hca", 64), ("hca", 8), ("csa-own", 64), ("csa-own", 8)])

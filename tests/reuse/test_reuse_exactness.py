@@ -342,3 +342,67 @@ def test_documents_in_one_buffer_take_one_view_overlays_and_gathers(model, reque
     views.clear()
     got = ReuseEngine(model, prof).prefill([owned_copy(a) for a in arts], question)   # separate tensors
     assert torch.equal(got.logits, ref.logits) and views and not any(views)
+
+
+def test_split_layout_of_the_projected_state_equals_the_rows_order(model, request_tokens, monkeypatch):
+    """With active and other rows both present, a reusable layer lays its projected state out active rows first,
+    then the others: each part's W_a GEMM (and the Local restore) writes its own block in place and hc_post reads
+    W_b's output through `split_pos`, instead of two scatters into the rows' order. Same prefill and decode as the
+    rows-order layout (float32, to rounding: only W_b's row order differs), and the split layout was really taken
+    in every reusable layer that has both kinds of rows."""
+    docs, question = request_tokens
+    prof = ReuseProfile(**BASE, budget=0.25, recent_rows=16, join_rows=8)
+    arts = [produce(model, t, prof) for t in docs]
+    from runtime.model.deepseek_v4 import Block
+    real_post, maps = Block.hc_post, []
+
+    def post(y, x, p, c, y_rows=None, out=None, out_rows=None):
+        maps.append((y_rows is not None, out_rows is not None))
+        return real_post(y, x, p, c, y_rows, out, out_rows)
+    monkeypatch.setattr(Block, "hc_post", staticmethod(post))
+    got = ReuseEngine(model, prof).prefill(arts, question)
+    n_reusable = sum(1 for i in prof.reusable_layers(CFG) if i >= prof.first_fences)
+    assert maps.count((True, False)) == n_reusable                 # W_b's output read through split_pos
+    assert maps.count((False, True)) == n_reusable                 # the FFN's new streams written into their rows
+    step = ReuseEngine(model, prof)
+    nxt = int(got.logits.argmax())
+    got_next = step.decode(got.state, nxt)
+
+    real_split = ReuseEngine._split
+
+    def rows_order(self, *a):
+        sp = real_split(self, *a)
+        sp.split_pos = None
+        return sp
+    monkeypatch.setattr(ReuseEngine, "_split", rows_order)
+    maps.clear()
+    ref = ReuseEngine(model, prof).prefill(arts, question)
+    assert maps.count((True, False)) == 0
+    assert rel_err(got.logits, ref.logits) <= 1e-6
+    assert torch.equal(got.active_rows, ref.active_rows)
+    assert rel_err(got_next, ReuseEngine(model, prof).decode(ref.state, nxt)) <= 1e-6
+
+
+def test_hc_post_row_maps_equal_gathering_and_scattering_around_it():
+    """`Block.hc_post` with `y_rows` (block output in another row order) and with `out`/`out_rows` (written into
+    the given rows of an existing tensor) equals gathering y first and index_copy_ of the result; the other rows
+    of `out` are left as they were; out without out_rows is refused."""
+    from runtime.model.deepseek_v4 import Block
+    g = torch.Generator().manual_seed(5)
+    T, hc, D = 9, 4, 16
+    x, y = torch.randn(T, hc, D, generator=g), torch.randn(T, D, generator=g)
+    post = torch.rand(T, hc, generator=g)
+    comb = torch.rand(T, hc, hc, generator=g)
+    perm = torch.randperm(T, generator=g)
+    want = Block.hc_post(y[perm], x, post, comb)
+    assert torch.equal(Block.hc_post(y, x, post, comb, y_rows=perm), want)
+    dst = torch.randn(20, hc, D, generator=g)
+    rows = torch.randperm(20, generator=g)[:T]
+    keep = dst.clone()
+    out = Block.hc_post(y, x, post, comb, perm, out=dst, out_rows=rows)
+    assert out is dst and torch.equal(out[rows], want)
+    others = torch.ones(20, dtype=torch.bool)
+    others[rows] = False
+    assert torch.equal(out[others], keep[others])
+    with pytest.raises(ValueError, match="come together"):
+        Block.hc_post(y, x, post, comb, out=dst)
