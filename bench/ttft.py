@@ -257,6 +257,10 @@ def main() -> int:
     ap.add_argument("--frame-too", choices=["key", "query"], default=None,
                     help="also time the reuse arm at --budget with REDKNOT_MULTISEG_FRAME set to this (key: every fused "
                          "call through the key-frame kernel) beside the run's own setting, interleaved")
+    ap.add_argument("--split-too", choices=["0", "1"], default=None,
+                    help="also time the reuse arm at --budget with REDKNOT_SPLIT_STATE set to this (0: the projected "
+                         "state in the rows' order, each part scattered into it) beside the run's own setting, "
+                         "interleaved")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
@@ -320,7 +324,8 @@ def main() -> int:
         beside = {name: (env, key, on) for name, env, key, on in (
             ("fused", {"REDKNOT_FUSED_SEGMENTS": args.fused_too}, "fused_mode", args.fused_too),
             ("moe", {"REDKNOT_MOE_GROUPED": "1" if args.moe_too == "grouped" else "0"}, "moe_form", args.moe_too),
-            ("frame", {"REDKNOT_MULTISEG_FRAME": args.frame_too}, "frame", args.frame_too)) if on}
+            ("frame", {"REDKNOT_MULTISEG_FRAME": args.frame_too}, "frame", args.frame_too),
+            ("split", {"REDKNOT_SPLIT_STATE": args.split_too}, "split_state", args.split_too)) if on}
 
         rec_t, reu_t, alloc = [], [], []
         other_t, other_res = {b: [] for b in extra}, {}
@@ -428,7 +433,8 @@ def main() -> int:
               f"{row['active']}/{row['relocated']})" + (f"  cold {row['cold_s']:.3f} s" if "cold_s" in row else "")
               + (f"  fused={args.fused_too} {row['fused_s']:.3f} s" if "fused_s" in row else "")
               + (f"  MoE {args.moe_too} {row['moe_s']:.3f} s" if "moe_s" in row else "")
-              + (f"  frame={args.frame_too} {row['frame_s']:.3f} s" if "frame_s" in row else ""), flush=True)
+              + (f"  frame={args.frame_too} {row['frame_s']:.3f} s" if "frame_s" in row else "")
+              + (f"  split={args.split_too} {row['split_s']:.3f} s" if "split_s" in row else ""), flush=True)
         for e in row["extra"]:
             print(f"T={row['tokens']:7d}  budget {e['budget']:.0%}: reuse {e['reuse_s']:7.3f} s  speedup "
                   f"{e['speedup']:5.2f}x  (analytic FLOP ratio {e['flop_ratio']:.2f}x; head-row "

@@ -124,6 +124,17 @@ def fused_segments(n_heads: int) -> bool:
     return mode == "1" or (mode == "auto" and n_heads >= FUSED_MIN_HEADS)
 
 
+def split_state() -> bool:
+    """Whether reusable layers lay the projected state out in split order (active rows, then the others; `_rows`),
+    per REDKNOT_SPLIT_STATE: "1" (default) or "0" (the rows' order, each part scattered into it: the layout before,
+    kept to be timed beside it, `bench/ttft.py --split-too 0`). Both give the same result to rounding
+    (tests/reuse/test_reuse_exactness.py)."""
+    mode = os.environ.get("REDKNOT_SPLIT_STATE", "1")
+    if mode not in ("0", "1"):
+        raise ValueError(f"REDKNOT_SPLIT_STATE must be 0 or 1, got {mode!r}")
+    return mode == "1"
+
+
 def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: list[SegmentKeys], sink: torch.Tensor,
                       idx_inputs=None, picks: list | None = None, qpos_host: np.ndarray | None = None,
                       own_picks: torch.Tensor | None = None, trig: dict | None = None,
@@ -882,7 +893,7 @@ class ReuseEngine:
         # others): each part's GEMM writes its own rows' block in place, and hc_post reads W_b's output through
         # `split_pos`, so no part is scattered into the rows' order through HBM; otherwise in the rows' order
         split = (act is not None and rest is not None and sp.split_pos is not None
-                 and hn.dtype == attn.wo_a.weight.dtype)
+                 and hn.dtype == attn.wo_a.weight.dtype and split_state())
         P = (hn.new_zeros if sp.rest is not None and fence else hn.new_empty)((M, GR))
         if act is not None:                        # every head, native W_a
             with phase("rk.attn.active"):

@@ -368,19 +368,16 @@ def test_split_layout_of_the_projected_state_equals_the_rows_order(model, reques
     nxt = int(got.logits.argmax())
     got_next = step.decode(got.state, nxt)
 
-    real_split = ReuseEngine._split
-
-    def rows_order(self, *a):
-        sp = real_split(self, *a)
-        sp.split_pos = None
-        return sp
-    monkeypatch.setattr(ReuseEngine, "_split", rows_order)
+    monkeypatch.setenv("REDKNOT_SPLIT_STATE", "0")               # the rows' order, each part scattered into it
     maps.clear()
     ref = ReuseEngine(model, prof).prefill(arts, question)
     assert maps.count((True, False)) == 0
     assert rel_err(got.logits, ref.logits) <= 1e-6
     assert torch.equal(got.active_rows, ref.active_rows)
     assert rel_err(got_next, ReuseEngine(model, prof).decode(ref.state, nxt)) <= 1e-6
+    monkeypatch.setenv("REDKNOT_SPLIT_STATE", "yes")
+    with pytest.raises(ValueError, match="REDKNOT_SPLIT_STATE must be 0 or 1"):
+        ReuseEngine(model, prof).prefill(arts, question)
 
 
 def test_hc_post_row_maps_equal_gathering_and_scattering_around_it():

@@ -12,7 +12,8 @@ def test_ttft_cpu_smoke_run_with_a_second_budget_and_the_cold_arm(tmp_path):
     out = tmp_path / "ttft.json"
     subprocess.run([sys.executable, "bench/ttft.py", "--small", "--device", "cpu", "--layers", "8", "--experts", "8",
                     "--lengths", "1024", "--cold-at", "1024", "--reps", "1", "--extra-budgets", "0.1",
-                    "--fused-too", "--moe-too", "grouped", "--frame-too", "key", "--json", str(out)], cwd=ROOT, check=True, capture_output=True, timeout=600)
+                    "--fused-too", "--moe-too", "grouped", "--frame-too", "key", "--split-too", "0", "--json",
+                    str(out)], cwd=ROOT, check=True, capture_output=True, timeout=600)
     run = json.loads(out.read_text())
     (row,) = run["rows"]
     assert row["budget"] == 0.25 and row["cold_s"] > 0 and row["recompute_s"] > 0
@@ -22,6 +23,7 @@ def test_ttft_cpu_smoke_run_with_a_second_budget_and_the_cold_arm(tmp_path):
     assert len(row["reuse_all"]) == len(extra["reuse_all"]) == len(row["fused_all"]) == 1 and row["fused_s"] > 0
     assert len(row["moe_all"]) == 1 and row["moe_s"] > 0 and row["moe_form"] == "grouped"
     assert len(row["frame_all"]) == 1 and row["frame_s"] > 0 and row["frame"] == "key"
+    assert len(row["split_all"]) == 1 and row["split_s"] > 0 and row["split_state"] == "0"
     assert row["staged_loose"] == 0 and set(row["allocator"]) >= {"num_alloc_retries", "num_sync_all_streams"}
 
 
