@@ -67,15 +67,13 @@ def analyse(events: list[dict], min_us: float = 1.0, where: str = "runtime/") ->
     py = _Enclosing([e for e in xs if e.get("cat") == "python_function"], back=4096)   # with_stack=True only
 
     busy, end = 0.0, main[0]["ts"]
-    per_label = defaultdict(int)            # kernels and copies of the stream per phase label at their launch
-    per_kernel = defaultdict(lambda: [0, 0.0])   # (label, kernel name) -> [count, GPU us]
+    per_kernel = defaultdict(lambda: [0, 0.0])   # (phase label at the launch, kernel name) -> [count, GPU us]
     kinds = defaultdict(lambda: [0, 0.0])
     by_label, by_op, by_py = (defaultdict(lambda: [0, 0.0]) for _ in range(3))
     for k, e in enumerate(main):
         s, d = e["ts"], e.get("dur", 0)
         host = launch.get(e.get("args", {}).get("correlation"))
         lab = labels.at(host["ts"], host.get("tid")) if host is not None else None
-        per_label[lab["name"] if lab is not None else "(none)"] += 1
         pk = per_kernel[(lab["name"] if lab is not None else "(none)", e.get("name", "?"))]
         pk[0] += 1
         pk[1] += d
@@ -107,8 +105,15 @@ def analyse(events: list[dict], min_us: float = 1.0, where: str = "runtime/") ->
                 by_label=sorted(((k, v[0], v[1]) for k, v in by_label.items()), key=lambda r: -r[2]),
                 by_op=sorted(((k, v[0], v[1]) for k, v in by_op.items()), key=lambda r: -r[2]),
                 by_py=sorted(((k, v[0], v[1]) for k, v in by_py.items()), key=lambda r: -r[2]),
-                launches=sorted(per_label.items(), key=lambda kv: -kv[1]),
-                kernels_by_label=_by_label(per_kernel))
+                launches=_launches(per_kernel), kernels_by_label=_by_label(per_kernel))
+
+
+def _launches(per_kernel) -> list[tuple[str, int]]:
+    """[(label, kernels and copies of the stream launched under it)], most first."""
+    n = defaultdict(int)
+    for (lab, _), (c, _) in per_kernel.items():
+        n[lab] += c
+    return sorted(n.items(), key=lambda kv: -kv[1])
 
 
 def _by_label(per_kernel) -> list[tuple[str, float, list[tuple[str, int, float]]]]:

@@ -888,13 +888,12 @@ class ReuseEngine:
             qr = attn.q_norm(attn.wq_a(hn))
         act, rest = sp.act, (None if fence else sp.rest)
         pairs = 0
-        GR = attn.n_groups * cfg.o_lora_rank
         # with both kinds of rows, the projected state is laid out in the split order (active rows, then the
         # others): each part's GEMM writes its own rows' block in place, and hc_post reads W_b's output through
         # `split_pos`, so no part is scattered into the rows' order through HBM; otherwise in the rows' order
-        split = (act is not None and rest is not None and sp.split_pos is not None
+        split = (rest is not None and sp.split_pos is not None         # split_pos: both kinds of rows exist
                  and hn.dtype == attn.wo_a.weight.dtype and split_state())
-        P = (hn.new_zeros if sp.rest is not None and fence else hn.new_empty)((M, GR))
+        P = (hn.new_zeros if sp.rest is not None and fence else hn.new_empty)((M, attn.n_groups * cfg.o_lora_rank))
         if act is not None:                        # every head, native W_a
             with phase("rk.attn.active"):
                 qa = act.take(qr)
@@ -1038,7 +1037,7 @@ class ReuseEngine:
         if view is not None and view[0].dtype == w.dtype and view[0].device == w.device:     # one gather
             rows, firsts = view
             ids = _view_rows(sp, "local_p", firsts, [(ids,) for _, ids, _ in sp.rest_local])
-            return rows.index_select(0, ids) if out is None else torch.index_select(rows, 0, ids, out=out)
+            return torch.index_select(rows, 0, ids, out=out)
         return gather_rows([(t, ids, off) for t, (j, ids, off) in zip(local, sp.rest_local)], n_rest,
                            attn.n_groups * self.cfg.o_lora_rank, w.dtype, w.device, out)
 
