@@ -49,6 +49,19 @@ def rope_reference_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inver
     return x
 
 
+def rope_source(x: torch.Tensor, rd: int) -> torch.Tensor:
+    """A `src` for `rope_` that keeps only x's trailing rd channels: one compact copy of them ([T, H, rd], 1/8 of a
+    512-wide row at rd = 64) seen through a read-only [T, H, D] view whose trailing rd channels ARE that copy (its
+    other channels alias neighbouring rows and are never read: `rope_` reads a source's trailing rd only). With it
+    x's rope channels may be rotated in place again and again from the saved originals, where a full clone of x
+    would otherwise hold them."""
+    assert x.dim() == 3 and 0 < rd <= x.shape[-1], (x.shape, rd)
+    T, H, D = x.shape
+    buf = torch.empty(T * H * rd + (D - rd), dtype=x.dtype, device=x.device)
+    buf[D - rd:].view(T, H, rd).copy_(x[..., D - rd:])
+    return buf.as_strided((T, H, D), (H * rd, rd, 1))
+
+
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False,
           src: torch.Tensor | None = None) -> torch.Tensor:
     """Rotate x's trailing rope channels in place (from `src`'s when given); returns x."""
@@ -62,6 +75,7 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool =
     assert (half & (half - 1)) == 0, f"rope pairs {half} must be a power of two"
     src = x if src is None else src
     assert x.stride(-1) == 1 and src.stride(-1) == 1, "the channel dim must be contiguous"
+    # (a `rope_source` view has overlapping rows: only its trailing rope channels are read, and they are distinct)
     if T == 0 or H == 0:
         return x
     cos, sin = cos.float().contiguous(), sin.float().contiguous()

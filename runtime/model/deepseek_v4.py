@@ -60,6 +60,14 @@ def weighted_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torc
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """The per-head query norm: on CUDA (runtime.kernels.enabled) the one-pass kernel, else the torch form."""
+    from runtime.kernels import enabled, rmsnorm
+    if enabled(x) and rmsnorm.supported(x, None):                  # the same arithmetic in one pass
+        return rmsnorm.rms_norm(x, None, eps)
+    return unweighted_rms_norm_reference(x, eps)
+
+
+def unweighted_rms_norm_reference(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 

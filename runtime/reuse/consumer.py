@@ -30,6 +30,7 @@ from runtime.kernels import enabled, indexer_scores_segments, merge_stacked, rop
 from runtime.kernels._host import to_device_nowait
 from runtime.kernels.f32linear import kept_on_weights
 from runtime.kernels.multiseg import multi_segment_attention
+from runtime.kernels.rope import rope_source
 from runtime.kernels.reference import sparse_mqa_reference
 from .artifact import DocumentArtifact, LayerArtifact, is_private
 from .controller import choose_active
@@ -138,7 +139,8 @@ def split_state() -> bool:
 def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: list[SegmentKeys], sink: torch.Tensor,
                       idx_inputs=None, picks: list | None = None, qpos_host: np.ndarray | None = None,
                       own_picks: torch.Tensor | None = None, trig: dict | None = None,
-                      out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | int]:
+                      out: torch.Tensor | None = None,
+                      q_scratch: bool = False) -> tuple[torch.Tensor, torch.Tensor | int]:
     """q_raw [T,H,D] normed, not yet roped; qpos request positions (increasing). Returns the merged per-head output
     [T,H,D] in q_raw's dtype WITH the inverse output RoPE applied (ready for W_a), and the number of (query, key)
     pairs attended (an int from host arithmetic, or a tensor where picks are counted: no host sync).
@@ -151,7 +153,9 @@ def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: l
     picks in its own segment (the artifact's, global_picks="artifact"); else CSA picks are the native indexer's
     top-k over the union of all segments' visible entries. On CUDA, a call that `fused_segments` sends to the fused
     multi-segment kernel does all of this in one launch instead (`_fused_segment_attention`). `out`: a contiguous
-    [T,H,D] tensor of q_raw's dtype the merged output is written into (a caller's row slice), else a new one."""
+    [T,H,D] tensor of q_raw's dtype the merged output is written into (a caller's row slice), else a new one.
+    `q_scratch`: the caller no longer needs q_raw, so the per-segment rotations are written into it in place (from
+    a compact copy of its rope channels, `rope_source`) instead of into a clone of it."""
     T, H, D = q_raw.shape
     W = attn.cfg.window_size
     host = qpos.cpu().numpy() if qpos_host is None else qpos_host      # host arithmetic: numpy, never a launch
@@ -163,15 +167,18 @@ def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: l
     plan = _plan(attn, host, segments, picks, own_picks, trig)
     o_buf = torch.empty((len(plan), T, H, D), dtype=torch.float32, device=q_raw.device)
     lse_buf = torch.full((len(plan), T, H), NEG_INF, dtype=torch.float32, device=q_raw.device)
-    q = q_raw.clone()                     # the 448 non-RoPE channels are shared by every part
     fast = enabled(q_raw)
+    if q_scratch and fast and T:          # q_raw's rope channels saved (1/8 of it), the parts turned in q_raw itself
+        src_all, q = rope_source(q_raw, 2 * attn.rotary.inv_freq.numel()), q_raw
+    else:
+        src_all, q = q_raw, q_raw.clone()  # the 448 non-RoPE channels are shared by every part
     # where the parts cover most of the stacked rows (HCA: every segment serves every later row), the outputs are
     # de-rotated in one launch over the whole stack (rows a part does not serve are never read by the merge)
     at_once = 2 * sum(hi - lo for _, lo, hi, _, _ in plan) >= len(plan) * T
     for p, (j, lo, hi, mode, pk) in enumerate(plan):
         seg = segments[j]
         cos, sin = _angles(attn, qpos, lo, hi, seg.delta, trig)
-        qs = rope_(q[lo:hi], cos, sin, src=q_raw[lo:hi])
+        qs = rope_(q[lo:hi], cos, sin, src=src_all[lo:hi])
         cl = _shifted(qpos, lo, hi, seg.delta, trig)
         ent = seg.entries if mode != "none" else None
         o, lse = o_buf[p, lo:hi], lse_buf[p, lo:hi]
@@ -986,7 +993,8 @@ class ReuseEngine:
             o, p = segment_attention(attn, q_raw[a:b], rows.pos[a:b], segs, sink,
                                      (h[a:b], qr[a:b]) if h is not None else None, None,
                                      rows.pos_host[a:b], None if own_picks is None else own_picks[a:b],
-                                     rows.trig.setdefault(a, {}), None if res is None else res[a:b])
+                                     rows.trig.setdefault(a, {}), None if res is None else res[a:b],
+                                     q_scratch=True)
             res = o if res is None else res
             pairs = pairs + p
         return res, pairs

@@ -58,6 +58,8 @@ KERNELS = [
      False),
     ("RoPE slice", rope._rope_kernel, ROPE, dict(INVERSE=False, HALF=32, BLOCK_H=16), 1, False),
     ("RMS norm, 4096 wide", rmsnorm._rms_norm_kernel, RMS, dict(BLOCK=4096), 8, False),
+    ("RMS norm, unweighted, 512 wide (per head)", rmsnorm._rms_norm_kernel, RMS, dict(BLOCK=512, HAS_W=False), 1,
+     False),
 ]
 
 
