@@ -344,7 +344,7 @@ def main() -> int:
                 f" GiB" for arm, m in mem.items()) + f" (GPU {gpu / 2**30:.1f} GiB)", flush=True)
         for b, eng in others.items():
             timed(lambda: reuse(eng), device)
-        bes_t = {name: [] for name in beside}
+        bes_t = {arm: [] for arm in beside}
         for env, _, _ in beside.values():
             timed(lambda: reuse_with(env), device)
         for _ in range(args.reps):                               # interleaved, side by side
@@ -353,8 +353,8 @@ def main() -> int:
             t, res = timed(reuse, device)
             alloc.append(allocator_delta(before))
             reu_t.append(t)
-            for name, (env, _, _) in beside.items():
-                bes_t[name].append(timed(lambda: reuse_with(env), device)[0])
+            for arm, (env, _, _) in beside.items():          # (not `name`: that is the device's)
+                bes_t[arm].append(timed(lambda: reuse_with(env), device)[0])
             for b, eng in others.items():
                 t, other_res[b] = timed(lambda: reuse(eng), device)
                 other_t[b].append(t)
@@ -375,8 +375,8 @@ def main() -> int:
         if row["staged_loose"]:
             print(f"## {L} tokens: {row['staged_loose']} (layer, document) pairs were staged tensor by tensor, "
                   f"not with one copy (not packed by pin)", flush=True)
-        for name, (_, key, setting) in beside.items():
-            row.update({f"{name}_s": statistics.median(bes_t[name]), f"{name}_all": bes_t[name], key: setting})
+        for arm, (_, key, setting) in beside.items():
+            row.update({f"{arm}_s": statistics.median(bes_t[arm]), f"{arm}_all": bes_t[arm], key: setting})
         for b in extra:
             lb = other_res[b].ledger.summary()
             assert 0 < lb["rows"]["active"] < lb["rows"]["relocated"] and lb["head_row_saving"] > 0, lb

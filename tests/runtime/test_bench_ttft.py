@@ -15,6 +15,7 @@ def test_ttft_cpu_smoke_run_with_a_second_budget_and_the_cold_arm(tmp_path):
                     "--fused-too", "--moe-too", "grouped", "--frame-too", "key", "--split-too", "0", "--json",
                     str(out)], cwd=ROOT, check=True, capture_output=True, timeout=600)
     run = json.loads(out.read_text())
+    assert run["device"] == "cpu"             # the arms timed beside the run's own do not rename the device
     (row,) = run["rows"]
     assert row["budget"] == 0.25 and row["cold_s"] > 0 and row["recompute_s"] > 0
     (extra,) = row["extra"]
