@@ -611,7 +611,17 @@ class Expert(nn.Module):
         self.limit = limit
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-        return self.w2(self.activate(self.w1(x).float(), self.w3(x).float(), weights).to(x.dtype))
+        return self.w2(self.activate_to(self.w1(x), self.w3(x), weights, x.dtype))
+
+    def activate_to(self, gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor | None,
+                    dtype: torch.dtype) -> torch.Tensor:
+        """`activate` on the projections' outputs as they come, cast to `dtype` (W_2's input): on CUDA
+        (runtime.kernels.enabled) in one pass (runtime/kernels/swiglu.py, the same float32 arithmetic), else the
+        torch form."""
+        from runtime.kernels import enabled, swiglu
+        if enabled(gate) and swiglu.supported(gate, up, weights):
+            return swiglu.swiglu(gate, up, weights, self.limit, dtype)
+        return self.activate(gate.float(), up.float(), weights).to(dtype)
 
     def activate(self, gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
         """The float32 SwiGLU between the projections: clamp, silu(gate) * up, times the routing weights."""
@@ -770,8 +780,8 @@ class MoE(nn.Module):
             xs = x.index_select(0, r.clamp(max=T - 1))
             if quant:
                 xs = fake_quant_fp8_act(xs)
-            gate, up = (torch._grouped_mm(xs, w, offs=offs).float() for w in (w1t, w3t))
-            h = ex.activate(gate, up, ws[a:b]).to(x.dtype)
+            gate, up = (torch._grouped_mm(xs, w, offs=offs) for w in (w1t, w3t))
+            h = ex.activate_to(gate, up, ws[a:b], x.dtype)
             if quant:
                 h = fake_quant_fp8_act(h)
             y.index_add_(0, r, torch._grouped_mm(h, w2t, offs=offs).float())

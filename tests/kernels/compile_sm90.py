@@ -13,7 +13,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from runtime.kernels import indexer, merge, mhc, multiseg, rmsnorm, rope, sparse_attention  # noqa: E402
+from runtime.kernels import indexer, merge, mhc, multiseg, rmsnorm, rope, sparse_attention, swiglu  # noqa: E402
 
 FUSED = dict(q_ptr="*bf16", qpos_ptr="*i64", tab_ptr="*i64", picks_ptr="*i32", bounds_ptr="*i32", freq_ptr="*fp32",
              sink_ptr="*fp32", o_ptr="*bf16", qk_scale="fp32", sink_scale="fp32")
@@ -29,6 +29,7 @@ HC_POST = dict(y_ptr="*bf16", x_ptr="*bf16", post_ptr="*fp32", comb_ptr="*fp32",
                yrow_ptr="*i64", orow_ptr="*i64")
 ROPE = dict(x_ptr="*bf16", s_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32")
 RMS = dict(x_ptr="*bf16", w_ptr="*fp32", y_ptr="*bf16", eps="fp32")
+SWIGLU = dict(g_ptr="*bf16", u_ptr="*bf16", w_ptr="*fp32", h_ptr="*bf16", limit="fp32")
 FUSED_C = dict(D=512, HALF_R=32, RP=32, COLS=multiseg.COLS, PREC="tf32")
 # Flash's dims (D = 512, 64 rope channels) at the launch configurations the wrappers use by default:
 # (name, kernel, argument types, constexprs, num_warps, modes)
@@ -60,6 +61,8 @@ KERNELS = [
     ("RMS norm, 4096 wide", rmsnorm._rms_norm_kernel, RMS, dict(BLOCK=4096), 8, False),
     ("RMS norm, unweighted, 512 wide (per head)", rmsnorm._rms_norm_kernel, RMS, dict(BLOCK=512, HAS_W=False), 1,
      False),
+    ("SwiGLU, clamped and weighted", swiglu._swiglu_kernel, SWIGLU,
+     dict(HAS_LIMIT=True, HAS_W=True, BLOCK=swiglu.BLOCK), 4, False),
 ]
 
 
