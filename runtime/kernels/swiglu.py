@@ -1,11 +1,11 @@
 """The experts' SwiGLU between their projections in one pass: h = (silu(clamp(gate)) * clamp(up) * w).to(dtype),
 in float32 inside, from the two projections' outputs as they come (bf16) to the input of W_2 (bf16).
 
-The torch form (runtime/model/deepseek_v4.py `Expert.activate` with its casts) makes eight passes over the
+The torch form (runtime/model/deepseek_v4.py `swiglu_activation` with its casts) makes eight passes over the
 [rows, inter] block: two float32 copies, the two clamps, silu, the product, the routing weight, the cast back. It
 runs for every expert of every MoE layer in both arms (at 128K tokens in the recompute arm, ~1 s of elementwise
-kernels in the profile of docs/BENCHMARKS.md run 16), and in the reuse arm's active rows' per-expert loop each of those passes is a
-launch the GPU may wait for.
+kernels in the profile of docs/BENCHMARKS.md run 16), and in the reuse arm's active rows' per-expert loop each of
+those passes is a launch the GPU may wait for.
 
     from runtime.kernels.swiglu import swiglu, supported
     h = swiglu(gate, up, weights, limit)        # gate, up [n, inter]; weights [n, 1] float32 or None; limit 0: none
@@ -17,6 +17,8 @@ clamp, max then min for the up's, silu as g / (1 + exp(-g)), then * up, then * t
 from __future__ import annotations
 
 import torch
+
+from runtime.model.deepseek_v4 import swiglu_activation  # the torch form
 
 from ._triton import HAVE_TRITON, check_runnable, tl, triton
 
@@ -43,13 +45,8 @@ if HAVE_TRITON:
 
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor | None, limit: float,
                      dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The torch form: Expert.activate's arithmetic on the float32 copies, cast to `dtype` (gate's by default)."""
-    import torch.nn.functional as F
-    g, u = gate.float(), up.float()
-    if limit > 0:
-        g, u = g.clamp(max=limit), u.clamp(-limit, limit)
-    h = F.silu(g) * u
-    return (h if weights is None else weights * h).to(gate.dtype if dtype is None else dtype)
+    """The torch form: the model's `swiglu_activation` on the float32 copies, cast to `dtype` (gate's by default)."""
+    return swiglu_activation(gate.float(), up.float(), weights, limit).to(gate.dtype if dtype is None else dtype)
 
 
 def supported(gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor | None) -> bool:

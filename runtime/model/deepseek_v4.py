@@ -624,11 +624,17 @@ class Expert(nn.Module):
         return self.activate(gate.float(), up.float(), weights).to(dtype)
 
     def activate(self, gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
-        """The float32 SwiGLU between the projections: clamp, silu(gate) * up, times the routing weights."""
-        if self.limit > 0:
-            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
-        h = F.silu(gate) * up
-        return h if weights is None else weights * h
+        return swiglu_activation(gate, up, weights, self.limit)
+
+
+def swiglu_activation(gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor | None,
+                      limit: float) -> torch.Tensor:
+    """The float32 SwiGLU between an expert's projections: clamp at `limit` (0: none), silu(gate) * up, times the
+    routing weights."""
+    if limit > 0:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    h = F.silu(gate) * up
+    return h if weights is None else weights * h
 
 
 class Gate(nn.Module):
