@@ -256,11 +256,16 @@ def main() -> int:
                          "slots), interleaved")
     ap.add_argument("--frame-too", choices=["key", "query"], default=None,
                     help="also time the reuse arm at --budget with REDKNOT_MULTISEG_FRAME set to this (key: every fused "
-                         "call through the key-frame kernel) beside the run's own setting, interleaved")
+                         "call through the key-frame kernel; query: none, as before run 17; the default auto: the "
+                         "active rows' CSA calls) beside the run's own setting, interleaved")
     ap.add_argument("--split-too", choices=["0", "1"], default=None,
                     help="also time the reuse arm at --budget with REDKNOT_SPLIT_STATE set to this (0: the projected "
                          "state in the rows' order, each part scattered into it) beside the run's own setting, "
                          "interleaved")
+    ap.add_argument("--all-rows-too", action="store_true",
+                    help="also time BOTH arms with REDKNOT_LAST_LAYER=all (the last layer computes every row's output, "
+                         "not the last row's only) beside the run's own, interleaved; the row gets all_rows_recompute_s, "
+                         "all_rows_reuse_s, their speedup and that setting's analytic FLOP ratio")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
@@ -347,6 +352,13 @@ def main() -> int:
         bes_t = {arm: [] for arm in beside}
         for env, _, _ in beside.values():
             timed(lambda: reuse_with(env), device)
+        all_rows = {"REDKNOT_LAST_LAYER": "all"}
+        all_t = {"recompute": [], "reuse": []}
+        all_res = None
+        if args.all_rows_too:                                    # warm-up of both arms with the full last layer
+            with mock.patch.dict(os.environ, all_rows):
+                timed(lambda: model(full), device)
+            timed(lambda: reuse_with(all_rows), device)
         for _ in range(args.reps):                               # interleaved, side by side
             rec_t.append(timed(lambda: model(full), device)[0])
             before = allocator_counters()
@@ -355,6 +367,11 @@ def main() -> int:
             reu_t.append(t)
             for arm, (env, _, _) in beside.items():          # (not `name`: that is the device's)
                 bes_t[arm].append(timed(lambda: reuse_with(env), device)[0])
+            if args.all_rows_too:
+                with mock.patch.dict(os.environ, all_rows):
+                    all_t["recompute"].append(timed(lambda: model(full), device)[0])
+                t, all_res = timed(lambda: reuse_with(all_rows), device)
+                all_t["reuse"].append(t)
             for b, eng in others.items():
                 t, other_res[b] = timed(lambda: reuse(eng), device)
                 other_t[b].append(t)
@@ -377,6 +394,13 @@ def main() -> int:
                   f"not with one copy (not packed by pin)", flush=True)
         for arm, (_, key, setting) in beside.items():
             row.update({f"{arm}_s": statistics.median(bes_t[arm]), f"{arm}_all": bes_t[arm], key: setting})
+        if args.all_rows_too:
+            with mock.patch.dict(os.environ, all_rows):          # the ledger's recompute arm in that setting too
+                la = all_res.ledger.summary()
+            ar, au = statistics.median(all_t["recompute"]), statistics.median(all_t["reuse"])
+            row.update(all_rows_recompute_s=ar, all_rows_reuse_s=au, all_rows_speedup=ar / au,
+                       all_rows_flop_ratio=la["flop_saving"]["ratio"], all_rows_recompute_all=all_t["recompute"],
+                       all_rows_reuse_all=all_t["reuse"])
         for b in extra:
             lb = other_res[b].ledger.summary()
             assert 0 < lb["rows"]["active"] < lb["rows"]["relocated"] and lb["head_row_saving"] > 0, lb
@@ -435,6 +459,10 @@ def main() -> int:
               + (f"  MoE {args.moe_too} {row['moe_s']:.3f} s" if "moe_s" in row else "")
               + (f"  frame={args.frame_too} {row['frame_s']:.3f} s" if "frame_s" in row else "")
               + (f"  split={args.split_too} {row['split_s']:.3f} s" if "split_s" in row else ""), flush=True)
+        if "all_rows_speedup" in row:
+            print(f"T={row['tokens']:7d}  last layer on every row: recompute {row['all_rows_recompute_s']:7.3f} s  "
+                  f"reuse {row['all_rows_reuse_s']:7.3f} s  speedup {row['all_rows_speedup']:5.2f}x  (analytic FLOP "
+                  f"ratio {row['all_rows_flop_ratio']:.2f}x)", flush=True)
         for e in row["extra"]:
             print(f"T={row['tokens']:7d}  budget {e['budget']:.0%}: reuse {e['reuse_s']:7.3f} s  speedup "
                   f"{e['speedup']:5.2f}x  (analytic FLOP ratio {e['flop_ratio']:.2f}x; head-row "

@@ -422,12 +422,14 @@ class Indexer(nn.Module):
         s = s.masked_fill(torch.arange(keys.shape[0], device=q.device)[None, :] >= ready[:, None], NEG_INF)
         return s if out is None else out.copy_(s)
 
-    def forward(self, x, qr, positions, state: CompressorState, q_chunk: int) -> torch.Tensor:
-        """Top-k entry ids [T, k'] (k' = min(topk, N)); -1 where fewer entries are ready."""
+    def forward(self, x, qr, positions, state: CompressorState, q_chunk: int, start: int = 0) -> torch.Tensor:
+        """Top-k entry ids [T - start, k'] (k' = min(topk, N)); -1 where fewer entries are ready. Every row of x
+        feeds the compressed keys (the cache's state); only rows start.. are scored (qr holds those rows only)."""
         keys = self.compressor(x, state)
+        x, positions = x[start:], positions[start:]
         k = min(self.topk, keys.shape[0])
-        if k == 0:
-            return torch.full((x.shape[0], 0), -1, dtype=torch.long, device=x.device)
+        if k == 0 or x.shape[0] == 0:
+            return torch.full((x.shape[0], k if x.shape[0] == 0 else 0), -1, dtype=torch.long, device=x.device)
         # the [rows, heads, N] score block is the indexer's largest temporary: bound it to ~2^28 elements
         q_chunk = max(1, min(q_chunk, (1 << 28) // (self.n_heads * keys.shape[0])))
         from runtime.kernels import enabled, indexer_topk
@@ -533,13 +535,20 @@ class Attention(nn.Module):
         return self.par.all_reduce(self.wo_b(p))
 
     # -- full forward --------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerCache, q_chunk: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerCache, q_chunk: int,
+                out_rows: int | None = None) -> torch.Tensor:
         """Queries, attention and W_a run one chunk of q_chunk rows at a time: the per-head tensors [rows, H, D]
         (queries, outputs, their float32 temporaries) never exist for the whole request (at 128K tokens and
         H x D = 64 x 512 each would be 8-17 GB); only the projected state [T, G*R] does. Rows are independent
         in all three, so the result is the same as one pass. The producer (cache.capture) keeps every row's
-        output, as before."""
-        qr = self.q_norm(self.wq_a(x))
+        output, as before.
+
+        `out_rows`: only the last out_rows rows' outputs are computed and returned ([out_rows, d]); every row
+        still feeds the cache (latent, window, compressed entries, the indexer's keys), so the cache is the one
+        a full pass leaves. The model's last layer needs no more for the next token (`Transformer.forward`)."""
+        T = x.shape[0]
+        a0 = 0 if out_rows is None else max(T - int(out_rows), 0)
+        qr = self.q_norm(self.wq_a(x[a0:]))
         kv = self.latent(x, positions)
         past = cache.window_kv
         keys = kv if past is None else torch.cat([past, kv])
@@ -551,26 +560,27 @@ class Attention(nn.Module):
         if self.compressor is not None:
             entries = self.compressor(x, cache.compressor)
         if self.indexer is not None:
-            idx = self.indexer(x, qr, positions, cache.indexer, q_chunk)
+            idx = self.indexer(x, qr, positions, cache.indexer, q_chunk, start=a0)
 
         from runtime.kernels import enabled, sparse_mqa_attention
         fast = enabled(x)
-        T = x.shape[0]
         # the kernel sees key rows; HCA's entry visibility needs positions, which differ from key rows whenever the
         # cache keeps only the window's last rows (decoding, the reuse arm's fence layers): one sync per HCA call
         shift = int(positions[0]) - n_past if fast and self.kind == HCA and T else 0
+        n_out = T - a0                                   # the rows whose outputs are computed: a0 .. T-1
         o_all = None if cache.capture is None else \
-            torch.empty((T, self.n_heads, self.cfg.head_dim), dtype=x.dtype, device=x.device)
+            torch.empty((n_out, self.n_heads, self.cfg.head_dim), dtype=x.dtype, device=x.device)
         p = None
-        for a in range(0, T, q_chunk):
+        for a in range(a0, T, q_chunk):
             b = min(a + q_chunk, T)
             pc = positions[a:b]
-            qc = self.queries_from(qr[a:b], pc)
+            qc = self.queries_from(qr[a - a0:b - a0], pc)
+            ic = idx[a - a0:b - a0] if idx is not None else None
             if fast:   # one fused pass over window rows and entries; the sink joins in the merge
                 mode = {WINDOW: "none", HCA: "causal", CSA: "picks"}[self.kind]
                 cpos = torch.arange(n_past + a, n_past + b, device=x.device)
                 part = sparse_mqa_attention(qc, keys[: n_past + b], cpos, W, entries, mode, self.ratio or 1,
-                                            idx[a:b] if idx is not None else None, self.scale, pos_shift=shift)
+                                            ic, self.scale, pos_shift=shift)
                 oc = merge_with_sink([part], self.attn_sink).to(x.dtype)
             else:
                 parts = [window_attention(qc, keys[: n_past + b], n_past + a, W, self.scale)]
@@ -579,20 +589,22 @@ class Attention(nn.Module):
                         ((pc + 1) // self.ratio)[:, None]
                     parts.append(entry_attention(qc, entries, visible, self.scale))
                 elif self.kind == CSA:
-                    parts.append(gathered_attention(qc, entries, idx[a:b], self.scale))
+                    parts.append(gathered_attention(qc, entries, ic, self.scale))
                 oc = merge_with_sink(parts, self.attn_sink).to(x.dtype)
             if o_all is not None:
-                o_all[a:b] = oc
+                o_all[a - a0:b - a0] = oc
             pch = self.project(oc, pc)
             if p is None:
-                p = torch.empty((T, pch.shape[1]), dtype=pch.dtype, device=x.device)
-            p[a:b] = pch
+                p = torch.empty((n_out, pch.shape[1]), dtype=pch.dtype, device=x.device)
+            p[a - a0:b - a0] = pch
+        if p is None:                                    # no row asked for (T = 0 or out_rows = 0)
+            p = x.new_empty((0, self.n_groups * self.cfg.o_lora_rank))
         if cache.capture is not None:
             keep = cache.capture.get("local_mask")
             if keep is None:
                 cache.capture.update(latent=kv, o=o_all, topk=idx)
             else:   # the producer's Local contribution, computed now so per-head outputs are not kept
-                local = self.project(o_all * keep.to(x.device, o_all.dtype)[None, :, None], positions)
+                local = self.project(o_all * keep.to(x.device, o_all.dtype)[None, :, None], positions[a0:])
                 cache.capture.update(latent=kv, local_p=local, topk=idx)
         return self.output(p)
 
@@ -884,16 +896,36 @@ class Block(nn.Module):
         new = post.to(dt).unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(comb.to(dt).transpose(-1, -2), x)
         return new if out is None else out.index_copy_(0, out_rows, new)
 
-    def forward(self, x, tokens, positions, cache: LayerCache, q_chunk: int) -> torch.Tensor:
+    def forward(self, x, tokens, positions, cache: LayerCache, q_chunk: int,
+                out_rows: int | None = None) -> torch.Tensor:
+        """x [T, hc, d] -> the new streams [T, hc, d]; with `out_rows`, those of the last out_rows rows only
+        ([out_rows, hc, d]): every row still feeds the attention's cache (Attention.forward), the rest of the
+        layer (queries, attention, W_a, W_b, the FFN, both mHC mixes past the attention input) runs on those
+        rows alone."""
         with phase("blk.attn"):
             h, post, comb = self.hc_pre(x, "attn")
-            x = self.hc_post(self.attn(self.attn_norm(h), positions, cache, q_chunk), x, post, comb)
+            y = self.attn(self.attn_norm(h), positions, cache, q_chunk, out_rows=out_rows)
+            if out_rows is not None:
+                a0 = max(x.shape[0] - int(out_rows), 0)
+                x, post, comb, tokens = x[a0:], post[a0:], comb[a0:], tokens[a0:]
+            x = self.hc_post(y, x, post, comb)
         with phase("blk.ffn"):
             h, post, comb = self.hc_pre(x, "ffn")
             return self.hc_post(self.ffn(self.ffn_norm(h), tokens), x, post, comb)
 
 
 # ============================================================================ the model
+
+def last_row_only(cache: LayerCache | None = None) -> bool:
+    """Whether a prefill's last layer computes only the last row's output (`Block.forward(out_rows=1)`): the next
+    token reads that row alone, and every row still feeds the layer's cache, so logits and cache are those of a
+    full pass. Not while a producer captures the layer's outputs. REDKNOT_LAST_LAYER=all turns it off (every row
+    through the whole last layer, as before; bench/ttft.py --all-rows-too times both arms that way beside)."""
+    mode = os.environ.get("REDKNOT_LAST_LAYER", "last")
+    if mode not in ("last", "all"):
+        raise ValueError(f"REDKNOT_LAST_LAYER must be last or all, got {mode!r}")
+    return mode == "last" and (cache is None or cache.capture is None)
+
 
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, par: Parallel | None = None, dtype: torch.dtype = torch.float32,
@@ -933,8 +965,10 @@ class Transformer(nn.Module):
         T = tokens.shape[0]
         positions = torch.arange(cache.pos, cache.pos + T, device=tokens.device)
         x = self.embed_streams(tokens)
-        for layer, lc in zip(self.layers, cache.layers):
-            x = layer(x, tokens, positions, lc, self.q_chunk)
+        last = len(self.layers) - 1
+        for i, (layer, lc) in enumerate(zip(self.layers, cache.layers)):
+            x = layer(x, tokens, positions, lc, self.q_chunk,
+                      out_rows=1 if i == last and not all_logits and last_row_only(lc) else None)
         cache.pos += T
         return self.logits(x) if all_logits else self.logits(x[-1:])[0]
 

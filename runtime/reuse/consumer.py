@@ -24,7 +24,7 @@ import torch
 
 from runtime.model.config import CSA, HCA, WINDOW
 from runtime.model.deepseek_v4 import (NEG_INF, Block, CompressorState, LayerCache, Rotary, Transformer,
-                                       grouped_projection, phase, share_positions, shared_angles,
+                                       grouped_projection, last_row_only, phase, share_positions, shared_angles,
                                        shared_arange, unweighted_rms_norm)
 from runtime.kernels import enabled, indexer_scores_segments, merge_stacked, rope_, sparse_mqa_attention
 from runtime.kernels._host import to_device_nowait
@@ -570,12 +570,14 @@ class ReuseEngine:
                               and i >= prof.first_fences)
             if prof.is_fence(cfg, i) and not artifact_fence:
                 lc = self._prefix_cache(block, prefix.layers[i])
-                lc.capture = {}
+                lc.capture = {} if i < prof.first_fences else None      # the first fences' latent and picks
+                # the last layer, a fence, computes the last row's output only (as the recompute arm's does)
+                out_rows = 1 if i == cfg.n_layers - 1 and last_row_only(lc) else None
                 with phase("rk.fence"):
-                    x = block(x, tokens, positions, lc, m.q_chunk)
+                    x = block(x, tokens, positions, lc, m.q_chunk, out_rows=out_rows)
                 cap, lc.capture = lc.capture, None
                 state.fence_caches[i] = lc
-                ledger.fence_layer(i, rows=len(tokens), total_rows=q_start + len(question))
+                ledger.fence_layer(i, rows=len(tokens), total_rows=q_start + len(question), out_rows=out_rows)
                 if i < prof.first_fences and n_reloc:
                     deviation += self._deviation(block, cap["latent"][:n_reloc], reloc, deltas[1:], i)
                     if block.attn.kind == CSA and cap["topk"] is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from runtime.model.config import CSA, ModelConfig
+from runtime.model.deepseek_v4 import last_row_only
 from runtime.model.flops import layer_flops
 from .profile import ReuseProfile
 
@@ -33,8 +34,8 @@ class Ledger:
         return Ledger(cfg, profile, n_prefix, n_reloc, n_new)
 
     # -- accounting hooks called by the consumer ---------------------------------------------------
-    def fence_layer(self, layer: int, rows: int, total_rows: int) -> None:
-        f = layer_flops(self.cfg, layer, rows, start=total_rows - rows)
+    def fence_layer(self, layer: int, rows: int, total_rows: int, out_rows: int | None = None) -> None:
+        f = layer_flops(self.cfg, layer, rows, start=total_rows - rows, out_rows=out_rows)
         for k in OPS:
             self.reuse_flops[k] += getattr(f, k)
         self.head_rows_computed += self.n_reloc * self.cfg.n_heads
@@ -73,10 +74,13 @@ class Ledger:
 
     # -- the namespaces -----------------------------------------------------------------------------
     def recompute_flops(self) -> dict:
+        """The recompute arm: every layer on every row, the last one computing the last row's output only (as
+        Transformer.forward does, unless REDKNOT_LAST_LAYER=all)."""
         T = self.n_prefix + self.n_reloc + self.n_new
         out = {k: 0.0 for k in OPS}
+        last = self.cfg.n_layers - 1
         for i in range(self.cfg.n_layers):
-            f = layer_flops(self.cfg, i, T)
+            f = layer_flops(self.cfg, i, T, out_rows=1 if i == last and last_row_only() else None)
             for k in OPS:
                 out[k] += getattr(f, k)
         return out
