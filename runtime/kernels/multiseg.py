@@ -34,14 +34,15 @@ per program (ROWS x heads = 16 by default), so that the MMA tile's rows are fill
 window and entry tiles. It equals the reference under the interpreter (tests/kernels/test_interpret.py) and is
 not yet timed on a GPU; `auto` keeps those calls on the stacked path until it is.
 
-`_multiseg_keyframe_kernel` (REDKNOT_MULTISEG_FRAME=key, opt-in; every fused call, one row each): the same scores with the turn
+`_multiseg_keyframe_kernel` (REDKNOT_MULTISEG_FRAME=auto, the default, for the "picks" calls of 16 heads or more; =key
+for every one-row call; one row per program): the same scores with the turn
 on the keys, q(t - Delta_j) . k = q(t) . k(+Delta_j). The query is turned once to t; each key tile's rope pairs are
 turned in registers by +Delta of the segment each key lies in (the stored rows are read in place, never
 rewritten); the rope value sums are then in the request frame and turned back once at t. A row's keys become three
 loops whatever the segments (window positions, visible entries by global id, or picks), each key tile free to span
 segments, where `_multiseg_kernel` runs one short loop per segment (about one tile of a row's 512 picks split over
-9 segments, so nothing pipelines). It equals the reference under the interpreter and compiles for sm_90; it is
-not yet timed on a GPU (docs/BENCHMARKS.md run 11).
+9 segments, so nothing pipelines). It equals the reference under the interpreter and compiles for sm_90. Timed in
+docs/BENCHMARKS.md run 12 (64K, active rows): 11% faster for CSA, 16% slower for HCA's causal entries, hence `auto`.
 
 History: the first version read every key tile as its even and odd channels (two stride-2 loads of 2-byte
 elements: nothing vectorized) and was 1.5x slower than the stacked path everywhere (run 7). A third, tried in run
@@ -420,15 +421,21 @@ if HAVE_TRITON:
                 rmask, NOPE)
 
 
-def key_frame() -> bool:
-    """Whether the fused calls take `_multiseg_keyframe_kernel` (the rope turn on the keys, one pipelined loop per
-    key kind; one query row per program, fewer than 16 heads padded to 16, unless a config asks for ROWS > 1), per
-    REDKNOT_MULTISEG_FRAME: "query" (default: `_multiseg_kernel`, the query turned per segment, and the packed
-    kernel for few heads) or "key". The key-frame kernel equals the reference under the interpreter and compiles
-    for sm_90; it is not yet timed on a GPU, so it is not the default."""
-    frame = os.environ.get("REDKNOT_MULTISEG_FRAME", "query")
-    if frame not in ("query", "key"):
-        raise ValueError(f"REDKNOT_MULTISEG_FRAME must be query or key, got {frame!r}")
+def key_frame(mode: str = "picks", heads: int = 64) -> bool:
+    """Whether a fused call of `mode` on `heads` heads takes `_multiseg_keyframe_kernel` (the rope turn on the keys,
+    one pipelined loop per key kind; one query row per program, fewer than 16 heads padded to 16, unless a config
+    asks for ROWS > 1), per REDKNOT_MULTISEG_FRAME:
+    - "auto" (default): the key frame for "picks" calls of 16 heads or more (the active rows' CSA calls, whose
+      picks split into one short loop per segment in the query frame), the query frame otherwise. On the H200
+      (docs/BENCHMARKS.md run 12, 64K, active rows): CSA 10.68 ms in the key frame against 12.03 ms in the query
+      frame, HCA 7.63 against 6.58 ms;
+    - "query": `_multiseg_kernel` (the query turned per segment), and the packed kernel for few heads;
+    - "key": every one-row call in the key frame."""
+    frame = os.environ.get("REDKNOT_MULTISEG_FRAME", "auto")
+    if frame not in ("auto", "query", "key"):
+        raise ValueError(f"REDKNOT_MULTISEG_FRAME must be auto, query or key, got {frame!r}")
+    if frame == "auto":
+        return mode == "picks" and heads >= 16
     return frame == "key"
 
 
@@ -486,7 +493,7 @@ def multi_segment_attention(q_raw: torch.Tensor, qpos: torch.Tensor, segments, s
     if q_raw.stride(-1) != 1:
         q_raw = q_raw.contiguous()
     bh = triton.next_power_of_2(H)
-    keyed = key_frame() and (config or {}).get("ROWS", 1) == 1       # every call one row per program, heads padded
+    keyed = key_frame(mode, H) and (config or {}).get("ROWS", 1) == 1    # one row per program, heads padded
     packed = not keyed and bh < 16 and (config or {}).get("ROWS", 16 // bh) > 1
     if keyed and any(a.delta > b.delta for a, b in zip(segments, segments[1:])):
         raise ValueError("the key-frame kernel needs the segments in increasing Delta")

@@ -186,7 +186,7 @@ def test_mhc_kernels_equal_the_torch_path():
 @torch.no_grad()
 @pytest.mark.parametrize("H,rows_per_program,frame", [(8, None, "query"), (3, None, "query"), (8, 4, "query"),
                                                       (16, None, "query"), (8, 1, "query"), (16, None, "key"),
-                                                      (8, 1, "key")])
+                                                      (8, 1, "key"), (16, None, "auto"), (8, 1, "auto")])
 @pytest.mark.parametrize("kind", ["window", "hca", "csa-own", "csa-union"])
 def test_fused_kernel_rows_per_program_equal_the_reference(kind, H, rows_per_program, frame, monkeypatch):
     """runtime/kernels/multiseg.py with few heads runs several query rows per program (their heads fill the MMA
@@ -240,8 +240,10 @@ def test_fused_kernel_rows_per_program_equal_the_reference(kind, H, rows_per_pro
     ref, _ = consumer_mod.segment_attention(attn, q, rows, segs, sink, picks=per_seg, qpos_host=rows.numpy())
     assert rel_err(out, ref) <= TOL
     one_row = H >= 16 or rows_per_program == 1
+    # "auto" (the default): the key frame for picks calls of 16 heads or more, the query frame otherwise
+    keyed = frame == "key" or (frame == "auto" and mode == "picks" and H >= 16)
     assert launched == ["_multiseg_packed_kernel" if not one_row else
-                        "_multiseg_keyframe_kernel" if frame == "key" else "_multiseg_kernel"]
+                        "_multiseg_keyframe_kernel" if keyed else "_multiseg_kernel"]
 
 
 @torch.no_grad()
