@@ -101,7 +101,8 @@ def stratified_picks(cpos, n_entries, k, ratio, gen):
     return idx.to(torch.int32)
 
 
-def bench_attention(timer, T, H, D, W, k, dtype, dev, ref_max, configs, gen):
+def bench_attention(timer, T, H, D, W, k, dtype, dev, ref_max, configs, gen, sweep_all=False):
+    """`sweep_all`: every mode tries every config (else the picks mode's best serves the other modes)."""
     rows = []
     q = torch.randn(T, H, D, device=dev, dtype=dtype, generator=gen)
     keys = torch.randn(T, D, device=dev, dtype=dtype, generator=gen)
@@ -122,13 +123,13 @@ def bench_attention(timer, T, H, D, W, k, dtype, dev, ref_max, configs, gen):
                   + (ent.numel() * ent.element_size() if N else 0) + (picks.numel() * 4 if picks is not None else 0)
                   + T * 8)
         best = None
-        for cfg in configs if mode == "picks" else [best_cfg_holder.get("cfg")]:
+        for cfg in configs if mode == "picks" or sweep_all else [best_cfg_holder.get("cfg")]:
             fn = lambda cfg=cfg: sparse_mqa_attention(q, keys, cpos, W, ent, mode, ratio, picks, config=cfg)
             sec = timer.kernel(fn)
             if best is None or sec < best[0]:
                 best = (sec, cfg)
-            if mode == "picks" and len(configs) > 1:
-                print(f"  config {cfg or 'default'}: {sec * 1e3:.3f} ms", flush=True)
+            if (mode == "picks" or sweep_all) and len(configs) > 1:
+                print(f"  {mode} T={T} H={H} config {cfg or 'default'}: {sec * 1e3:.3f} ms", flush=True)
         if mode == "picks":
             best_cfg_holder["cfg"] = best[1]
         sec, cfg = best
@@ -220,12 +221,16 @@ def main() -> int:
     ap.add_argument("--merge-max", type=int, default=65536)
     ap.add_argument("--what", default="attn,merge,indexer")
     ap.add_argument("--tune", action="store_true", help="try several block configs at the first length")
+    ap.add_argument("--heads", type=int, default=64, help="attention heads of the sparse-attention calls (the reuse "
+                    "consumer's Global heads' calls have 8)")
+    ap.add_argument("--grid", default=None, help="sparse-attention configs to sweep in every mode beside the default, "
+                    "e.g. 'BLOCK_N=32,num_warps=4;BLOCK_N=64,num_stages=3'")
     ap.add_argument("--json", default=None)
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float16
-    H, D, W, K, IH, ID = 64, 512, 128, 512, 64, 128
+    H, D, W, K, IH, ID = args.heads, 512, 128, 512, 64, 128
     lengths = [int(v) for v in args.lengths.split(",")]
     if args.smoke:
         H, D, W, K, IH, ID, lengths = 16, 64, 16, 32, 8, 32, [256]
@@ -256,12 +261,15 @@ def main() -> int:
         idx_cfgs = [None, dict(BLOCK_T=128, BLOCK_N=128, num_warps=8, num_stages=3),
                     dict(BLOCK_T=64, BLOCK_N=256, num_warps=8, num_stages=3),
                     dict(BLOCK_T=128, BLOCK_N=64, num_warps=4, num_stages=3)]
+    if args.grid:
+        attn_cfgs = [None] + [{k: int(v) for k, v in (kv.split("=") for kv in c.split(","))}
+                              for c in args.grid.split(";") if c.strip()]
     rows = []
     gen = torch.Generator(device=dev).manual_seed(0)
     for i, T in enumerate(lengths):
         if "attn" in what:
-            rows += bench_attention(timer, T, H, D, W, K, dtype, dev, args.ref_max, attn_cfgs if i == 0 else
-                                    [best_cfg_holder.get("cfg")], gen)
+            rows += bench_attention(timer, T, H, D, W, K, dtype, dev, args.ref_max, attn_cfgs if i == 0 or args.grid
+                                    else [best_cfg_holder.get("cfg")], gen, sweep_all=bool(args.grid))
         if "merge" in what and T <= args.merge_max:
             rows += bench_merge(timer, T, H, D, dev, gen)
         if "indexer" in what:
