@@ -262,6 +262,10 @@ def main() -> int:
                     help="also time the reuse arm at --budget with REDKNOT_SPLIT_STATE set to this (0: the projected "
                          "state in the rows' order, each part scattered into it) beside the run's own setting, "
                          "interleaved")
+    ap.add_argument("--rows-too", choices=["0", "auto"], default=None,
+                    help="also time the reuse arm at --budget with REDKNOT_SPARSE_ROWS set to this (auto: several query "
+                         "rows per program in the Global heads' window and causal parts; 0, the default: one) beside "
+                         "the run's own setting, interleaved")
     ap.add_argument("--all-rows-too", action="store_true",
                     help="also time BOTH arms with REDKNOT_LAST_LAYER=all (the last layer computes every row's output, "
                          "not the last row's only) beside the run's own, interleaved; the row gets all_rows_recompute_s, "
@@ -330,7 +334,8 @@ def main() -> int:
             ("fused", {"REDKNOT_FUSED_SEGMENTS": args.fused_too}, "fused_mode", args.fused_too),
             ("moe", {"REDKNOT_MOE_GROUPED": "1" if args.moe_too == "grouped" else "0"}, "moe_form", args.moe_too),
             ("frame", {"REDKNOT_MULTISEG_FRAME": args.frame_too}, "frame", args.frame_too),
-            ("split", {"REDKNOT_SPLIT_STATE": args.split_too}, "split_state", args.split_too)) if on}
+            ("split", {"REDKNOT_SPLIT_STATE": args.split_too}, "split_state", args.split_too),
+            ("rows", {"REDKNOT_SPARSE_ROWS": args.rows_too}, "sparse_rows", args.rows_too)) if on}
 
         rec_t, reu_t, alloc = [], [], []
         other_t, other_res = {b: [] for b in extra}, {}
@@ -458,7 +463,8 @@ def main() -> int:
               + (f"  fused={args.fused_too} {row['fused_s']:.3f} s" if "fused_s" in row else "")
               + (f"  MoE {args.moe_too} {row['moe_s']:.3f} s" if "moe_s" in row else "")
               + (f"  frame={args.frame_too} {row['frame_s']:.3f} s" if "frame_s" in row else "")
-              + (f"  split={args.split_too} {row['split_s']:.3f} s" if "split_s" in row else ""), flush=True)
+              + (f"  split={args.split_too} {row['split_s']:.3f} s" if "split_s" in row else "")
+              + (f"  rows={args.rows_too} {row['rows_s']:.3f} s" if "rows_s" in row else ""), flush=True)
         if "all_rows_speedup" in row:
             print(f"T={row['tokens']:7d}  last layer on every row: recompute {row['all_rows_recompute_s']:7.3f} s  "
                   f"reuse {row['all_rows_reuse_s']:7.3f} s  speedup {row['all_rows_speedup']:5.2f}x  (analytic FLOP "

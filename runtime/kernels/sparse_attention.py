@@ -18,6 +18,12 @@ time; each key tile is loaded once and used by all BLOCK_H heads for both produc
 [D, BLOCK_N], then O += P K on [BLOCK_H, BLOCK_N] x [BLOCK_N, D]), which is the MQA sharing that makes the
 work matrix-shaped (M = heads). Scores are scaled into the log2 domain and the softmax runs in float32.
 
+With REDKNOT_SPARSE_ROWS=auto (opt-in), calls of few heads (8 or fewer: the reuse consumer's Global heads) in modes
+"none" and "causal" take `_sparse_mqa_rows_kernel` (`packed_rows`): ROWS query rows x the heads per program,
+ROWS x heads = 64, so the MMA tile's rows are filled and each key tile serves ROWS rows (their windows overlap,
+their causal entries are shared), each score masked to the rows that see its key. Per-row picks share nothing,
+so "picks" keeps one row per program.
+
 Known limit (docs/BENCHMARKS.md, "GPU kernels"): at BLOCK_H = 64 with 8 warps Triton places all warps along M for
 S = Q K^T (it feeds a second dot), so the two warpgroups both compute S; P K is split between them. About 1.5x
 the useful tensor work is executed; the kernel reaches ~30% of the bf16 rate at D = 512, H = 64.
@@ -25,6 +31,7 @@ the useful tensor work is executed; the kernel reaches ~30% of the bf16 rate at 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -118,6 +125,94 @@ if HAVE_TRITON:
             tl.store(lse_ptr + t * H + offs_h, lse, mask=hmask)
 
 
+    @triton.jit
+    def _online_block_2d(q, k, valid, m_i, l_i, acc, qk_scale, PREC: tl.constexpr):
+        """`_online_block` with a [M, BN] mask (which query row sees which key), K = V."""
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        s = tl.where(valid, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k, input_precision=PREC)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _sparse_mqa_rows_kernel(q_ptr, k_ptr, e_ptr, cpos_ptr, o_ptr, lse_ptr,
+                                T, H, n_keys, n_entries, ratio, window, qk_scale, pos_shift, stride_qt, stride_qh,
+                                MODE: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+                                BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+        """`_sparse_mqa_kernel` for calls of few heads in modes "none" and "causal": one program holds ROWS
+        query rows x BLOCK_H heads (matrix row m: query row t0 + m // BLOCK_H, head m % BLOCK_H), so the MMA tile's
+        M = ROWS x BLOCK_H rows are filled (8 heads alone fill half of a 16-row tile) and each key tile, read once,
+        serves every row of the block: the union of the rows' windows, then every entry visible to one of them,
+        each score masked to the rows that see its key. The rows' positions need not be consecutive (a gap only
+        widens the union)."""
+        M: tl.constexpr = ROWS * BLOCK_H
+        offs_m = tl.arange(0, M)
+        t = tl.program_id(0).to(tl.int64) * ROWS + offs_m // BLOCK_H
+        h = tl.program_id(1) * BLOCK_H + offs_m % BLOCK_H
+        tmask = t < T
+        mmask = tmask & (h < H)
+        offs_d = tl.arange(0, D)
+        offs_n = tl.arange(0, BLOCK_N)
+        q = tl.load(q_ptr + t[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :],
+                    mask=mmask[:, None], other=0.0)
+        cp = tl.load(cpos_ptr + t, mask=tmask, other=0).to(tl.int32)                      # [M]
+        cp_min = tl.min(tl.where(tmask, cp, 2147483647), 0)
+        cp_max = tl.max(tl.where(tmask, cp, -2147483647), 0)
+        m_i = tl.full([M], float("-inf"), tl.float32)
+        l_i = tl.zeros([M], dtype=tl.float32)
+        acc = tl.zeros([M, D], dtype=tl.float32)
+
+        # window rows cp-W+1 .. cp of each query row, clipped to [0, n_keys): the union, masked per row
+        lo = tl.maximum(cp_min - window + 1, 0)
+        hi = tl.minimum(cp_max + 1, n_keys)
+        for start in range(lo, hi, BLOCK_N):
+            rows = start + offs_n
+            valid = rows < hi
+            k = tl.load(k_ptr + rows[:, None].to(tl.int64) * D + offs_d[None, :], mask=valid[:, None], other=0.0)
+            sees = valid[None, :] & (rows[None, :] <= cp[:, None]) & (rows[None, :] > cp[:, None] - window)
+            m_i, l_i, acc = _online_block_2d(q, k, sees, m_i, l_i, acc, qk_scale, PREC)
+
+        if MODE == 1:
+            nvis = tl.minimum(tl.maximum(cp + pos_shift + 1, 0) // ratio, n_entries)             # [M]
+            nvis_max = tl.max(tl.where(tmask, nvis, 0), 0)
+            for start in range(0, nvis_max, BLOCK_N):
+                rows = start + offs_n
+                valid = rows < nvis_max
+                k = tl.load(e_ptr + rows[:, None].to(tl.int64) * D + offs_d[None, :], mask=valid[:, None],
+                            other=0.0)
+                m_i, l_i, acc = _online_block_2d(q, k, valid[None, :] & (rows[None, :] < nvis[:, None]), m_i, l_i,
+                                                 acc, qk_scale, PREC)
+
+        empty = l_i == 0.0
+        l_safe = tl.where(empty, 1.0, l_i)
+        o = acc / l_safe[:, None]
+        lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
+        tl.store(o_ptr + t[:, None] * (H * D) + h[:, None] * D + offs_d[None, :], o, mask=mmask[:, None])
+        tl.store(lse_ptr + t * H + h, lse, mask=mmask)
+
+
+def packed_rows(H: int, mode: str) -> int:
+    """Query rows per program for a call of H heads in `mode`, per REDKNOT_SPARSE_ROWS: "auto" packs rows
+    (`_sparse_mqa_rows_kernel`) where the heads alone leave most of the MMA tile idle (8 heads or fewer: the reuse
+    consumer's Global heads) and the rows share their keys (modes "none" and "causal"; "picks" differ per row), so
+    that ROWS x heads = 64 (at most 16 rows); "0" (default) never, one row per program. On the H200
+    (docs/BENCHMARKS.md run 17) the packed kernel alone is 2.7x faster on 114,688 rows x 8 heads with 896 causal
+    entries and 1.7x on the window; the Global heads' whole HCA call at 64K (stacked parts, RoPE, merge) 13%
+    faster; the whole reuse arm at 64K a tie (2.408 against 2.404 s, inside the reps' spread). Opt-in until the
+    128K arm is timed with it (bench/ttft.py --rows-too auto)."""
+    mode_env = os.environ.get("REDKNOT_SPARSE_ROWS", "0")
+    if mode_env not in ("auto", "0"):
+        raise ValueError(f"REDKNOT_SPARSE_ROWS must be auto or 0, got {mode_env!r}")
+    if mode_env == "0" or mode == "picks" or not HAVE_TRITON:
+        return 1
+    bh = triton.next_power_of_2(H)
+    return min(16, 64 // bh) if bh <= 8 else 1
+
+
 def default_config(H: int, D: int) -> dict:
     """Block sizes per shape. BLOCK_H = the heads of one program (the matrix M dimension). At D = 512, H = 64 on
     an H200 (bench/kernels.py --tune, 2026-11-29): BLOCK_N 64 5.7 ms, 32 7.3 ms; DV = 256 13.6 ms; BLOCK_H 32
@@ -181,7 +276,23 @@ def sparse_mqa_attention(q: torch.Tensor, keys: torch.Tensor, cpos: torch.Tensor
     if T == 0:
         return o, lse
     k_arg = keys if keys.shape[0] else q                                # n = 0: the window loop never runs
-    cfg = dict(default_config(H, D), **(config or {}))
+    rows = int((config or {}).get("ROWS", packed_rows(H, mode)))
+    if rows > 1:                                # several query rows per program (few heads, shared keys)
+        if mode == "picks" or rows & (rows - 1):
+            raise ValueError(f"ROWS={rows} needs mode none or causal and a power of two")
+        bh = triton.next_power_of_2(H)
+        cfg = dict(BLOCK_H=bh, BLOCK_N=64 if D >= 512 else 16, num_warps=8 if D >= 512 and rows * bh >= 64 else 4,
+                   num_stages=2)
+        cfg.update({k: v for k, v in (config or {}).items() if k != "ROWS"})
+        if rows * cfg["BLOCK_H"] < 16:
+            raise ValueError(f"ROWS x BLOCK_H = {rows * cfg['BLOCK_H']}: a dot needs at least 16 matrix rows")
+        _sparse_mqa_rows_kernel[(triton.cdiv(T, rows), triton.cdiv(H, cfg["BLOCK_H"]))](
+            q, k_arg, e, cpos, o, lse, T, H, keys.shape[0], n_entries, max(int(ratio), 1), int(window),
+            scale * LOG2E, int(pos_shift), q.stride(0), q.stride(1), MODE=MODES[mode], D=D, ROWS=rows,
+            BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], PREC=dot_precision(q.dtype), num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"])
+        return o, lse
+    cfg = dict(default_config(H, D), **({k: v for k, v in (config or {}).items() if k != "ROWS"}))
     DV = min(int(cfg.get("DV", D)), D)          # output columns per program (DV < D recomputes S per slice)
     if D % DV or DV & (DV - 1):
         raise ValueError(f"DV={DV} must be a power of two dividing D={D}")

@@ -45,6 +45,8 @@ KERNELS = [
      dict(D=512, DV=512, BLOCK_H=64, BLOCK_N=64, PREC="tf32"), 8, True),
     ("stacked part, 8 heads", sparse_attention._sparse_mqa_kernel, STACKED,
      dict(D=512, DV=512, BLOCK_H=16, BLOCK_N=64, PREC="tf32"), 4, True),
+    ("stacked part, 8 heads x 8 rows", sparse_attention._sparse_mqa_rows_kernel, STACKED,
+     dict(D=512, ROWS=8, BLOCK_H=8, BLOCK_N=64, PREC="tf32"), 8, True),
     ("stacked merge", merge._merge_stacked_kernel, MERGE, dict(D=512, BLOCK_R=8, BLOCK_D=512), 4, False),
     ("N-way merge", merge._merge_kernel, MERGE_N, dict(HAS_SINK=True, D=512, BLOCK_R=8, BLOCK_D=512), 4, False),
     ("indexer scores", indexer._indexer_scores_kernel, INDEXER,

@@ -73,17 +73,26 @@ def fused_launches(monkeypatch) -> list:
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("fused,picks,frame", [("1", "online", "query"), ("1", "artifact", "query"),
-                                               ("0", "online", "query"), ("auto", "artifact", "query"),
-                                               ("1", "online", "key"), ("1", "artifact", "key")])
+@pytest.mark.parametrize("fused,picks,frame,sparse_rows", [("1", "online", "query", "0"), ("1", "artifact", "query", "0"),
+                                                    ("0", "online", "query", "0"), ("auto", "artifact", "query", "0"),
+                                                    ("1", "online", "key", "0"), ("1", "artifact", "key", "0"),
+                                                    ("0", "artifact", "query", "auto")])
 def test_reuse_prefill_and_decode_through_the_kernels(model, request_tokens, kernels_on, monkeypatch, fused, picks,
-                                                      frame):
+                                                      frame, sparse_rows):
     """Reuse prefill at a 25% budget plus 2 greedy decode steps, every kernel on (fences and recompute included),
     through the fused multi-segment kernel, the per-segment kernel + stacked merge, or both ("auto": the fused
     kernel for calls of every head, the stacked parts for the Global heads' calls; the threshold set to this
     model's 8 heads, as 16 is to Flash's 64 and 8), equals the reference path on the same rows to 1e-5 (float32).
-    frame "key": every fused call through the key-frame kernel (REDKNOT_MULTISEG_FRAME=key)."""
+    frame "key": every fused call through the key-frame kernel (REDKNOT_MULTISEG_FRAME=key). sparse_rows "auto": the
+    stacked parts of the Global heads' window and causal calls with several query rows per program
+    (REDKNOT_SPARSE_ROWS=auto, `_sparse_mqa_rows_kernel`), which must have run."""
     monkeypatch.setenv("REDKNOT_MULTISEG_FRAME", frame)
+    monkeypatch.setenv("REDKNOT_SPARSE_ROWS", sparse_rows)
+    import runtime.kernels.sparse_attention as sa
+    packed = []
+    real_rows = sa._sparse_mqa_rows_kernel
+    monkeypatch.setattr(sa, "_sparse_mqa_rows_kernel", type("Spy", (), {"__getitem__": lambda self, grid:
+                                                                          packed.append(grid) or real_rows[grid]})())
     launched = fused_launches(monkeypatch)
     docs, question = request_tokens
     if fused == "auto":
@@ -115,6 +124,7 @@ def test_reuse_prefill_and_decode_through_the_kernels(model, request_tokens, ker
         assert kernels_on[used] > 0 and kernels_on[unused] == 0, kernels_on
     if frame == "key":
         assert launched and set(launched) == {"_multiseg_keyframe_kernel"}, sorted(set(launched))
+    assert bool(packed) == (sparse_rows == "auto"), len(packed)
     errs = [rel_err(a, b) for a, b in zip(got, want)]
     assert max(errs) <= TOL, errs
 
@@ -348,3 +358,50 @@ def test_indexer_scores_of_every_segment_in_one_launch(ID, rd, kernels_on):
     indexer_scores_segments(q, w, qpos, keys, deltas, cols, *cs, again, blocks=blocks,
                             config=dict(BLOCK_T=8, BLOCK_N=16))
     assert torch.equal(again, want) and len(blocks) == 1
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("mode", ["none", "causal"])
+@pytest.mark.parametrize("H", [1, 3, 8])
+def test_sparse_packed_rows_equal_the_reference(mode, H, monkeypatch):
+    """`_sparse_mqa_rows_kernel` (several query rows per program for calls of few heads: the reuse consumer's Global
+    heads; ROWS x heads = 64 rows of the MMA tile, at most 16 rows) equals the torch reference to 1e-5 in float32,
+    and the one-row kernel (REDKNOT_SPARSE_ROWS=0): positions with gaps, unsorted, before 0 and past the keys, a
+    last program with rows past T, entries visible from a shifted position. The packed kernel is what ran
+    (REDKNOT_SPARSE_ROWS=auto; the default, 0, keeps one row per program)."""
+    import runtime.kernels.sparse_attention as sa
+    from runtime.kernels.reference import sparse_mqa_reference
+    launched = []
+    for name in ("_sparse_mqa_kernel", "_sparse_mqa_rows_kernel"):
+        kern = getattr(sa, name)
+        monkeypatch.setattr(sa, name, type("Spy", (), {"__getitem__": lambda self, grid, k=kern, n=name:
+                                                       launched.append(n) or k[grid]})())
+    g = torch.Generator().manual_seed(40 + H)
+    T, D, W, n, N, ratio = 37, 64, 8, 90, 12, 8
+    step = torch.where(torch.rand(T, generator=g) < 0.8, 1, torch.randint(2, 20, (T,), generator=g))
+    cpos = torch.cumsum(step, 0) - 6
+    cpos[[5, 30]] = cpos[[30, 5]].clone()                       # unsorted
+    cpos[-1] = n + 9                                            # past the keys
+    q = torch.randn(T, H, D, generator=g)
+    keys = torch.randn(n, D, generator=g)
+    ent = torch.randn(N, D, generator=g) if mode == "causal" else None
+    monkeypatch.setenv("REDKNOT_SPARSE_ROWS", "auto")                # opt-in
+    rows = sa.packed_rows(H, mode)
+    assert rows == min(16, 64 // triton_pow2(H)) and T % rows
+    o, lse = sa.sparse_mqa_attention(q, keys, cpos, W, ent, mode, ratio, pos_shift=3)
+    assert launched == ["_sparse_mqa_rows_kernel"]
+    ro, rl = sparse_mqa_reference(q, keys, cpos, W, ent, mode, ratio, pos_shift=3)
+    assert rel_err(o, ro) <= TOL
+    assert torch.equal(torch.isinf(lse), torch.isinf(rl)) and torch.isinf(rl).any() and torch.isfinite(rl).any()
+    fin = torch.isfinite(rl)
+    assert (lse[fin] - rl[fin]).abs().max() <= TOL
+    monkeypatch.setenv("REDKNOT_SPARSE_ROWS", "0")
+    o1, _ = sa.sparse_mqa_attention(q, keys, cpos, W, ent, mode, ratio, pos_shift=3)
+    assert launched[-1] == "_sparse_mqa_kernel" and rel_err(o1, o) <= TOL
+    monkeypatch.setenv("REDKNOT_SPARSE_ROWS", "8")
+    with pytest.raises(ValueError, match="REDKNOT_SPARSE_ROWS"):
+        sa.packed_rows(H, mode)
+
+
+def triton_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()

@@ -103,6 +103,47 @@ def test_sparse_few_heads(H):
     run_case(1024, H, 512, 128, 4096, "picks", N=1024, ratio=4, k=512, seed=10 + H)
 
 
+def _gapped_positions(T: int, n: int, seed: int) -> torch.Tensor:
+    """T increasing positions below n with gaps (the non-active rows of a reuse request: active rows removed), a
+    few long ones."""
+    g = torch.Generator().manual_seed(seed)
+    step = torch.where(torch.rand(T, generator=g) < 0.9, 1, torch.randint(2, 400, (T,), generator=g))
+    pos = torch.cumsum(step, 0)
+    return (pos - pos[-1] + n - 1).clamp(min=-3).to(DEV)
+
+
+@pytest.mark.parametrize("mode,N,ratio", [("none", 0, 1), ("causal", 1024, 128), ("causal", 2048, 4)])
+@pytest.mark.parametrize("H", [8, 3])
+def test_sparse_packed_rows_few_heads(mode, N, ratio, H, monkeypatch):
+    """Few heads in modes none/causal take several query rows per program (`_sparse_mqa_rows_kernel`, ROWS x heads
+    = 64 rows of the MMA tile: 8 rows of the Global heads' 8, 16 rows of 3 heads padded to 4): equal to the
+    reference at real dims on gapped positions, with positions unsorted and rows past T in the last program."""
+    from runtime.kernels.sparse_attention import packed_rows
+    assert packed_rows(H, mode) == 1                                   # the default: one row per program
+    monkeypatch.setenv("REDKNOT_SPARSE_ROWS", "auto")
+    assert packed_rows(H, mode) == (8 if H == 8 else 16) and packed_rows(H, "picks") == 1
+    n = 131072 if mode == "causal" and ratio == 128 else 8192
+    run_case(4099, H, 512, 128, n, mode, N=N, ratio=ratio, seed=20 + H, cpos=_gapped_positions(4099, n, H))
+    shuffled = _gapped_positions(777, n, H + 1)[torch.randperm(777, generator=torch.Generator().manual_seed(1))]
+    run_case(777, H, 512, 128, n, mode, N=N, ratio=ratio, seed=30 + H, cpos=shuffled, pos_shift=5)
+
+
+def test_sparse_packed_rows_equal_one_row_per_program(monkeypatch):
+    """REDKNOT_SPARSE_ROWS=auto (packed) and 0 (one row per program): within bf16 rounding of each other on 8 heads."""
+    g = torch.Generator(device=DEV).manual_seed(9)
+    T, H, D, n, N = 2000, 8, 512, 8192, 64
+    q = torch.randn(T, H, D, device=DEV, generator=g).to(DT)
+    keys = torch.randn(n, D, device=DEV, generator=g).to(DT)
+    ent = torch.randn(N, D, device=DEV, generator=g).to(DT)
+    cpos = _gapped_positions(T, n, 3)
+    monkeypatch.setenv("REDKNOT_SPARSE_ROWS", "auto")
+    a = sparse_mqa_attention(q, keys, cpos, 128, ent, "causal", 128)
+    monkeypatch.setenv("REDKNOT_SPARSE_ROWS", "0")
+    b = sparse_mqa_attention(q, keys, cpos, 128, ent, "causal", 128)
+    assert rel_err(a[0], b[0]) < 1e-3
+    check_lse(a[1], b[1])
+
+
 def test_sparse_real_dims_long_prefix():
     # rows deep in a long segment: every window full, 512 picks of 4K visible entries
     T, n = 2048, 16384
