@@ -137,15 +137,14 @@ def test_flops_of_the_trimmed_layer():
     T = 4096
     full, trim = layer_flops(CFG, last, T), layer_flops(CFG, last, T, out_rows=1)
     assert layer_flops(CFG, last, T, out_rows=T) == full
-    # what runs for every row: the latent, the compressors (and the indexer's keys), the attention-site mHC mix
-    d, D, hc = CFG.dim, CFG.head_dim, CFG.hc_mult
-    keys = 2 * T * d * D + 2 * (T + 1) * (2 + hc) * hc * hc * d
-    if CFG.compress_ratios[last]:
-        keys += 2 * 2 * T * d * D * (2 if CFG.layer_kind(last) == "csa" else 1)
-    one = layer_flops(CFG, last, 1, start=T - 1)
-    assert trim.projections == pytest.approx(keys + one.projections - 2 * d * D - 2 * 2 * (2 + hc) * hc * hc * d
-                                             - (2 * 2 * d * D * (2 if CFG.layer_kind(last) == "csa" else 1)
-                                                if CFG.compress_ratios[last] else 0))
+    c = CFG
+    d, D, H, R, hc = c.dim, c.head_dim, c.n_heads, c.o_lora_rank, c.hc_mult
+    mix = (2 + hc) * hc * hc * d                                   # one mHC site, per row
+    comp = 2 * 2 * d * D * (2 if c.layer_kind(last) == "csa" else 1) if c.compress_ratios[last] else 0
+    every_row = 2 * d * D + 2 * mix + comp                         # W_kv, the attention-site mix, the compressors
+    one_row = 2 * (d * c.q_lora_rank + c.q_lora_rank * H * D + H * D * R + c.o_groups * R * d) + 2 * mix
+    assert trim.projections == pytest.approx(T * every_row + one_row)
+    one = layer_flops(CFG, last, 1, start=T - 1)                   # the last row's attention and MoE, as if alone
     assert trim.attention == one.attention and trim.moe == one.moe
     assert trim.total < full.total / 5
 
