@@ -45,10 +45,11 @@ if HAVE_TRITON:
 
     @triton.jit
     def _online_block(q, k, v, valid, m_i, l_i, acc, qk_scale, PREC: tl.constexpr):
-        """One key tile: q [BH, D], k [BN, D], v [BN, DV] (K = V: v is k or its column slice), valid [BN];
-        the softmax state is kept in the log2 domain. PREC: the dots' input precision (see `dot_precision`)."""
+        """One key tile: q [BH, D], k [BN, D], v [BN, DV] (K = V: v is k or its column slice), valid [1, BN]
+        (every query row sees the same keys) or [BH, BN] (which query row sees which key); the softmax state is
+        kept in the log2 domain. PREC: the dots' input precision (see `dot_precision`)."""
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale                             # [BH, BN] fp32
-        s = tl.where(valid[None, :], s, float("-inf"))
+        s = tl.where(valid, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)                                      # 0 while m_i is -inf
@@ -56,6 +57,15 @@ if HAVE_TRITON:
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         return m_new, l_i, acc
+
+    @triton.jit
+    def _normalized(m_i, l_i, acc):
+        """The online softmax's result: o = acc / l and the natural-log LSE, -inf (with o = 0) where a row saw no
+        key."""
+        empty = l_i == 0.0
+        l_safe = tl.where(empty, 1.0, l_i)
+        lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
+        return acc / l_safe[:, None], lse
 
     @triton.jit
     def _tile(base_ptr, rows, valid, offs_d, offs_v, D: tl.constexpr, DV: tl.constexpr):
@@ -96,7 +106,7 @@ if HAVE_TRITON:
             rows = start + offs_n
             valid = rows < hi
             k, v = _tile(k_ptr, rows, valid, offs_d, offs_v, D, DV)
-            m_i, l_i, acc = _online_block(q, k, v, valid, m_i, l_i, acc, qk_scale, PREC)
+            m_i, l_i, acc = _online_block(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale, PREC)
 
         if MODE == 1:
             # every entry complete before the query: w < (cpos+1)//ratio (an empty range when cpos+1 <= 0)
@@ -106,37 +116,21 @@ if HAVE_TRITON:
                 rows = start + offs_n
                 valid = rows < nvis
                 k, v = _tile(e_ptr, rows, valid, offs_d, offs_v, D, DV)
-                m_i, l_i, acc = _online_block(q, k, v, valid, m_i, l_i, acc, qk_scale, PREC)
+                m_i, l_i, acc = _online_block(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale, PREC)
         elif MODE == 2:
             for start in range(0, n_picks, BLOCK_N):
                 j = start + offs_n
                 idx = tl.load(picks_ptr + t * stride_pt + j, mask=j < n_picks, other=-1)
                 valid = (idx >= 0) & (idx < n_entries)
                 k, v = _tile(e_ptr, idx, valid, offs_d, offs_v, D, DV)
-                m_i, l_i, acc = _online_block(q, k, v, valid, m_i, l_i, acc, qk_scale, PREC)
+                m_i, l_i, acc = _online_block(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale, PREC)
 
-        empty = l_i == 0.0
-        l_safe = tl.where(empty, 1.0, l_i)
-        o = acc / l_safe[:, None]
-        lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
+        o, lse = _normalized(m_i, l_i, acc)
         o_rows = t * (H * D) + offs_h[:, None] * D + offs_v[None, :]
         tl.store(o_ptr + o_rows, o, mask=hmask[:, None])
         if tl.program_id(2) == 0:
             tl.store(lse_ptr + t * H + offs_h, lse, mask=hmask)
 
-
-    @triton.jit
-    def _online_block_2d(q, k, valid, m_i, l_i, acc, qk_scale, PREC: tl.constexpr):
-        """`_online_block` with a [M, BN] mask (which query row sees which key), K = V."""
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-        s = tl.where(valid, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k, input_precision=PREC)
-        return m_new, l_i, acc
 
     @triton.jit
     def _sparse_mqa_rows_kernel(q_ptr, k_ptr, e_ptr, cpos_ptr, o_ptr, lse_ptr,
@@ -174,7 +168,7 @@ if HAVE_TRITON:
             valid = rows < hi
             k = tl.load(k_ptr + rows[:, None].to(tl.int64) * D + offs_d[None, :], mask=valid[:, None], other=0.0)
             sees = valid[None, :] & (rows[None, :] <= cp[:, None]) & (rows[None, :] > cp[:, None] - window)
-            m_i, l_i, acc = _online_block_2d(q, k, sees, m_i, l_i, acc, qk_scale, PREC)
+            m_i, l_i, acc = _online_block(q, k, k, sees, m_i, l_i, acc, qk_scale, PREC)
 
         if MODE == 1:
             nvis = tl.minimum(tl.maximum(cp + pos_shift + 1, 0) // ratio, n_entries)             # [M]
@@ -184,13 +178,10 @@ if HAVE_TRITON:
                 valid = rows < nvis_max
                 k = tl.load(e_ptr + rows[:, None].to(tl.int64) * D + offs_d[None, :], mask=valid[:, None],
                             other=0.0)
-                m_i, l_i, acc = _online_block_2d(q, k, valid[None, :] & (rows[None, :] < nvis[:, None]), m_i, l_i,
-                                                 acc, qk_scale, PREC)
+                m_i, l_i, acc = _online_block(q, k, k, valid[None, :] & (rows[None, :] < nvis[:, None]), m_i, l_i,
+                                              acc, qk_scale, PREC)
 
-        empty = l_i == 0.0
-        l_safe = tl.where(empty, 1.0, l_i)
-        o = acc / l_safe[:, None]
-        lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
+        o, lse = _normalized(m_i, l_i, acc)
         tl.store(o_ptr + t[:, None] * (H * D) + h[:, None] * D + offs_d[None, :], o, mask=mmask[:, None])
         tl.store(lse_ptr + t * H + h, lse, mask=mmask)
 

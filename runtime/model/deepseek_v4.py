@@ -429,7 +429,7 @@ class Indexer(nn.Module):
         x, positions = x[start:], positions[start:]
         k = min(self.topk, keys.shape[0])
         if k == 0 or x.shape[0] == 0:
-            return torch.full((x.shape[0], k if x.shape[0] == 0 else 0), -1, dtype=torch.long, device=x.device)
+            return torch.full((x.shape[0], k), -1, dtype=torch.long, device=x.device)
         # the [rows, heads, N] score block is the indexer's largest temporary: bound it to ~2^28 elements
         q_chunk = max(1, min(q_chunk, (1 << 28) // (self.n_heads * keys.shape[0])))
         from runtime.kernels import enabled, indexer_topk

@@ -387,7 +387,7 @@ def test_sparse_packed_rows_equal_the_reference(mode, H, monkeypatch):
     ent = torch.randn(N, D, generator=g) if mode == "causal" else None
     monkeypatch.setenv("REDKNOT_SPARSE_ROWS", "auto")                # opt-in
     rows = sa.packed_rows(H, mode)
-    assert rows == min(16, 64 // triton_pow2(H)) and T % rows
+    assert rows == min(16, 64 // sa.triton.next_power_of_2(H)) and T % rows
     o, lse = sa.sparse_mqa_attention(q, keys, cpos, W, ent, mode, ratio, pos_shift=3)
     assert launched == ["_sparse_mqa_rows_kernel"]
     ro, rl = sparse_mqa_reference(q, keys, cpos, W, ent, mode, ratio, pos_shift=3)
@@ -401,7 +401,3 @@ def test_sparse_packed_rows_equal_the_reference(mode, H, monkeypatch):
     monkeypatch.setenv("REDKNOT_SPARSE_ROWS", "8")
     with pytest.raises(ValueError, match="REDKNOT_SPARSE_ROWS"):
         sa.packed_rows(H, mode)
-
-
-def triton_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
