@@ -919,12 +919,20 @@ class Block(nn.Module):
 def last_row_only(cache: LayerCache | None = None) -> bool:
     """Whether a prefill's last layer computes only the last row's output (`Block.forward(out_rows=1)`): the next
     token reads that row alone, and every row still feeds the layer's cache, so logits and cache are those of a
-    full pass. Not while a producer captures the layer's outputs. REDKNOT_LAST_LAYER=all turns it off (every row
-    through the whole last layer, as before; bench/ttft.py --all-rows-too times both arms that way beside)."""
+    full pass. Not while a producer captures the layer's outputs (`prefill_out_rows` applies it).
+    REDKNOT_LAST_LAYER=all turns it off (every row through the whole last layer, as before; bench/ttft.py
+    --all-rows-too times both arms that way beside)."""
     mode = os.environ.get("REDKNOT_LAST_LAYER", "last")
     if mode not in ("last", "all"):
         raise ValueError(f"REDKNOT_LAST_LAYER must be last or all, got {mode!r}")
     return mode == "last" and (cache is None or cache.capture is None)
+
+
+def prefill_out_rows(cfg: ModelConfig, layer: int, cache: LayerCache | None = None) -> int | None:
+    """Block.forward's `out_rows` for `layer` of a prefill whose next token is all that is read: 1 for the model's
+    last layer where `last_row_only(cache)`, else None (every row). The recompute arm (Transformer.forward), the
+    reuse arm's last fence and the FLOP ledger all take the rule from here."""
+    return 1 if layer == cfg.n_layers - 1 and last_row_only(cache) else None
 
 
 class Transformer(nn.Module):
@@ -965,10 +973,9 @@ class Transformer(nn.Module):
         T = tokens.shape[0]
         positions = torch.arange(cache.pos, cache.pos + T, device=tokens.device)
         x = self.embed_streams(tokens)
-        last = len(self.layers) - 1
         for i, (layer, lc) in enumerate(zip(self.layers, cache.layers)):
             x = layer(x, tokens, positions, lc, self.q_chunk,
-                      out_rows=1 if i == last and not all_logits and last_row_only(lc) else None)
+                      out_rows=None if all_logits else prefill_out_rows(self.cfg, i, lc))
         cache.pos += T
         return self.logits(x) if all_logits else self.logits(x[-1:])[0]
 

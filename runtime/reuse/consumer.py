@@ -24,7 +24,7 @@ import torch
 
 from runtime.model.config import CSA, HCA, WINDOW
 from runtime.model.deepseek_v4 import (NEG_INF, Block, CompressorState, LayerCache, Rotary, Transformer,
-                                       grouped_projection, last_row_only, phase, share_positions, shared_angles,
+                                       grouped_projection, phase, prefill_out_rows, share_positions, shared_angles,
                                        shared_arange, unweighted_rms_norm)
 from runtime.kernels import enabled, indexer_scores_segments, merge_stacked, rope_, sparse_mqa_attention
 from runtime.kernels._host import to_device_nowait
@@ -572,7 +572,7 @@ class ReuseEngine:
                 lc = self._prefix_cache(block, prefix.layers[i])
                 lc.capture = {} if i < prof.first_fences else None      # the first fences' latent and picks
                 # the last layer, a fence, computes the last row's output only (as the recompute arm's does)
-                out_rows = 1 if i == cfg.n_layers - 1 and last_row_only(lc) else None
+                out_rows = prefill_out_rows(cfg, i, lc)
                 with phase("rk.fence"):
                     x = block(x, tokens, positions, lc, m.q_chunk, out_rows=out_rows)
                 cap, lc.capture = lc.capture, None

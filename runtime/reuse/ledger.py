@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from runtime.model.config import CSA, ModelConfig
-from runtime.model.deepseek_v4 import last_row_only
+from runtime.model.deepseek_v4 import prefill_out_rows
 from runtime.model.flops import layer_flops
 from .profile import ReuseProfile
 
@@ -78,9 +78,8 @@ class Ledger:
         Transformer.forward does, unless REDKNOT_LAST_LAYER=all)."""
         T = self.n_prefix + self.n_reloc + self.n_new
         out = {k: 0.0 for k in OPS}
-        last = self.cfg.n_layers - 1
         for i in range(self.cfg.n_layers):
-            f = layer_flops(self.cfg, i, T, out_rows=1 if i == last and last_row_only() else None)
+            f = layer_flops(self.cfg, i, T, out_rows=prefill_out_rows(self.cfg, i))
             for k in OPS:
                 out[k] += getattr(f, k)
         return out
