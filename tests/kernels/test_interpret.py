@@ -368,7 +368,7 @@ def test_sparse_packed_rows_equal_the_reference(mode, H, monkeypatch):
     heads; ROWS x heads = 64 rows of the MMA tile, at most 16 rows) equals the torch reference to 1e-5 in float32,
     and the one-row kernel (REDKNOT_SPARSE_ROWS=0): positions with gaps, unsorted, before 0 and past the keys, a
     last program with rows past T, entries visible from a shifted position. The packed kernel is what ran
-    (REDKNOT_SPARSE_ROWS=auto; the default, 0, keeps one row per program)."""
+    (REDKNOT_SPARSE_ROWS=auto, the default; 0 keeps one row per program)."""
     import runtime.kernels.sparse_attention as sa
     from runtime.kernels.reference import sparse_mqa_reference
     launched = []
@@ -385,7 +385,7 @@ def test_sparse_packed_rows_equal_the_reference(mode, H, monkeypatch):
     q = torch.randn(T, H, D, generator=g)
     keys = torch.randn(n, D, generator=g)
     ent = torch.randn(N, D, generator=g) if mode == "causal" else None
-    monkeypatch.setenv("REDKNOT_SPARSE_ROWS", "auto")                # opt-in
+    monkeypatch.delenv("REDKNOT_SPARSE_ROWS", raising=False)        # the default: auto
     rows = sa.packed_rows(H, mode)
     assert rows == min(16, 64 // sa.triton.next_power_of_2(H)) and T % rows
     o, lse = sa.sparse_mqa_attention(q, keys, cpos, W, ent, mode, ratio, pos_shift=3)

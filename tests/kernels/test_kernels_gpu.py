@@ -119,8 +119,9 @@ def test_sparse_packed_rows_few_heads(mode, N, ratio, H, monkeypatch):
     = 64 rows of the MMA tile: 8 rows of the Global heads' 8, 16 rows of 3 heads padded to 4): equal to the
     reference at real dims on gapped positions, with positions unsorted and rows past T in the last program."""
     from runtime.kernels.sparse_attention import packed_rows
-    assert packed_rows(H, mode) == 1                                   # the default: one row per program
-    monkeypatch.setenv("REDKNOT_SPARSE_ROWS", "auto")
+    monkeypatch.setenv("REDKNOT_SPARSE_ROWS", "0")
+    assert packed_rows(H, mode) == 1                                   # 0: one row per program
+    monkeypatch.delenv("REDKNOT_SPARSE_ROWS")                          # the default: auto
     assert packed_rows(H, mode) == (8 if H == 8 else 16) and packed_rows(H, "picks") == 1
     n = 131072 if mode == "causal" and ratio == 128 else 8192
     run_case(4099, H, 512, 128, n, mode, N=N, ratio=ratio, seed=20 + H, cpos=_gapped_positions(4099, n, H))
