@@ -156,6 +156,31 @@ def hot_artifacts(model, docs, prof) -> list[DocumentArtifact]:
     return [pin(drop_unused(a) if j == 0 else a) for j, a in enumerate(produce(model, d, prof) for d in docs)]
 
 
+def host_profile(fn, device, title: str, top: int = 40) -> str:
+    """cProfile of one call of `fn` (the GPU drained first and after): the Python functions by their own time and
+    by their time with callees. Where the GPU waits on launches this is the reuse arm's critical path."""
+    import cProfile
+    import io
+    import pstats
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    pr = cProfile.Profile()
+    t0 = time.perf_counter()
+    pr.enable()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    pr.disable()
+    wall = time.perf_counter() - t0
+    out = io.StringIO()
+    out.write(f"## host profile {title}: {wall * 1e3:.1f} ms under cProfile\n")
+    st = pstats.Stats(pr, stream=out)
+    st.sort_stats("tottime").print_stats(top)
+    st.print_callers(r"jit.py.*\(run\)|rope.py.*\(rope_\)|\{method .view|\{built-in method torch.empty\}")
+    st.sort_stats("cumulative").print_stats(top)
+    return out.getvalue()
+
+
 def host_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
@@ -237,6 +262,9 @@ def main() -> int:
     ap.add_argument("--syncs-at", type=int, default=0,
                     help="at this length, print every host sync of one reuse prefill with our code that made it, and "
                          "the caching allocator's synchronizations (bench/syncs.py)")
+    ap.add_argument("--hostprof-at", type=int, default=0,
+                    help="cProfile one reuse prefill at this length (after the timed reps): where the host's time goes "
+                         "where the GPU waits on launches")
     ap.add_argument("--check-at", type=int, default=0,
                     help="at this length, compare first-token logits of the kernel path against the reference path")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -263,8 +291,8 @@ def main() -> int:
                          "state in the rows' order, each part scattered into it) beside the run's own setting, "
                          "interleaved")
     ap.add_argument("--rows-too", choices=["0", "auto"], default=None,
-                    help="also time the reuse arm at --budget with REDKNOT_SPARSE_ROWS set to this (auto: several query "
-                         "rows per program in the Global heads' window and causal parts; 0, the default: one) beside "
+                    help="also time the reuse arm at --budget with REDKNOT_SPARSE_ROWS set to this (auto, the default: "
+                         "several query rows per program in the Global heads' window and causal parts; 0: one) beside "
                          "the run's own setting, interleaved")
     ap.add_argument("--all-rows-too", action="store_true",
                     help="also time BOTH arms with REDKNOT_LAST_LAYER=all (the last layer computes every row's output, "
@@ -426,6 +454,8 @@ def main() -> int:
                       f"{((a - b).norm() / b.norm()).item():.2e}, same argmax {int(a.argmax()) == int(b.argmax())}")
         if L == args.syncs_at and device.type == "cuda":
             print(sync_report(reuse, title=f"of one reuse prefill at {L}"), flush=True)
+        if L == args.hostprof_at:
+            print(host_profile(reuse, device, title=f"of one reuse prefill at {L}"), flush=True)
         if L == args.profile_at and device.type == "cuda":
             from torch.profiler import ProfilerActivity, profile
             for arm, fn in (("reuse", reuse), ("recompute", lambda: model(full))):

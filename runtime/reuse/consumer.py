@@ -197,7 +197,7 @@ def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: l
         rope_(o_buf.view(len(plan) * T, H, D), *cs, inverse=True)
     out = merge_stacked(o_buf, lse_buf, sink, q_raw.dtype, [(lo, hi) for _, lo, hi, _, _ in plan], out=out)
     # pairs the kernel attends: clipped window rows plus visible entries (on the host), plus picks (on the device)
-    pairs = _pairs_host(attn, host, segments, attn.kind == HCA)
+    pairs = _pairs_host(attn, host, segments, attn.kind == HCA, trig)
     if any(m == "picks" for _, _, _, m, _ in plan):
         if n_picks is None:              # own picks: one count; picks handed in by a caller: what each part attends
             n_picks = (own_picks >= 0).sum() if own_picks is not None else \
@@ -206,8 +206,16 @@ def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: l
     return out, pairs
 
 
-def _pairs_host(attn, host: np.ndarray, segments: list[SegmentKeys], causal: bool) -> int:
-    """(query, key) pairs of the window parts, and of the entry parts in "causal" mode, counted on the host."""
+def _pairs_host(attn, host: np.ndarray, segments: list[SegmentKeys], causal: bool, trig=None) -> int:
+    """(query, key) pairs of the window parts, and of the entry parts in "causal" mode, counted on the host; once
+    per call's rows and segment shapes (`trig`): every layer of a kind attends the same pairs."""
+    shapes = tuple((s.delta, s.latent.shape[0], -1 if not causal or s.entries is None else s.entries.shape[0])
+                   for s in segments)
+    return _memo(trig, ("pairs", attn.cfg.window_size, attn.ratio if causal else 0, shapes),
+                 lambda: _count_pairs(attn, host, segments, causal))
+
+
+def _count_pairs(attn, host: np.ndarray, segments: list[SegmentKeys], causal: bool) -> int:
     W, pairs = attn.cfg.window_size, 0
     for seg in segments:
         n = seg.latent.shape[0]
@@ -247,7 +255,7 @@ def fused_attention(attn, q_raw, qpos, segments, sink, host, mode: str, gp=None,
         pairs = bounds[:, -1].sum()
     out = multi_segment_attention(q_raw, qpos, segments, sink, attn.cfg.window_size, mode, attn.ratio or 1,
                                   attn.scale, attn.rotary.inv_freq, gp, first, bounds, config=config, out=out)
-    return out, pairs + _pairs_host(attn, host, segments, mode == "causal")
+    return out, pairs + _pairs_host(attn, host, segments, mode == "causal", trig)
 
 
 def own_global_picks(segments, qpos, own_picks, first, total, trig=None):

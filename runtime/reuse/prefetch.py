@@ -30,23 +30,44 @@ from .certificate import FallbackReason, Verdict, agree
 from .store import ArtifactHead, read_layers
 
 
+_FIELDS = tuple(f.name for f in fields(LayerArtifact))
+
+
 def _map(la: LayerArtifact, fn) -> LayerArtifact:
     out = {}
-    for f in fields(LayerArtifact):
-        v = getattr(la, f.name)
+    for name in _FIELDS:
+        v = getattr(la, name)
         if isinstance(v, tuple):
             v = tuple(fn(t) for t in v)
         elif isinstance(v, torch.Tensor):
             v = fn(v)
-        out[f.name] = v
+        out[name] = v
     return LayerArtifact(**out)
 
 
 def _tensors(la: LayerArtifact) -> list[torch.Tensor]:
     """`la`'s tensors in `_map`'s order."""
     out = []
-    _map(la, lambda t: (out.append(t), t)[1])
+    for name in _FIELDS:
+        v = getattr(la, name)
+        if isinstance(v, tuple):
+            out.extend(v)
+        elif isinstance(v, torch.Tensor):
+            out.append(v)
     return out
+
+
+def host_plan(la: LayerArtifact) -> tuple[list[torch.Tensor], tuple[list[int], int, int], torch.Tensor | None]:
+    """(`la`'s tensors, their `_layout`, their `packed_storage`), kept on the layer while its fields hold the same
+    tensor objects: a hot artifact's layer is staged once per request, and recomputing its layout each time (ten
+    tensors, eight documents, every layer) was host time the GPU waited on where a reusable layer is short (16K)."""
+    ts = _tensors(la)
+    memo = la.__dict__.get("_rk_host_plan")
+    if memo is not None and len(memo[0]) == len(ts) and all(a is b for a, b in zip(memo[0], ts)):
+        return memo
+    memo = (ts, _layout(ts), packed_storage(la, ts))
+    la.__dict__["_rk_host_plan"] = memo
+    return memo
 
 
 PACK_ALIGN = 256          # bytes: every tensor of a packed layer starts on this boundary (as the allocator's blocks)
@@ -123,11 +144,11 @@ def slab_plan(sizes: list[int], aligns: list[int]) -> list[tuple[int, list[tuple
     return plan_from(0)
 
 
-def packed_storage(la: LayerArtifact) -> torch.Tensor | None:
+def packed_storage(la: LayerArtifact, ts: list[torch.Tensor] | None = None) -> torch.Tensor | None:
     """The host bytes (uint8) all of `la`'s tensors are views of, laid out as `pin` packs them (`_layout`) from a start on the
     layer's alignment (a buffer of its own, or its place in a `pin` slab); None where they are not (separate
-    tensors, another layout, a strided tensor, or on a device)."""
-    ts = _tensors(la)
+    tensors, another layout, a strided tensor, or on a device). `ts`: `_tensors(la)`, where the caller has them."""
+    ts = _tensors(la) if ts is None else ts
     if not ts or any(t.device.type != "cpu" or not t.is_contiguous() for t in ts):
         return None
     st = ts[0].untyped_storage()
@@ -141,40 +162,53 @@ def packed_storage(la: LayerArtifact) -> torch.Tensor | None:
     return torch.empty(0, dtype=torch.uint8).set_(st, base, (size,), (1,))
 
 
-def rebuild(la: LayerArtifact, flat: torch.Tensor, offs: list[int] | None = None) -> LayerArtifact:
+def rebuild(la: LayerArtifact, flat: torch.Tensor, offs: list[int] | None = None,
+            ts: list[torch.Tensor] | None = None) -> LayerArtifact:
     """`la`'s views (a `packed_storage` layer's: contiguous, laid out by `_layout`) rebuilt on `flat`, a copy of its
-    bytes (e.g. on the device); `offs`: that layout's offsets, where the caller has them."""
-    ts = _tensors(la)
-    views = iter([_view_at(flat, o, t) for t, o in zip(ts, _layout(ts)[0] if offs is None else offs)])
+    bytes (e.g. on the device); `offs`, `ts`: that layout's offsets and `_tensors(la)`, where the caller has them."""
+    ts = _tensors(la) if ts is None else ts
+    typed: dict[torch.dtype, torch.Tensor] = {}     # `flat` seen as each dtype once; then one as_strided a tensor
+
+    def view(t: torch.Tensor, o: int) -> torch.Tensor:
+        base = typed.get(t.dtype)
+        if base is None:
+            base = typed[t.dtype] = flat.view(t.dtype)
+        return base.as_strided(t.shape, t.stride(), base.storage_offset() + o // t.element_size())
+    views = iter([view(t, o) for t, o in zip(ts, _layout(ts)[0] if offs is None else offs)])
     return _map(la, lambda t: next(views))
 
 
 def pack_documents(layers: list[LayerArtifact], device, copy=None,
-                   sources: list[torch.Tensor] | None = None, alloc=None) -> tuple[list[LayerArtifact], int]:
+                   sources: list[torch.Tensor] | None = None, alloc=None,
+                   plans: list | None = None) -> tuple[list[LayerArtifact], int]:
     """Several documents' layer in ONE new buffer on `device`, document after document, each at a multiple of every
     document's alignment (`_layout`): the consumer reads every document's rows of a field through one view. With
     `copy` (LayerPrefetcher: an asynchronous host->device copy into a slot of the buffer) each `packed_storage`
     layer is copied whole, once (`sources`: their storages, where the caller has them; None for a layer that is
     not packed), and any other is packed into its slot tensor by tensor (asynchronous copies too); without `copy`
-    each tensor is packed into place. `alloc(n)` makes the buffer (default: torch.empty on `device`). Returns the
-    documents' layers and the bytes of the buffer."""
+    each tensor is packed into place. `alloc(n)` makes the buffer (default: torch.empty on `device`). `plans`: per
+    layer (its tensors, their `_layout`), where the caller has them (`host_plan`). Returns the documents' layers and
+    the bytes of the buffer."""
     if copy is not None:
         sources = [packed_storage(la) for la in layers] if sources is None else sources
         if len(sources) != len(layers):
             raise ValueError(f"{len(sources)} sources for {len(layers)} layers")
-    plans = [_layout(_tensors(la)) for la in layers]
-    whole = math.lcm(*[a for _, _, a in plans])
+    if plans is None:
+        plans = [(ts, _layout(ts)) for ts in map(_tensors, layers)]
+    if len(plans) != len(layers):
+        raise ValueError(f"{len(plans)} plans for {len(layers)} layers")
+    whole = math.lcm(*[a for _, (_, _, a) in plans])
     starts, n = [], 0
-    for _, size, _ in plans:
+    for _, (_, size, _) in plans:
         starts.append(n)
         n += -(-size // whole) * whole
     buf = alloc(n) if alloc is not None else torch.empty(n, dtype=torch.uint8, device=device)
     out = []
-    for j, (la, (offs, size, _), o) in enumerate(zip(layers, plans, starts)):
+    for j, (la, (ts, (offs, size, _)), o) in enumerate(zip(layers, plans, starts)):
         slot = buf[o:o + size]
         if copy is not None and sources[j] is not None:
             copy(slot, sources[j])
-            out.append(rebuild(la, slot, offs))
+            out.append(rebuild(la, slot, offs, ts))
         else:
             out.append(_pack_into(la, slot, offs, non_blocking=copy is not None))
     return out, n
@@ -241,6 +275,7 @@ class LayerPrefetcher:
         self.staged: dict[int, tuple[list[LayerArtifact], object]] = {}
         self._ready: set[int] = set()           # layers whose copy the compute stream already waits on
         self._private: dict[int, list[bool]] = {}   # per layer and document: every tensor is this request's copy
+        self._storages: dict[int, list[torch.Tensor]] = {}   # per packed layer: the one buffer its views share
         self.bytes_copied = 0
         self.loose = 0              # (layer, document) pairs staged tensor by tensor: not packed by `pin`
 
@@ -280,15 +315,19 @@ class LayerPrefetcher:
                 copied[-1] &= out.data_ptr() != t.data_ptr()      # already on the device: no copy was made
                 return out
             host = [d.layers[i] for d in self.docs]
-            if all(t.device.type == "cpu" for la in host for t in _tensors(la)):
+            hp = [host_plan(la) for la in host]
+            if all(t.device.type == "cpu" for ts, _, _ in hp for t in ts):
                 # host documents: one buffer for the whole layer; a pinned, packed document's layer (`pin`) is
                 # copied whole (one copy), any other tensor by tensor into its slot (counted in `loose`)
-                sources = [packed_storage(la) for la in host]
+                sources = [src for _, _, src in hp]
                 self.loose += sum(src is None for src in sources)
+                bufs = []
                 layers, n = pack_documents(host, self.device, lambda slot, src: slot.copy_(src, non_blocking=True),
-                                           sources, alloc)
+                                           sources, lambda n: bufs.append(alloc(n)) or bufs[-1],
+                                           [(ts, lay) for ts, lay, _ in hp])
                 self.bytes_copied += n
                 copied = [True] * len(host)
+                self._storages[i] = bufs          # every staged tensor is a view of this one buffer
             else:
                 layers = []
                 for la in host:
@@ -310,12 +349,17 @@ class LayerPrefetcher:
         if ev is not None:
             cur = torch.cuda.current_stream(self.device)
             cur.wait_event(ev)
-            seen = set()                   # once per storage: a packed layer's views share one
-            for la in layers:
-                for t in _tensors(la):
-                    if t.untyped_storage().data_ptr() not in seen:
-                        seen.add(t.untyped_storage().data_ptr())
-                        t.record_stream(cur)
+            held = self._storages.pop(i, None)
+            if held is not None:           # a packed layer: its views share one buffer
+                for t in held:
+                    t.record_stream(cur)
+            else:
+                seen = set()               # once per storage
+                for la in layers:
+                    for t in _tensors(la):
+                        if t.untyped_storage().data_ptr() not in seen:
+                            seen.add(t.untyped_storage().data_ptr())
+                            t.record_stream(cur)
         self._ready.add(i)
         for j in range(i + 1, i + 1 + self.depth):
             self._issue(j)
@@ -323,6 +367,7 @@ class LayerPrefetcher:
             del self.staged[old]
             self._ready.discard(old)
             self._private.pop(old, None)
+            self._storages.pop(old, None)
         return layers
 
     def private(self, i: int, j: int) -> bool:

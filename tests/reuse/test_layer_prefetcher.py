@@ -237,3 +237,39 @@ def test_cuda_stages_pinned_documents_with_one_copy_each_into_one_buffer_per_lay
             assert v.layers.private(i)
     assert copies == [] and pf.loose == 0                         # no per-tensor copies: slot copies (copy_) only
     assert pf.bytes_copied == sum(pack_documents([d.layers[i] for d in docs], "cpu")[1] for i in range(pf.n_layers))
+
+
+def test_host_plan_is_kept_on_the_layer_while_its_tensors_are_the_same():
+    """`host_plan` (a host layer's tensors, layout and packed source, what staging reads every request) is computed
+    once per layer and computed again once a field holds another tensor; equal to computing it afresh."""
+    from runtime.reuse.prefetch import _layout, _tensors, host_plan, packed_storage
+    la = _packed(_full_layer(torch.Generator().manual_seed(5)))
+    first = host_plan(la)
+    assert host_plan(la) is first                                         # kept
+    ts, lay, src = first
+    assert all(a is b for a, b in zip(ts, _tensors(la))) and lay == _layout(_tensors(la))
+    assert src is not None and torch.equal(src, packed_storage(la))
+    la.latent = la.latent.clone()                                         # a field replaced: not the packed one
+    again = host_plan(la)
+    assert again is not first and again[0][0] is la.latent and again[2] is None and packed_storage(la) is None
+
+
+def test_packing_through_the_kept_plans_equals_packing_afresh():
+    """pack_documents given the kept plans (`host_plan`, as LayerPrefetcher stages) lays out and copies the same
+    bytes as without them, request after request, each packed layer copied whole once."""
+    from runtime.reuse.prefetch import _tensors, host_plan, pack_documents, pin
+    host = [pin(DocumentArtifact(list(range(8)), 8, [_full_layer(torch.Generator().manual_seed(10 + j))])).layers[0]
+            for j in range(3)]
+    fresh, n0 = pack_documents(host, "cpu", lambda slot, src: slot.copy_(src))
+    for _ in range(2):
+        hp = [host_plan(la) for la in host]
+        copies = []
+        kept, n1 = pack_documents(host, "cpu", lambda slot, src: (copies.append(src.numel()), slot.copy_(src)),
+                                  [src for _, _, src in hp], None, [(ts, lay) for ts, lay, _ in hp])
+        assert n1 == n0 and copies == [src.numel() for _, _, src in hp]
+        for a_la, b_la, src_la in zip(kept, fresh, host):
+            for a, b, c in zip(_tensors(a_la), _tensors(b_la), _tensors(src_la)):
+                assert a.dtype == b.dtype == c.dtype and a.shape == b.shape == c.shape
+                assert a.stride() == b.stride() and torch.equal(a, b) and torch.equal(a, c)
+    with pytest.raises(ValueError, match="plans"):
+        pack_documents(host, "cpu", plans=[(ts, lay) for ts, lay, _ in hp][:2])

@@ -10,12 +10,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_ttft_cpu_smoke_run_with_a_second_budget_and_the_cold_arm(tmp_path):
     out = tmp_path / "ttft.json"
-    subprocess.run([sys.executable, "bench/ttft.py", "--small", "--device", "cpu", "--layers", "8", "--experts", "8",
+    r = subprocess.run([sys.executable, "bench/ttft.py", "--small", "--device", "cpu", "--layers", "8", "--experts", "8",
                     "--lengths", "1024", "--cold-at", "1024", "--reps", "1", "--extra-budgets", "0.1",
-                    "--fused-too", "--moe-too", "grouped", "--frame-too", "key", "--split-too", "0", "--rows-too", "auto", "--all-rows-too",
-                    "--json",
-                    str(out)], cwd=ROOT, check=True, capture_output=True, timeout=600)
+                    "--fused-too", "--moe-too", "grouped", "--frame-too", "key", "--split-too", "0", "--rows-too", "0", "--all-rows-too",
+                    "--hostprof-at", "1024", "--json",
+                    str(out)], cwd=ROOT, check=True, capture_output=True, text=True, timeout=600)
     run = json.loads(out.read_text())
+    # --hostprof-at: one reuse prefill under cProfile, our functions by their own time and with callees
+    prof = r.stdout[r.stdout.index("## host profile of one reuse prefill at 1024"):]
+    assert "Ordered by: internal time" in prof and "Ordered by: cumulative time" in prof
+    assert "runtime/reuse/consumer.py" in prof and "(_reusable_layer)" in prof
     assert run["device"] == "cpu"             # the arms timed beside the run's own do not rename the device
     (row,) = run["rows"]
     assert row["budget"] == 0.25 and row["cold_s"] > 0 and row["recompute_s"] > 0
@@ -26,7 +30,7 @@ def test_ttft_cpu_smoke_run_with_a_second_budget_and_the_cold_arm(tmp_path):
     assert len(row["moe_all"]) == 1 and row["moe_s"] > 0 and row["moe_form"] == "grouped"
     assert len(row["frame_all"]) == 1 and row["frame_s"] > 0 and row["frame"] == "key"
     assert len(row["split_all"]) == 1 and row["split_s"] > 0 and row["split_state"] == "0"
-    assert len(row["rows_all"]) == 1 and row["rows_s"] > 0 and row["sparse_rows"] == "auto"
+    assert len(row["rows_all"]) == 1 and row["rows_s"] > 0 and row["sparse_rows"] == "0"
     # the last layer on every row (both arms) beside the default's last row only: more work, a lower FLOP ratio
     assert len(row["all_rows_recompute_all"]) == len(row["all_rows_reuse_all"]) == 1 and row["all_rows_reuse_s"] > 0
     assert 1 < row["all_rows_flop_ratio"] < row["flop_ratio"]
