@@ -16,6 +16,7 @@ compute stream wait on the group's event. A group any rank rejected raises `Stag
 same layer: the caller restarts the request in the recompute arm (docs/services.md)."""
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections.abc import Sequence
@@ -162,6 +163,16 @@ def packed_storage(la: LayerArtifact, ts: list[torch.Tensor] | None = None) -> t
     return torch.empty(0, dtype=torch.uint8).set_(st, base, (size,), (1,))
 
 
+@functools.lru_cache(maxsize=4096)
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    """The strides torch gives a new contiguous tensor of `shape` (a size-0 dim counts as 1, as torch counts it)."""
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(out))
+
+
 def rebuild(la: LayerArtifact, flat: torch.Tensor, offs: list[int] | None = None,
             ts: list[torch.Tensor] | None = None) -> LayerArtifact:
     """`la`'s views (a `packed_storage` layer's: contiguous, laid out by `_layout`) rebuilt on `flat`, a copy of its
@@ -173,7 +184,7 @@ def rebuild(la: LayerArtifact, flat: torch.Tensor, offs: list[int] | None = None
         base = typed.get(t.dtype)
         if base is None:
             base = typed[t.dtype] = flat.view(t.dtype)
-        return base.as_strided(t.shape, t.stride(), base.storage_offset() + o // t.element_size())
+        return base.as_strided(t.shape, _contiguous_strides(t.shape), base.storage_offset() + o // t.element_size())
     views = iter([view(t, o) for t, o in zip(ts, _layout(ts)[0] if offs is None else offs)])
     return _map(la, lambda t: next(views))
 
