@@ -157,8 +157,8 @@ def hot_artifacts(model, docs, prof) -> list[DocumentArtifact]:
 
 
 def host_profile(fn, device, title: str, top: int = 40) -> str:
-    """cProfile of one call of `fn` (the GPU drained first and after): the Python functions by their own time and
-    by their time with callees. Where the GPU waits on launches this is the reuse arm's critical path."""
+    """cProfile of one call of `fn` (the GPU drained first and after): the Python functions by their own time, the
+    callers of Triton's launch (`kernel[grid](...)`) and the functions by their time with callees. Where the GPU waits on launches this is the reuse arm's critical path."""
     import cProfile
     import io
     import pstats
@@ -176,7 +176,7 @@ def host_profile(fn, device, title: str, top: int = 40) -> str:
     out.write(f"## host profile {title}: {wall * 1e3:.1f} ms under cProfile\n")
     st = pstats.Stats(pr, stream=out)
     st.sort_stats("tottime").print_stats(top)
-    st.print_callers(r"jit.py.*\(run\)|rope.py.*\(rope_\)|\{method .view|\{built-in method torch.empty\}")
+    st.print_callers(r"triton/runtime/jit.py:\d+\(<lambda>\)")        # who launches Triton kernels, how often
     st.sort_stats("cumulative").print_stats(top)
     return out.getvalue()
 

@@ -283,10 +283,11 @@ class LayerPrefetcher:
         self.n_layers = len(docs[0].layers)
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(device=self.device) if self.cuda else None
-        self.staged: dict[int, tuple[list[LayerArtifact], object]] = {}
+        # per layer: every document's staged layer, the copy's event, and one tensor per storage they are views of
+        # (what the compute stream records once it reads them)
+        self.staged: dict[int, tuple[list[LayerArtifact], object, list[torch.Tensor]]] = {}
         self._ready: set[int] = set()           # layers whose copy the compute stream already waits on
         self._private: dict[int, list[bool]] = {}   # per layer and document: every tensor is this request's copy
-        self._storages: dict[int, list[torch.Tensor]] = {}   # per packed layer: the one buffer its views share
         self.bytes_copied = 0
         self.loose = 0              # (layer, document) pairs staged tensor by tensor: not packed by `pin`
 
@@ -295,10 +296,11 @@ class LayerPrefetcher:
             return
         inner = [is_private(d, i) for d in self.docs]      # layers already this request's own (GroupStager)
         if not self.cuda:
-            self.staged[i] = ([d.layers[i] for d in self.docs], None)
+            self.staged[i] = ([d.layers[i] for d in self.docs], None, [])
             self._private[i] = inner
             return
         cur = torch.cuda.current_stream(self.device)
+        held: list[torch.Tensor] = []
 
         def alloc(n: int) -> torch.Tensor:
             # the layer's buffer comes from the compute stream's pool, which reads it and frees it: blocks cached
@@ -315,6 +317,7 @@ class LayerPrefetcher:
                 ev.record(cur)
             self.stream.wait_event(ev)
             buf.record_stream(self.stream)
+            held.append(buf)                   # every staged tensor of the layer is a view of this one buffer
             return buf
 
         with torch.cuda.stream(self.stream):
@@ -332,21 +335,24 @@ class LayerPrefetcher:
                 # copied whole (one copy), any other tensor by tensor into its slot (counted in `loose`)
                 sources = [src for _, _, src in hp]
                 self.loose += sum(src is None for src in sources)
-                bufs = []
                 layers, n = pack_documents(host, self.device, lambda slot, src: slot.copy_(src, non_blocking=True),
-                                           sources, lambda n: bufs.append(alloc(n)) or bufs[-1],
-                                           [(ts, lay) for ts, lay, _ in hp])
+                                           sources, alloc, [(ts, lay) for ts, lay, _ in hp])
                 self.bytes_copied += n
                 copied = [True] * len(host)
-                self._storages[i] = bufs          # every staged tensor is a view of this one buffer
             else:
                 layers = []
                 for la in host:
                     copied.append(True)
                     layers.append(_map(la, copy))
+                seen = set()                   # once per storage
+                for la in layers:
+                    for t in _tensors(la):
+                        if t.untyped_storage().data_ptr() not in seen:
+                            seen.add(t.untyped_storage().data_ptr())
+                            held.append(t)
             ev = torch.cuda.Event()
             ev.record(self.stream)
-        self.staged[i] = (layers, ev)
+        self.staged[i] = (layers, ev, held)
         self._private[i] = [c or p for c, p in zip(copied, inner)]
 
     def get(self, i: int) -> list[LayerArtifact]:
@@ -356,21 +362,12 @@ class LayerPrefetcher:
         if i in self._ready:
             return self.staged[i][0]
         self._issue(i)
-        layers, ev = self.staged[i]
+        layers, ev, held = self.staged[i]
         if ev is not None:
             cur = torch.cuda.current_stream(self.device)
             cur.wait_event(ev)
-            held = self._storages.pop(i, None)
-            if held is not None:           # a packed layer: its views share one buffer
-                for t in held:
-                    t.record_stream(cur)
-            else:
-                seen = set()               # once per storage
-                for la in layers:
-                    for t in _tensors(la):
-                        if t.untyped_storage().data_ptr() not in seen:
-                            seen.add(t.untyped_storage().data_ptr())
-                            t.record_stream(cur)
+            for t in held:
+                t.record_stream(cur)
         self._ready.add(i)
         for j in range(i + 1, i + 1 + self.depth):
             self._issue(j)
@@ -378,7 +375,6 @@ class LayerPrefetcher:
             del self.staged[old]
             self._ready.discard(old)
             self._private.pop(old, None)
-            self._storages.pop(old, None)
         return layers
 
     def private(self, i: int, j: int) -> bool:

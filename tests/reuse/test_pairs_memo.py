@@ -13,7 +13,7 @@ def _segs(ns, deltas, n_entries):
             for n, d, e in zip(ns, deltas, n_entries)]
 
 
-def test_pairs_are_counted_once_per_rows_and_shapes_and_equal_a_fresh_count():
+def test_pairs_are_counted_once_per_rows_and_shapes_and_equal_a_fresh_count(monkeypatch):
     attn = SimpleNamespace(cfg=SimpleNamespace(window_size=8), ratio=4)
     host = np.sort(np.random.default_rng(0).choice(300, 120, replace=False))
     trig = {}
@@ -28,11 +28,7 @@ def test_pairs_are_counted_once_per_rows_and_shapes_and_equal_a_fresh_count():
     assert len(trig) == 3 and _count_pairs(attn, host, a, True) != _count_pairs(attn, host, b, True)
     calls = []
     import runtime.reuse.consumer as c
-    real = c._count_pairs
-    c._count_pairs = lambda *args: calls.append(1) or real(*args)
-    try:
-        for _ in range(5):                                           # every later layer of the kind: no recount
-            _pairs_host(attn, host, a, True, trig)
-    finally:
-        c._count_pairs = real
+    monkeypatch.setattr(c, "_count_pairs", lambda *args: calls.append(1) or _count_pairs(*args))
+    for _ in range(5):                                               # every later layer of the kind: no recount
+        assert _pairs_host(attn, host, a, True, trig) == _count_pairs(attn, host, a, True)
     assert calls == []
