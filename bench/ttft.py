@@ -87,6 +87,8 @@ def add_model_args(ap: argparse.ArgumentParser, lengths: str) -> None:
     ap.add_argument("--budget", type=float, default=0.25)
     ap.add_argument("--global-picks", default="artifact", choices=["online", "artifact"])
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="untimed runs of every arm before the timed reps (each one's time is printed and kept)")
     ap.add_argument("--q-chunk", type=int, default=4096)
     ap.add_argument("--small", action="store_true", help="tiny dims for a CPU smoke run (not a measurement)")
 
@@ -367,14 +369,19 @@ def main() -> int:
 
         rec_t, reu_t, alloc = [], [], []
         other_t, other_res = {b: [] for b in extra}, {}
-        mem = {}                                                 # warm-up, every arm
-        for arm, fn in (("recompute", lambda: model(full)), ("reuse", reuse)):
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            _, res = timed(fn, device)
-            if device.type == "cuda":
-                mem[arm] = dict(peak_allocated=torch.cuda.max_memory_allocated(),
-                                peak_reserved=torch.cuda.max_memory_reserved())
+        mem, warm = {}, {"recompute": [], "reuse": []}           # warm-up, every arm
+        for _ in range(max(1, args.warmup)):
+            for arm, fn in (("recompute", lambda: model(full)), ("reuse", reuse)):
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+                t, res = timed(fn, device)
+                warm[arm].append(t)
+                if device.type == "cuda":
+                    m = dict(peak_allocated=torch.cuda.max_memory_allocated(),
+                             peak_reserved=torch.cuda.max_memory_reserved())
+                    mem[arm] = {k: max(v, mem.get(arm, {}).get(k, 0)) for k, v in m.items()}
+        print(f"## {L} tokens, warm-up runs: " + "; ".join(
+            f"{arm} " + " / ".join(f"{t:.3f}" for t in ts) + " s" for arm, ts in warm.items()), flush=True)
         if mem:
             gpu = torch.cuda.get_device_properties(device).total_memory
             print(f"## {L} tokens, warm-up: " + "; ".join(
@@ -418,7 +425,8 @@ def main() -> int:
                    flop_saving=led["flop_saving"], build_s=t_build, active=led["rows"]["active"],
                    relocated=led["rows"]["relocated"], recompute_all=rec_t, reuse_all=reu_t, extra=[],
                    staged_loose=max(loose, default=0),
-                   allocator=max(alloc, key=lambda d: d["num_sync_all_streams"], default={}), warmup_memory=mem)
+                   allocator=max(alloc, key=lambda d: d["num_sync_all_streams"], default={}), warmup_memory=mem,
+                   warmup_s=warm)
         if row["allocator"].get("num_sync_all_streams") or row["allocator"].get("num_alloc_retries"):
             print(f"## {L} tokens: the caching allocator synchronized during a reuse run: {row['allocator']}",
                   flush=True)

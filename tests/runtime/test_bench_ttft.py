@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_ttft_cpu_smoke_run_with_a_second_budget_and_the_cold_arm(tmp_path):
     out = tmp_path / "ttft.json"
     r = subprocess.run([sys.executable, "bench/ttft.py", "--small", "--device", "cpu", "--layers", "8", "--experts", "8",
-                    "--lengths", "1024", "--cold-at", "1024", "--reps", "1", "--extra-budgets", "0.1",
+                    "--lengths", "1024", "--cold-at", "1024", "--reps", "1", "--warmup", "2", "--extra-budgets", "0.1",
                     "--fused-too", "--moe-too", "grouped", "--frame-too", "key", "--split-too", "0", "--rows-too", "0", "--all-rows-too",
                     "--hostprof-at", "1024", "--json",
                     str(out)], cwd=ROOT, check=True, capture_output=True, text=True, timeout=600)
@@ -34,6 +34,9 @@ def test_ttft_cpu_smoke_run_with_a_second_budget_and_the_cold_arm(tmp_path):
     # the last layer on every row (both arms) beside the default's last row only: more work, a lower FLOP ratio
     assert len(row["all_rows_recompute_all"]) == len(row["all_rows_reuse_all"]) == 1 and row["all_rows_reuse_s"] > 0
     assert 1 < row["all_rows_flop_ratio"] < row["flop_ratio"]
+    # --warmup 2: two untimed runs of each arm, each one's time kept
+    assert [len(row["warmup_s"][a]) for a in ("recompute", "reuse")] == [2, 2] and min(row["warmup_s"]["reuse"]) > 0
+    assert "warm-up runs: recompute" in r.stdout
     assert row["staged_loose"] == 0 and set(row["allocator"]) >= {"num_alloc_retries", "num_sync_all_streams"}
 
 
