@@ -1,8 +1,8 @@
 """TTFT benchmark: a DeepSeek-V4-Flash-shaped model at real dimensions, all 43 layers (routed experts reduced to
 fit one GPU; printed), hot artifacts in pinned host memory staged one layer ahead on a copy stream, the
 recompute arm and the reuse arm on the same tokens and offsets. TTFT = model-forward entry to the first token's
-logits, after a warm-up, median of --reps. Beside each measured speedup: the ledger's four namespaces and the
-analytic FLOP ratio. Also the cold arm (artifact construction included) at --cold-at. Not a test.
+logits, after --warmup untimed runs, median of --reps. Beside each measured speedup: the ledger's four
+namespaces and the analytic FLOP ratio. Also the cold arm (artifact construction included) at --cold-at. Not a test.
 
     python bench/ttft.py --lengths 16384,32768,65536,131072 --experts 16 --json ttft.json --plot ttft.png
 
@@ -87,8 +87,9 @@ def add_model_args(ap: argparse.ArgumentParser, lengths: str) -> None:
     ap.add_argument("--budget", type=float, default=0.25)
     ap.add_argument("--global-picks", default="artifact", choices=["online", "artifact"])
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=1,
-                    help="untimed runs of every arm before the timed reps (each one's time is printed and kept)")
+    ap.add_argument("--warmup", type=int, default=2,
+                    help="untimed runs of every arm before the timed reps (each one's time is printed and kept); the "
+                         "first compiles, and a process's second reuse run can be slow at 16K (docs/BENCHMARKS.md run 19)")
     ap.add_argument("--q-chunk", type=int, default=4096)
     ap.add_argument("--small", action="store_true", help="tiny dims for a CPU smoke run (not a measurement)")
 

@@ -31,8 +31,9 @@ per tile). docs/BENCHMARKS.md runs 7 and 8 (bench/multiseg.py).
 
 Calls of fewer than 16 heads (the 8 Global heads) go to `_multiseg_packed_kernel`: ROWS consecutive query rows
 per program (ROWS x heads = 16 by default), so that the MMA tile's rows are filled and neighbouring rows share their
-window and entry tiles. It equals the reference under the interpreter (tests/kernels/test_interpret.py) and is
-not yet timed on a GPU; `auto` keeps those calls on the stacked path until it is.
+window and entry tiles. It equals the reference under the interpreter (tests/kernels/test_interpret.py) and on
+the GPU (tests/kernels/test_reuse_gpu.py under =1). On the H200 it is slower than the stacked path at every length
+(docs/BENCHMARKS.md run 19: HCA 1.0-2.2x, CSA 1.4-3.3x, 16K-128K), so `auto` keeps those calls stacked.
 
 `_multiseg_keyframe_kernel` (REDKNOT_MULTISEG_FRAME=auto, the default, for the "picks" calls of 16 heads or more; =key
 for every one-row call; one row per program): the same scores with the turn

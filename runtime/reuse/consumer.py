@@ -118,7 +118,8 @@ def fused_segments(n_heads: int) -> bool:
     REDKNOT_FUSED_SEGMENTS: "auto" (default) calls of at least FUSED_MIN_HEADS heads, i.e. the active rows' 64
     heads, where it measured 1.2-2.1x faster than the stacked parts (the 8 Global heads' calls keep the stacked
     parts, where the one-row fused kernel measured 1.3-3.6x slower: bench/multiseg.py, docs/BENCHMARKS.md run 8);
-    "1" every call (the 8-head calls through the packed-rows variant, not yet timed); "0" none."""
+    "1" every call (the 8-head calls through the packed-rows variant, slower than the stacked parts at 16K-128K:
+    run 19); "0" none."""
     mode = os.environ.get("REDKNOT_FUSED_SEGMENTS", "auto")
     if mode not in ("0", "1", "auto"):
         raise ValueError(f"REDKNOT_FUSED_SEGMENTS must be 0, 1 or auto, got {mode!r}")
