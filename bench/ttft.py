@@ -89,7 +89,8 @@ def add_model_args(ap: argparse.ArgumentParser, lengths: str) -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=2,
                     help="untimed runs of every arm before the timed reps (each one's time is printed and kept); the "
-                         "first compiles, and a process's second reuse run can be slow at 16K (docs/BENCHMARKS.md run 19)")
+                         "first compiles, and a process's second reuse run can be slow at 16K "
+                         "(docs/BENCHMARKS.md run 19)")
     ap.add_argument("--q-chunk", type=int, default=4096)
     ap.add_argument("--small", action="store_true", help="tiny dims for a CPU smoke run (not a measurement)")
 
