@@ -77,6 +77,17 @@ def init_model(model: Transformer, seed: int, per_name: bool = False) -> None:
             block.ffn.gate.tid2eid.copy_(tid)
 
 
+def _at_least_one(v: str) -> int:
+    """An argparse type: an int >= 1 (a count of runs that must happen), else argparse's own clear error."""
+    try:
+        n = int(v)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {v!r}")
+    return n
+
+
 def add_model_args(ap: argparse.ArgumentParser, lengths: str) -> None:
     """The flags bench/ttft.py and bench/ttft_tp.py share: the request, the model's size, the profile, reps."""
     ap.add_argument("--lengths", default=lengths)
@@ -87,7 +98,7 @@ def add_model_args(ap: argparse.ArgumentParser, lengths: str) -> None:
     ap.add_argument("--budget", type=float, default=0.25)
     ap.add_argument("--global-picks", default="artifact", choices=["online", "artifact"])
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=2,
+    ap.add_argument("--warmup", type=_at_least_one, default=2,
                     help="untimed runs of every arm before the timed reps (each one's time is printed and kept); the "
                          "first compiles, and a process's second reuse run can be slow at 16K "
                          "(docs/BENCHMARKS.md run 19)")
@@ -372,7 +383,7 @@ def main() -> int:
         rec_t, reu_t, alloc = [], [], []
         other_t, other_res = {b: [] for b in extra}, {}
         mem, warm = {}, {"recompute": [], "reuse": []}           # warm-up, every arm
-        for _ in range(max(1, args.warmup)):
+        for _ in range(args.warmup):
             for arm, fn in (("recompute", lambda: model(full)), ("reuse", reuse)):
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats()

@@ -7,8 +7,8 @@ rank's directory as one generation to a real `redknot store serve` process on lo
 blobs), and each rank then fetches ONLY its own shards through the store client (`StoreClient.fetch_rank`) and
 loads them; `--store none` loads the rank directories as written. Before timing, the certified request path
 (`runtime.reuse.request.answer`: certificate checks, the one cross-rank agreement) must accept on every rank;
-the reuse arm's ledger must show reuse. TTFT = model-forward entry to the first token's logits after a warm-up,
-the slowest rank's CUDA-event time, median of --reps, both arms interleaved.
+the reuse arm's ledger must show reuse. TTFT = model-forward entry to the first token's logits after --warmup
+untimed runs, the slowest rank's CUDA-event time, median of --reps, both arms interleaved.
 
     python3 bench/ttft_tp.py --tp 2 --lengths 65536,131072 --experts 16 --reps 3 --json ttft_tp2.json
 """
@@ -147,8 +147,9 @@ def rank_main(group, args, store_target: str, token: str, workdir: str) -> None:
             return engine.prefill(LayerPrefetcher(arts, dev).documents(), question)
 
         with torch.inference_mode():
-            _timed(lambda: model(full), group)          # warm-up, both arms
-            _timed(reuse, group)
+            for _ in range(args.warmup):                # warm-up, both arms
+                _timed(lambda: model(full), group)
+                _timed(reuse, group)
             rec_t, reu_t = [], []
             for _ in range(args.reps):
                 rec_t.append(_timed(lambda: model(full), group)[0])

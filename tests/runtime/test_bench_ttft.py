@@ -62,6 +62,16 @@ def test_ttft_refuses_a_budget_outside_0_1():
     assert r.returncode == 2 and "--extra-budgets must lie in (0, 1]" in r.stderr
 
 
+def test_ttft_and_ttft_tp_refuse_fewer_than_one_warm_up_run():
+    """--warmup counts untimed runs that must happen (the first compiles): 0, negative or not a number is refused
+    by argparse before any model is built, in both scripts (they share the option)."""
+    for script in ("bench/ttft.py", "bench/ttft_tp.py"):
+        for bad in ("0", "-1", "two"):
+            r = subprocess.run([sys.executable, script, "--small", "--device", "cpu", "--warmup", bad],
+                               cwd=ROOT, capture_output=True, text=True, timeout=120)
+            assert r.returncode == 2 and "--warmup: must be an integer >= 1" in r.stderr, (script, bad, r.stderr)
+
+
 def test_ttft_refuses_a_length_shorter_than_one_block_per_document():
     r = subprocess.run([sys.executable, "bench/ttft.py", "--small", "--device", "cpu", "--lengths", "512",
                         "--cold-at", "0"], cwd=ROOT, capture_output=True, text=True, timeout=300)
