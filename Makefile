@@ -4,9 +4,26 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
+# test processes: one per core by default (a test file stays on one process, so its module-scoped stack is built once)
+TEST_WORKERS ?= auto
 
-.PHONY: demo test venv clean proto
+.PHONY: demo test venv sysdeps clean proto
 venv: $(VENV)/.ready
+
+# The system packages the demo and the tests run: redis-server (the index), prometheus and promtool (the metrics
+# tests and the deploy checks). As root with apt-get they are installed when missing; otherwise one line names them.
+SYSDEPS_CMDS := redis-server:redis-server prometheus:prometheus promtool:prometheus
+sysdeps:
+	@missing=""; for pair in $(SYSDEPS_CMDS); do cmd=$${pair%%:*}; pkg=$${pair##*:}; \
+	  command -v $$cmd >/dev/null 2>&1 || case " $$missing " in *" $$pkg "*) ;; *) missing="$$missing $$pkg";; esac; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing system packages:$$missing"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null \
+	      || { echo "apt-get could not install:$$missing" >&2; exit 1; }; \
+	  else echo "missing system packages:$$missing (install them, e.g. sudo apt-get install$$missing)" >&2; exit 1; fi; \
+	fi
 
 $(VENV)/.ready: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,16 +34,11 @@ $(VENV)/.ready: pyproject.toml
 	touch $@
 
 # the whole service on this machine (docs/services.md): a local redis-server unless REDIS_URL names one
-demo: $(VENV)/.ready
-	@if [ -z "$$REDIS_URL" ] && ! command -v redis-server >/dev/null 2>&1; then \
-	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null); \
-	  else echo "make demo needs redis-server (e.g. apt-get install redis-server) or REDIS_URL" >&2; exit 1; fi; \
-	fi
+demo: sysdeps $(VENV)/.ready
 	$(VENV)/bin/redknot demo
 
-test: $(VENV)/.ready
-	$(PY) -m pytest -q tests
+test: sysdeps $(VENV)/.ready
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 proto: $(VENV)/.ready   # regenerate services/store/pb after editing proto/ (and lint it)
 	cd proto && ../$(VENV)/bin/buf lint

@@ -28,6 +28,26 @@ if HAVE_TRITON and INTERPRET:  # pragma: no cover - depends on the Triton and nu
             _patch(tensor, scope)
             scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
         _interp._patch_lang_tensor = _patch_lang_tensor
+
+        import inspect
+        _patched: dict[tuple[int, int], list] = {}
+
+        def _patch_builtin(pkg, builder, scope):
+            """The interpreter patches every builtin of triton.language on every launch: it finds them with
+            inspect.getmembers and wraps each in a new semantic object, each time (a third of a CPU test's time
+            went there). The builtins of a module are the same objects at every launch (each launch's patches are
+            undone when it ends) and the builder is the interpreter's one, so the wrappers are made once per
+            (module, builder) and only installed per launch."""
+            wrapped = _patched.get((id(pkg), id(builder)))
+            if wrapped is None:
+                semantic = _interp.TritonSemantic(builder)
+                wrapped = _patched[(id(pkg), id(builder))] = [
+                    (name, lambda *args, member=member, **kwargs: member(
+                        *args, **{k: v for k, v in kwargs.items() if k != "_semantic"}, _semantic=semantic))
+                    for name, member in inspect.getmembers(pkg) if tl.core.is_builtin(member)]
+            for name, member in wrapped:
+                scope.set_attr(pkg, name, member)
+        _interp._patch_builtin = _patch_builtin
     except (ImportError, AttributeError):   # another Triton: its interpreter as it is
         pass
 

@@ -72,13 +72,21 @@ def fused_launches(monkeypatch) -> list:
     return launched
 
 
+# (fused, picks, frame, sparse_rows): each case is minutes under the interpreter, so they are parametrized over two
+# files (here and test_interpret_reuse.py), which `make test` runs on two processes
+REUSE_CASES = [("1", "online", "query", "0"), ("1", "artifact", "query", "0"), ("0", "online", "query", "0"),
+               ("auto", "artifact", "query", "0"), ("1", "online", "key", "0"), ("1", "artifact", "key", "0"),
+               ("0", "artifact", "query", "auto")]
+
+
 @torch.no_grad()
-@pytest.mark.parametrize("fused,picks,frame,sparse_rows", [("1", "online", "query", "0"), ("1", "artifact", "query", "0"),
-                                                    ("0", "online", "query", "0"), ("auto", "artifact", "query", "0"),
-                                                    ("1", "online", "key", "0"), ("1", "artifact", "key", "0"),
-                                                    ("0", "artifact", "query", "auto")])
+@pytest.mark.parametrize("fused,picks,frame,sparse_rows", REUSE_CASES[:3])
 def test_reuse_prefill_and_decode_through_the_kernels(model, request_tokens, kernels_on, monkeypatch, fused, picks,
                                                       frame, sparse_rows):
+    reuse_case(model, request_tokens, kernels_on, monkeypatch, fused, picks, frame, sparse_rows)
+
+
+def reuse_case(model, request_tokens, kernels_on, monkeypatch, fused, picks, frame, sparse_rows):
     """Reuse prefill at a 25% budget plus 2 greedy decode steps, every kernel on (fences and recompute included),
     through the fused multi-segment kernel, the per-segment kernel + stacked merge, or both ("auto": the fused
     kernel for calls of every head, the stacked parts for the Global heads' calls; the threshold set to this
