@@ -25,7 +25,8 @@ from collections import Counter
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.ttft import init_model, request  # noqa: E402
+from bench.ttft import request  # noqa: E402
+from runtime.model.random_init import init_random  # noqa: E402
 from runtime.model.config import FLASH  # noqa: E402
 from runtime.model.deepseek_v4 import Transformer  # noqa: E402
 from runtime.reuse.consumer import ReuseEngine  # noqa: E402
@@ -181,7 +182,7 @@ def main() -> int:
                         n_layers=args.layers, compress_ratios=FLASH.compress_ratios[:args.layers])
     prof = FLASH_PROFILE.replace(first_fences=2, last_fences=1, global_picks="artifact")
     model = Transformer(cfg, dtype=torch.float32)
-    init_model(model, 0)
+    init_random(model, 0, per_name=False)
     model.eval()
     docs, question = request(cfg, args.tokens, args.docs, args.question, seed=1)
     arts = [produce(model, d, prof) for d in docs]

@@ -32,7 +32,6 @@ import statistics
 import sys
 import tempfile
 import time
-import zlib
 from unittest import mock
 
 import torch
@@ -41,40 +40,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.syncs import allocator_counters, allocator_delta, sync_report  # noqa: E402
 from runtime.model.config import CSA, FLASH  # noqa: E402
 from runtime.model.deepseek_v4 import Transformer  # noqa: E402
+from runtime.model.random_init import init_random  # noqa: E402
 from runtime.reuse.artifact import DocumentArtifact  # noqa: E402
 from runtime.reuse.consumer import ReuseEngine  # noqa: E402
 from runtime.reuse.prefetch import LayerPrefetcher, pin  # noqa: E402
 from runtime.reuse.producer import produce  # noqa: E402
 from runtime.reuse.profile import FLASH_PROFILE  # noqa: E402
-
-
-def init_model(model: Transformer, seed: int, per_name: bool = False) -> None:
-    """Random weights. `per_name`: each parameter from its own generator seeded by its name (and the hash
-    layers' routing from a seeded generator), so that every TP rank holds the same replicated tensors; otherwise
-    one generator in parameter order. Row-parallel W_b keeps the full fan-in's scale on every rank."""
-    dev = model.embed.weight.device
-    shared = torch.Generator(device=dev).manual_seed(seed)
-    cfg = model.cfg
-    for name, p in model.named_parameters():
-        gen = torch.Generator(device=dev).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode())) \
-            if per_name else shared
-        if name.endswith("norm.weight"):
-            p.data.fill_(1.0)
-        elif "hc_" in name and name.endswith("_fn"):
-            p.data.normal_(0, 0.02, generator=gen)
-        elif name == "embed.weight":
-            p.data.normal_(0, 1.0, generator=gen)
-        elif p.dim() == 2:
-            fan_in = p.shape[1] * (model.par.size if ".wo_b." in name else 1)
-            p.data.normal_(0, fan_in ** -0.5, generator=gen)
-        else:
-            p.data.normal_(0, 0.1, generator=gen)
-    routing = torch.Generator().manual_seed(seed) if per_name else None
-    for block in model.layers:
-        if block.ffn.gate.hash:
-            tid = torch.stack([torch.randperm(cfg.n_routed_experts, generator=routing)[:cfg.n_activated_experts]
-                               for _ in range(cfg.vocab_size)])
-            block.ffn.gate.tid2eid.copy_(tid)
 
 
 def _at_least_one(v: str) -> int:
@@ -324,7 +295,7 @@ def main() -> int:
     cfg, prof = model_config(args)
     with torch.device(device):
         model = Transformer(cfg, dtype=dtype, q_chunk=args.q_chunk)
-    init_model(model, 0)
+    init_random(model, 0, per_name=False)
     model.eval()
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"# {name} | torch {torch.__version__} | Flash dims x {cfg.n_layers} layers, {dtype}, routed experts "

@@ -29,13 +29,14 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.ttft import add_model_args, init_model, model_config, request, timed  # noqa: E402
+from bench.ttft import add_model_args, model_config, request, timed  # noqa: E402
+from runtime.model.random_init import init_random  # noqa: E402
 from runtime.model.deepseek_v4 import Transformer  # noqa: E402
 from runtime.reuse.consumer import ReuseEngine  # noqa: E402
 from runtime.reuse.prefetch import LayerPrefetcher, pin  # noqa: E402
 from runtime.reuse.request import ServingIdentity, answer, build  # noqa: E402
 from runtime.reuse.certificate import token_hash  # noqa: E402
-from runtime.reuse.producer import pad_document  # noqa: E402
+from runtime.reuse.producer import PRODUCER_VERSION, pad_document  # noqa: E402
 from runtime.reuse.roles import channel_range  # noqa: E402
 from runtime.reuse.store import load_artifact  # noqa: E402
 
@@ -88,7 +89,7 @@ def rank_main(group, args, store_target: str, token: str, workdir: str) -> None:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     with torch.device(dev):
         model = Transformer(cfg, group.par, dtype, q_chunk=args.q_chunk)
-    init_model(model, 0, per_name=True)       # the same replicated tensors on every rank
+    init_random(model, 0, per_name=True)       # the same replicated tensors on every rank
     model.eval()
     lead = group.rank == 0
     if lead:
@@ -133,7 +134,8 @@ def rank_main(group, args, store_target: str, token: str, workdir: str) -> None:
         # the same verified artifacts, kept in pinned host memory for the timed runs (hot)
         expect = dict(fingerprint=IDENT.fingerprint, profile=prof.to_dict(), tp_size=group.size,
                       tp_rank=group.rank, channel_range=channel_range(cfg, group.rank, group.size),
-                      layers_needed=list(range(cfg.n_layers)), current_generation=1)
+                      layers_needed=list(range(cfg.n_layers)), current_generation=1,
+                      dtype=str(model.dtype).removeprefix("torch."), producer_version=PRODUCER_VERSION)
         arts = []
         for d, toks in zip(dirs, docs):
             art, v = load_artifact(d, dict(expect, tokens_hash=token_hash(

@@ -6,6 +6,7 @@
 #                                          shared libraries the image may lack
 #   scripts/device_worker_gpu.sh           there (carry .devsvc): install the wheels into $DEVSVC_SITE, run the test,
 #                                          write env.txt, pytest.log and every service's log under $OUT
+#   scripts/device_worker_gpu.sh CMD ...   there: the same set-up, then CMD (e.g. python3 bench/serve_ttft.py ...)
 #   DEVSVC_INSTALL_ONLY=1 ...              only install and import-check (what can be tried without a GPU)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -51,6 +52,10 @@ python3 -c 'import redis, blake3, fastapi, uvicorn, pydantic, multipart, grpc_he
 print("imports ok")' || exit 4
 redis-server --version || exit 5
 [ "${DEVSVC_INSTALL_ONLY:-}" = 1 ] && exit 0
+if [ $# -gt 0 ]; then
+    "$@"
+    exit $?
+fi
 { nvidia-smi -L; python3 -c 'import torch; print("torch", torch.__version__, "cuda devices", torch.cuda.device_count())'
 } 2>&1 | tee "$OUT/env.txt"
 rm -rf /tmp/rk-gpu

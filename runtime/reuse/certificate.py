@@ -32,6 +32,7 @@ class FallbackReason(str, enum.Enum):
     RANK_DISAGREEMENT = "rank_disagreement"
     STORE_UNAVAILABLE = "store_unavailable"
     CHECKPOINT_MISMATCH = "checkpoint_mismatch"
+    PRODUCER_MISMATCH = "producer_mismatch"        # artifact dtype or producer version is not the server's
 
 
 class CertificateError(ValueError):
@@ -224,7 +225,7 @@ class Verdict:
 
 def validate(cert, *, fingerprint: str, tokens_hash: str, profile: dict, tp_size: int, tp_rank: int,
              channel_range: tuple[int, int], layers_needed: set[int], current_generation: int,
-             shard_digests_seen: dict[str, str] | None = None) -> Verdict:
+             dtype: str, producer_version: str, shard_digests_seen: dict[str, str] | None = None) -> Verdict:
     """This rank's verdict on `cert`. Checks run in a fixed order so the reported reason is deterministic.
     Never raises on a bad certificate: a malformed one (or a non-certificate) is a reject."""
     R = FallbackReason
@@ -245,6 +246,9 @@ def validate(cert, *, fingerprint: str, tokens_hash: str, profile: dict, tp_size
         keys = sorted(k for k in set(have) | set(want) if have.get(k, ...) != want.get(k, ...))
         return Verdict.reject(R.PROFILE_MISMATCH, "profile differs in " + ", ".join(
             f"{k}: {have.get(k, '<absent>')!r} vs {want.get(k, '<absent>')!r}" for k in keys))
+    if (cert.dtype, cert.producer_version) != (dtype, producer_version):
+        return Verdict.reject(R.PRODUCER_MISMATCH, f"artifact is {cert.dtype} from {cert.producer_version}, "
+                                                   f"this server consumes {dtype} from {producer_version}")
     geometry = (cert.tp_size, cert.tp_rank, tuple(cert.channel_range))
     expected = (tp_size, tp_rank, tuple(channel_range))
     if geometry != expected:

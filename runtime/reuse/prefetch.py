@@ -432,6 +432,15 @@ def source_verdict(fut: Future) -> tuple[dict[str, bytes] | None, Verdict]:
         return None, Verdict.reject(FallbackReason.STORE_UNAVAILABLE, f"{type(e).__name__}: {e}")
 
 
+@dataclass(frozen=True)
+class HotSource:
+    """One document's rank artifact already verified and in (pinned) host memory: the worker's tier. `head` is its
+    certificate and manifest (the request checks only their binding, `store.check_binding`); `doc` its layers,
+    each verified against that certificate when it entered the tier, never written by a request."""
+    head: ArtifactHead
+    doc: DocumentArtifact
+
+
 class StagingRejected(Exception):
     """A layer group that some rank could not verify, raised on every rank at the same layer. `verdict` is the
     agreed one (this rank's own reason when it rejected, rank_disagreement otherwise)."""
@@ -473,12 +482,19 @@ class _Staged:
 
 
 class GroupStager:
-    def __init__(self, heads: Sequence[ArtifactHead], sources: Sequence[StagedSource], device: torch.device,
-                 control: Parallel, trace: Trace | None = None):
+    """`sources`: per document a StagedSource (bytes arriving group by group) or a HotSource (its layers already
+    verified in host memory, taken group by group in the same order). `groups`: the layer groups (default: the
+    StagedSources' grouping, which every StagedSource shares; required where every document is hot)."""
+
+    def __init__(self, heads: Sequence[ArtifactHead], sources: Sequence[StagedSource | HotSource],
+                 device: torch.device, control: Parallel, trace: Trace | None = None,
+                 groups: Sequence[range] | None = None):
         assert len(heads) == len(sources) and heads, (len(heads), len(sources))
         self.heads, self.sources, self.control, self.trace = list(heads), list(sources), control, trace
-        self.groups = [g for g, _ in sources[0].groups]
-        assert all([g for g, _ in s.groups] == self.groups for s in sources), "every document uses one grouping"
+        staged = [s for s in sources if isinstance(s, StagedSource)]
+        assert staged or groups, "GroupStager needs the layer groups where every document is hot"
+        self.groups = list(groups) if groups else [g for g, _ in staged[0].groups]
+        assert all([g for g, _ in s.groups] == self.groups for s in staged), "every document uses one grouping"
         self.n_layers = self.groups[-1].stop
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
@@ -503,6 +519,9 @@ class GroupStager:
         layers = self.groups[g]
         per_doc = []
         for head, src in zip(self.heads, self.sources):
+            if isinstance(src, HotSource):
+                per_doc.append([src.doc.layers[i] for i in layers])
+                continue
             files, v = source_verdict(src.groups[g][1])
             if v.ok:
                 arts, v = read_layers(head, layers, files)
@@ -516,7 +535,8 @@ class GroupStager:
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             def copy(t: torch.Tensor) -> torch.Tensor:
                 self.bytes_copied += t.numel() * t.element_size()
-                return t.pin_memory().to(self.device, non_blocking=True)
+                # a tier document's tensors are pinned already (pin_memory() then returns them as they are)
+                return (t if t.is_pinned() else t.pin_memory()).to(self.device, non_blocking=True)
             staged = [[_map(la, copy) for la in arts] for arts in per_doc]
             ev = torch.cuda.Event()
             ev.record(self.stream)

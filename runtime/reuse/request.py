@@ -20,11 +20,11 @@ from .certificate import Certificate, FallbackCounter, Verdict, agree, digest_by
 from .consumer import ReuseEngine
 from runtime.model.parallel import Parallel
 from .ledger import Ledger
-from .prefetch import GroupStager, LayerPrefetcher, StagedSource, StagingRejected, Trace, source_verdict
+from .prefetch import GroupStager, HotSource, LayerPrefetcher, StagedSource, StagingRejected, Trace, source_verdict
 from .producer import PRODUCER_VERSION, pad_document, produce
 from .profile import ReuseProfile
 from .roles import channel_range
-from .store import CERTIFICATE_FILE, load_artifact, read_head, save_artifact
+from .store import CERTIFICATE_FILE, check_binding, load_artifact, read_head, save_artifact
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,8 @@ def build(model: Transformer, tokens: list[int], profile: ReuseProfile, ident: S
 def _expect(model: Transformer, profile: ReuseProfile, ident: ServingIdentity) -> dict:
     cfg, par = model.cfg, model.par
     return dict(fingerprint=ident.fingerprint, profile=profile.to_dict(), tp_size=par.size, tp_rank=par.rank,
-                channel_range=channel_range(cfg, par.rank, par.size), layers_needed=list(range(cfg.n_layers)))
+                channel_range=channel_range(cfg, par.rank, par.size), layers_needed=list(range(cfg.n_layers)),
+                dtype=str(model.dtype).removeprefix("torch."), producer_version=PRODUCER_VERSION)
 
 
 def _validate(model: Transformer, profile: ReuseProfile, ident: ServingIdentity, padded: list[list[int]], items,
@@ -126,28 +127,42 @@ def answer(model: Transformer, profile: ReuseProfile, docs: list[list[int]], art
 
 
 @torch.inference_mode()
-def answer_staged(model: Transformer, profile: ReuseProfile, docs: list[list[int]], sources: list[StagedSource],
+def answer_staged(model: Transformer, profile: ReuseProfile, docs: list[list[int]],
+                  sources: list[StagedSource | HotSource],
                   question: list[int], ident: ServingIdentity, current_generation: int | Sequence[int],
                   control: Parallel | None = None, counter: FallbackCounter | None = None,
-                  trace: Trace | None = None) -> Outcome:
+                  trace: Trace | None = None, groups: Sequence[range] | None = None) -> Outcome:
     """`answer` over documents that arrive layer group by layer group. Each rank validates its certificates and
     manifests (everything but the layer shards), the ranks agree once (with the binding digest) before any
     reuse-specific collective, then the forward consumes group g as soon as group g is verified and staged on
-    every rank (`control`: the group the per-group agreements run on, default the model's). A group rejected
+    every rank (`control`: the group the per-group agreements run on, default the model's; `groups`: the layer
+    groups, which every rank must share, default the sources' own). A group rejected
     by any rank (digest, missing shard, source failure) stops the reuse forward on every rank at the same
-    layer, and the request runs again, whole, in the recompute arm: the counted fallback, same answer."""
+    layer, and the request runs again, whole, in the recompute arm: the counted fallback, same answer.
+
+    A `HotSource` (a document verified earlier and kept in pinned host memory) is checked for its binding only.
+    When every document is hot, the forward takes `answer`'s path over them: each layer staged one layer ahead in
+    one copy (`LayerPrefetcher`), nothing read, parsed or digested."""
     padded = [pad_document(d, profile.align, model.cfg.eos_token_id) for d in docs]
 
-    def read(src: StagedSource, expect):
+    def read(src: StagedSource | HotSource, expect):
+        if isinstance(src, HotSource):
+            v = check_binding(src.head, expect)
+            return src.head, src.head.certificate if v.ok else None, v
         files, v = source_verdict(src.head)
         head, v = read_head(files, expect) if v.ok else (None, v)
         return head, head.certificate if v.ok else None, v
     heads, bindings, verdict = _validate(model, profile, ident, padded, sources, current_generation, read)
+    hot = all(isinstance(s, HotSource) for s in sources)
+    if model.par.size > 1:      # every rank takes the same path (the staged one runs per-group agreements)
+        hot = all((control or model.par).all_gather_object(hot))
     # staging starts before the agreement (it only reads); nothing is consumed before every rank accepted
-    stager = GroupStager(heads, sources, model.embed.weight.device, control or model.par, trace).start() \
-        if verdict.ok else None
+    stager = GroupStager(heads, sources, model.embed.weight.device, control or model.par, trace, groups).start() \
+        if verdict.ok and not hot else None
     verdict = agree(verdict, model.par, binding=digest_bytes("|".join(bindings).encode()) if verdict.ok else None)
     if verdict.ok:
+        if hot:
+            return _reuse(model, profile, [s.doc for s in sources], question, verdict)
         try:
             return _reuse(model, profile, stager.documents(), question, verdict)
         except StagingRejected as r:

@@ -30,7 +30,7 @@ MANIFEST_FILE = "manifest.msgpack"
 CERTIFICATE_FILE = "certificate.msgpack"
 CERT_FIELDS = ("fingerprint", "token_hash", "profile", "channel_range", "dtype", "producer_version", "generation")
 EXPECT_FIELDS = ("fingerprint", "tokens_hash", "profile", "tp_size", "tp_rank", "channel_range", "layers_needed",
-                 "current_generation")
+                 "current_generation", "dtype", "producer_version")
 _SHARD_NAME = re.compile(r"^layer(\d{2,})\.(latent|local\.r(\d+)\.c(\d+)-(\d+))$")
 
 
@@ -264,7 +264,8 @@ def _checks(expect: dict) -> dict:
         raise ValueError(f"expect lacks {missing}")
     return dict(fingerprint=expect["fingerprint"], tokens_hash=expect["tokens_hash"], profile=expect["profile"],
                 tp_size=expect["tp_size"], tp_rank=expect["tp_rank"], channel_range=tuple(expect["channel_range"]),
-                layers_needed=set(expect["layers_needed"]), current_generation=expect["current_generation"])
+                layers_needed=set(expect["layers_needed"]), current_generation=expect["current_generation"],
+                dtype=expect["dtype"], producer_version=expect["producer_version"])
 
 
 def _validate_head(cert: Certificate, checks: dict) -> Verdict:
@@ -272,11 +273,19 @@ def _validate_head(cert: Certificate, checks: dict) -> Verdict:
     verdict = validate(cert, **checks)
     if not verdict.ok:
         return verdict
+    return _validate_format(cert)
+
+
+def _validate_format(cert: Certificate) -> Verdict:
+    """A well-formed certificate of this format (its binding not checked)."""
+    if not isinstance(cert, Certificate) or cert.problems():
+        return Verdict.reject(FallbackReason.MISSING_SHARD, "malformed certificate: " + "; ".join(
+            cert.problems() if isinstance(cert, Certificate) else [type(cert).__name__]))
     odd = [n for n in cert.shard_digests if n != MANIFEST and not _SHARD_NAME.match(n)]
     if odd or MANIFEST not in cert.shard_digests:
         return Verdict.reject(FallbackReason.MISSING_SHARD,
                               f"certificate names shards outside format {FORMAT_VERSION}: {odd or 'no manifest'}")
-    return verdict
+    return Verdict.accept()
 
 
 def load_artifact(directory: str | os.PathLike, expect: dict) -> tuple[DocumentArtifact | None, Verdict]:
@@ -333,10 +342,12 @@ class ArtifactHead:
                                 tp_rank=m["tp_rank"], tp_size=m["tp_size"], meta=m["meta"])
 
 
-def read_head(files: Mapping[str, bytes], expect: dict) -> tuple[ArtifactHead | None, Verdict]:
+def read_head(files: Mapping[str, bytes], expect: dict | None) -> tuple[ArtifactHead | None, Verdict]:
     """`load_artifact`'s checks of the certificate and manifest, on their bytes (`files` maps file names to
-    bytes): (head, accept) or (None, reject). No layer shard is read: `read_layers` checks those."""
-    checks = _checks(expect)
+    bytes): (head, accept) or (None, reject). No layer shard is read: `read_layers` checks those. `expect` None:
+    only what the artifact says of itself (a well-formed certificate of this format, the manifest's digest), for a
+    cache that checks each request's binding later (`check_binding`)."""
+    checks = _checks(expect) if expect is not None else None
     try:
         raw = files.get(CERTIFICATE_FILE)
         if raw is None:
@@ -345,7 +356,7 @@ def read_head(files: Mapping[str, bytes], expect: dict) -> tuple[ArtifactHead | 
             cert = Certificate.from_bytes(raw)
         except CertificateError as e:
             raise _reject(FallbackReason.MISSING_SHARD, f"certificate unreadable: {e}") from None
-        verdict = _validate_head(cert, checks)
+        verdict = _validate_head(cert, checks) if checks is not None else _validate_format(cert)
         if not verdict.ok:
             return None, verdict
         raw = files.get(MANIFEST_FILE)
@@ -358,6 +369,12 @@ def read_head(files: Mapping[str, bytes], expect: dict) -> tuple[ArtifactHead | 
         return ArtifactHead(cert, _check_manifest(raw, cert)), verdict
     except _Reject as r:
         return None, r.verdict
+
+
+def check_binding(head: ArtifactHead, expect: dict) -> Verdict:
+    """A head read earlier (`read_head(files, None)`) against one request's `expect`: the certificate checks
+    `read_head` runs, without reading any bytes again."""
+    return _validate_head(head.certificate, _checks(expect))
 
 
 def read_layers(head: ArtifactHead, layers: Sequence[int], files: Mapping[str, bytes]

@@ -6,7 +6,7 @@ import signal
 
 from services.common.build_queue import BuildQueue
 from services.common.registry import Registry
-from services.common.serving import checkpoint_identity, load_profile
+from services.common.serving import checkpoint_identity, load_profile, serving_dtype
 from services.common.tenants import Tenants
 from services.common.tp import RankGroup, launch
 from services.store.redis_client import sync_client
@@ -26,7 +26,7 @@ def rank_main(group: RankGroup, s: BuilderSettings) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s builder[{group.rank}] %(message)s")
     profile = load_profile(s.profile)
     ident = group.broadcast(checkpoint_identity(s.model, s.fingerprint) if group.leader else None)
-    model = load_model(s.model, par=group.par, device=group.device)
+    model = load_model(s.model, par=group.par, dtype=serving_dtype(s.dtype, group.device), device=group.device)
     profile.check(model.cfg)
     if not group.leader:
         follow(group, model, profile, ident)

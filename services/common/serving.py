@@ -7,8 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import blake3
+import torch
 
 from runtime.model.config import ModelConfig, load_config
+from runtime.model.random_init import RANDOM_INIT_FILE
 from runtime.reuse.certificate import digest_bytes, token_hash
 from runtime.reuse.producer import pad_document
 from runtime.reuse.profile import PROFILES, ReuseProfile
@@ -30,21 +32,30 @@ def load_profile(spec: str) -> ReuseProfile:
     return ReuseProfile(**json.loads(spec))
 
 
+def serving_dtype(setting: str, device: str) -> torch.dtype:
+    """The model's (and its artifacts') dtype from the `dtype` setting: auto is bfloat16 on CUDA (what the GPU
+    kernels run), float32 on CPU."""
+    if setting == "auto":
+        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[setting]
+
+
 def tokenizer_fingerprint(path: str | Path) -> str:
     return digest_bytes((Path(path) / "tokenizer.json").read_bytes())
 
 
 def checkpoint_identity(path: str | Path, fingerprint: str = "") -> ServingIdentity:
     """Tokenizer fingerprint: blake3 of tokenizer.json. Checkpoint fingerprint (unless given): blake3 over
-    config.json, every safetensors file's name and bytes in name order, and the tokenizer fingerprint, so any
-    changed weight, config or tokenizer makes every artifact built before it stale."""
+    config.json, every weight file's name and bytes in name order (the safetensors files, or a random-init
+    checkpoint's spec), and the tokenizer fingerprint, so any changed weight, config or tokenizer makes every
+    artifact built before it stale."""
     path = Path(path)
     tok_fp = tokenizer_fingerprint(path)
     if fingerprint:
         return ServingIdentity(fingerprint, tok_fp)
     h = blake3.blake3(b"redknot.checkpoint-files.v1\0", max_threads=blake3.blake3.AUTO)
     h.update((path / "config.json").read_bytes())
-    for f in sorted(path.glob("*.safetensors")):
+    for f in sorted([*path.glob("*.safetensors"), *path.glob(RANDOM_INIT_FILE)]):
         h.update(f"\0{f.name}\0{f.stat().st_size}\0".encode())
         h.update_mmap(f)
     h.update(tok_fp.encode())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -56,6 +56,9 @@ class CommonSettings(Settings):
     tokens: str = setting("", "REDKNOT_TOKENS", "tenant=token,... (prefer --tokens-file); the store's tenants")
     tokens_file: str = setting("", "REDKNOT_TOKENS_FILE", "file of 'tenant token' lines, shared with the store")
     model: str = setting("", "REDKNOT_MODEL", "checkpoint directory (config.json, tokenizer.json, safetensors)")
+    dtype: Literal["auto", "bfloat16", "float32"] = setting("auto", "REDKNOT_DTYPE", "serving dtype of the model and so of its artifacts (the "
+                                                  "builder's and the workers' must match): auto (bfloat16 on CUDA, "
+                                                  "float32 on CPU), bfloat16 or float32")
     profile: str = setting("demo", "REDKNOT_PROFILE", "reuse profile: a preset (demo, flash, pro) or a JSON object "
                                                       "of ReuseProfile fields")
     tp: int = setting(1, "REDKNOT_TP", "tensor-parallel size the artifacts are built and served for")

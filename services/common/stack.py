@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -163,6 +164,9 @@ class StackConfig:
     api_env: dict[str, str] = field(default_factory=dict)
     builder_env: dict[str, str] = field(default_factory=dict)
     worker_env: dict[str, str] = field(default_factory=dict)
+    # the worker fetches from the co-located store through its local socket (gRPC stays for everything else)
+    local_socket: bool = True
+    tier_gib: float = 4.0                        # the worker's pinned host tier, per rank
 
 
 def redis_service(port: int, data_dir: Path, log: Path) -> Service:
@@ -178,10 +182,11 @@ def redis_service(port: int, data_dir: Path, log: Path) -> Service:
 
 
 def store_service(listen: str, metrics_listen: str, redis_url: str, redis_prefix: str, blob_root: Path,
-                  tokens_file: Path, log: Path) -> Service:
+                  tokens_file: Path, log: Path, local_socket: str = "") -> Service:
     """`redknot store serve` on filesystem blobs, ready once its gRPC health service answers SERVING."""
     env = {"PYTHONUNBUFFERED": "1", "REDIS_URL": redis_url, "REDKNOT_STORE_REDIS_PREFIX": redis_prefix,
-           "REDKNOT_STORE_BLOB_ROOT": str(blob_root), "REDKNOT_STORE_TOKENS_FILE": str(tokens_file)}
+           "REDKNOT_STORE_BLOB_ROOT": str(blob_root), "REDKNOT_STORE_TOKENS_FILE": str(tokens_file),
+           "REDKNOT_STORE_LOCAL_SOCKET": local_socket}
     return Service("store", [sys.executable, "-m", "runtime.cli", "store", "serve", "--listen", listen,
                              "--metrics-listen", metrics_listen], env, log, lambda: grpc_serving(listen))
 
@@ -196,6 +201,11 @@ class LocalStack:
         self.tokens_file.chmod(0o600)
         self.ports = {n: free_port() for n in ("redis", "store", "store_metrics", "api", "worker", "builder_metrics")}
         self.redis_url = cfg.redis_url or f"redis://127.0.0.1:{self.ports['redis']}/0"
+        self.local_socket = ""
+        if cfg.local_socket:        # a unix socket's path has at most 107 bytes: a short one where the workdir's is long
+            sock = self.workdir / "store.sock"
+            self.local_socket = str(sock if len(str(sock)) < 100 else
+                                    Path(tempfile.mkdtemp(prefix="rk-")) / "store.sock")
         self.services: dict[str, Service] = {}
         self._define()
 
@@ -229,7 +239,7 @@ class LocalStack:
                       model=str(Path(c.model).resolve()), profile=c.profile, tp=c.tp, store=self.store_target)
         self.services["store"] = store_service(self.store_target, f"127.0.0.1:{p['store_metrics']}", self.redis_url,
                                                f"{c.prefix}-store", self.workdir / "store", self.tokens_file,
-                                               logs / "store.log")
+                                               logs / "store.log", self.local_socket)
         api = ApiSettings(**common, listen=f"127.0.0.1:{p['api']}", worker_url=self.worker_url)
         self.services["api"] = Service("api", py + ["api", "serve"], {**base, **api.to_env(), **c.api_env},
                                        logs / "api.log",
@@ -240,7 +250,7 @@ class LocalStack:
             "builder", py + ["builder"], {**base, **builder.to_env(), **c.builder_env}, logs / "builder.log",
             lambda: "redknot builder: consuming" in self.services["builder"].log(100_000))
         worker = WorkerSettings(**common, listen=f"127.0.0.1:{p['worker']}", device=c.device,
-                                tier_dir=str(self.workdir / "tier"))
+                                tier_gib=c.tier_gib, store_local_socket=self.local_socket)
         self.services["worker"] = Service(
             "worker", py + ["worker"], {**base, **worker.to_env(), **c.worker_env}, logs / "worker.log",
             lambda: http_ok(self.worker_url + "/readyz"))

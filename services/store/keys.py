@@ -72,6 +72,7 @@ class Reason(str, enum.Enum):
     RANK_DISAGREEMENT = "rank_disagreement"
     STORE_UNAVAILABLE = "store_unavailable"
     CHECKPOINT_MISMATCH = "checkpoint_mismatch"
+    PRODUCER_MISMATCH = "producer_mismatch"
 
 
 class ShardKind(str, enum.Enum):

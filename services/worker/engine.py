@@ -24,7 +24,7 @@ import torch
 
 from runtime.model.deepseek_v4 import Transformer
 from runtime.reuse.certificate import FallbackReason, Verdict
-from runtime.reuse.prefetch import StagedSource, Trace
+from runtime.reuse.prefetch import HotSource, StagedSource, Trace
 from runtime.reuse.producer import pad_document
 from runtime.reuse.request import answer_staged
 from services.common.failpoints import Failpoints
@@ -34,7 +34,7 @@ from services.store.keys import DocumentKey
 
 from .prefetch import FetchStats, Prefetcher
 from .protocol import Fallback, WorkerRequest, WorkerResponse
-from .tier import TierKey
+from .tier import TierCounts, TierKey
 
 log = logging.getLogger("redknot.worker")
 # a rank whose own copy failed verification drops it from the tier, so the next request fetches it again
@@ -54,8 +54,8 @@ class RankReport:
     reason: str | None
     detail: str
     fetch: FetchStats
-    tier_hits: int
-    tier_misses: int
+    tier: TierCounts
+    tier_bytes: int
 
 
 def root_cause(reports: list[RankReport]) -> tuple[str, str]:
@@ -77,18 +77,22 @@ def greedy(logits: torch.Tensor, step: Callable[[int], torch.Tensor], n: int, eo
     return out
 
 
-def _stamp(sources: list[StagedSource]) -> list[float]:
+def _futures(sources: list[StagedSource | HotSource]) -> list[Future]:
+    """Every future of the sources still arriving (a tier document has none)."""
+    return [f for src in sources if isinstance(src, StagedSource) for f in [src.head] + [g for _, g in src.groups]]
+
+
+def _stamp(sources: list[StagedSource | HotSource]) -> list[float]:
     """The perf_counter time at which each future of `sources` completes (now, for those already done)."""
     stamps: list[float] = []
-    for src in sources:
-        for fut in [src.head] + [f for _, f in src.groups]:
-            fut.add_done_callback(lambda _f: stamps.append(time.perf_counter()))
+    for fut in _futures(sources):
+        fut.add_done_callback(lambda _f: stamps.append(time.perf_counter()))
     return stamps
 
 
-def _wait_all(sources: list[StagedSource]) -> None:
+def _wait_all(sources: list[StagedSource | HotSource]) -> None:
     """Until every future of `sources` completed (a failure is the request's verdict already)."""
-    wait([f for src in sources for f in [src.head] + [g for _, g in src.groups]])
+    wait(_futures(sources))
 
 
 class RankEngine:
@@ -145,7 +149,8 @@ class RankEngine:
             try:
                 out = answer_staged(self.model, self.binding.profile, docs, sources, req.question,
                                     self.binding.ident, [d.generation for d in req.documents],
-                                    control=self.group.control, trace=self.trace)
+                                    control=self.group.control, trace=self.trace,
+                                    groups=[range(g.lo, g.hi) for g in self.prefetcher.groups])
                 logits, step, arm, verdict = out.logits, out.step, out.arm, out.verdict
                 ledger = out.ledger.summary() if out.ledger is not None else None
                 if verdict.reason in _DROP_ON:      # this rank's own copy failed (others say rank_disagreement)
@@ -156,14 +161,16 @@ class RankEngine:
                     self.tier.release(k)
             _wait_all(sources)                      # the fetch time: until the last shard arrived (overlapped)
             fetch_s = max(0.0, max(stamps, default=t0) - t0)
+        if logits.is_cuda:          # the first token exists once its logits do (the forward is asynchronous)
+            torch.cuda.synchronize(logits.device)
         first = time.perf_counter()
         tokens = greedy(logits, step, req.max_new_tokens, self.eos)
         ttft = first - t0
         wait(published)         # what this request fetched is in the tier before the next request looks
         self.failpoints.hit("after_fetch")
-        hits, misses = self.tier.take_counts()
         reports = self.group.gather(RankReport(self.group.rank, verdict.reason.value if verdict.reason else None,
-                                               verdict.detail, self.prefetcher.take_stats(), hits, misses))
+                                               verdict.detail, self.prefetcher.take_stats(), self.tier.take_counts(),
+                                               self.tier.used))
         if not self.group.leader:
             return None, reports
         fallback = None

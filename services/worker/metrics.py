@@ -2,9 +2,11 @@
 their fetch and tier counts to rank 0 with every request."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from runtime.reuse.certificate import FallbackReason
+
+from .tier import MISS_REASONS, TierCounts
 
 RATIO_BUCKETS = tuple(i / 20 for i in range(1, 21))
 TTFT_BUCKETS = (.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -30,19 +32,31 @@ class WorkerMetrics:
                                    registry=r)
         self.fetch_seconds = Histogram("redknot_artifact_fetch_seconds", "Store fetch latency per document and rank",
                                        buckets=FETCH_BUCKETS, registry=r)
-        self.tier = Counter("redknot_cache_tier_requests", "Host-memory tier look-ups", ["tier", "result"],
-                            registry=r)
+        self.tier = Counter("redknot_cache_tier_requests", "Pinned host tier look-ups by result and, for a miss, why "
+                            "(absent, evicted, dropped)", ["tier", "result", "reason"], registry=r)
+        self.tier_bytes = Gauge("redknot_tier_bytes", "Bytes held in the pinned host tier, per rank", ["rank"],
+                                registry=r)
+        self.tier_evictions = Counter("redknot_tier_evictions", "Documents evicted from the pinned host tier for "
+                                      "room", ["rank"], registry=r)
         for reason in FallbackReason:
             self.fallbacks.labels(reason.value)
         for op in FLOP_OPS:
             self.flop.labels(op)
         for arm in ("reuse", "recompute"):
             self.ttft.labels(arm)
-        for result in ("hit", "miss"):
-            self.tier.labels("host", result)
+        self.tier.labels("host", "hit", "resident")
+        for reason in MISS_REASONS:
+            self.tier.labels("host", "miss", reason)
 
     def observe_ledger(self, summary: dict) -> None:
         self.head_row.observe(summary["head_row_saving"])
         self.token_row.observe(summary["token_row_saving"])
         for op in FLOP_OPS:
             self.flop.labels(op).observe(summary["flop_saving"][op])
+
+    def observe_tier(self, rank: int, counts: TierCounts, nbytes: int) -> None:
+        self.tier.labels("host", "hit", "resident").inc(counts.hits)
+        for reason, n in counts.misses.items():
+            self.tier.labels("host", "miss", reason).inc(n)
+        self.tier_bytes.labels(str(rank)).set(nbytes)
+        self.tier_evictions.labels(str(rank)).inc(counts.evictions)

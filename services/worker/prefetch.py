@@ -1,37 +1,34 @@
-"""This rank's shards, from the host tier or the store, layer group by layer group, ahead of need.
+"""This rank's documents, from its pinned host tier or the store, layer group by layer group, ahead of need.
 
-A rank asks only for its own shards: its rank's certificate and manifest (the head), then every layer group's
-latent shards and the LOCAL shards inside its channel range, each layer group on its own stream. `open` hands
-the request a `StagedSource` at once: futures for the head and for each group, which the forward consumes as they
+A tier hit hands the request a `HotSource` (verified layers in pinned host memory). Otherwise a rank asks the
+store only for its own shards: its rank's certificate and manifest (the head), then every layer group's latent
+shards and the LOCAL shards inside its channel range, each layer group on its own stream. `open` hands the
+request a `StagedSource` at once: futures for the head and for each group, which the forward consumes as they
 complete (`runtime.reuse.prefetch.GroupStager`), so layer group g runs while g+1 is still arriving. A document
-fetched whole is published into the tier (one directory, certificate last); a tier hit reads the same files
-group by group. Rank 0 broadcasts the documents of the requests queued behind the current one; every rank starts
-fetching those in the background while the current request runs (`warm`), and a request joins a fetch already
-in flight instead of starting another."""
+fetched whole is verified (every shard against its certificate), parsed, pinned and published into the tier.
+Rank 0 broadcasts the documents of the requests queued behind the current one; every rank starts fetching those
+in the background while the current request runs (`warm`), and a request joins a fetch already in flight
+instead of starting another."""
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from runtime.reuse.certificate import FallbackReason
-from runtime.reuse.prefetch import SourceError, StagedSource, Trace
-from runtime.reuse.store import CERTIFICATE_FILE, MANIFEST_FILE
+from runtime.reuse.prefetch import HotSource, SourceError, StagedSource, Trace, pin
+from runtime.reuse.store import CERTIFICATE_FILE, MANIFEST_FILE, read_head, read_layers
 from services.common.tenants import Tenants
-from services.store.artifact_dir import write_rank_dir
 from services.store.client import StoreClient, fallback_reason
 from services.store.errors import StoreError
 from services.store.keys import DocumentKey, Range
 
-from .tier import HostTier, TierKey
+from .tier import PinnedTier, TierKey
 
 log = logging.getLogger("redknot.worker")
 HEAD_FILES = (CERTIFICATE_FILE, MANIFEST_FILE)
-_LAYER_FILE = re.compile(r"^layer(\d+)\.")
 
 
 @dataclass
@@ -44,20 +41,16 @@ class FetchStats:
 class Opened:
     """A request's handle on one document: its source, and the tier entry it pinned (None: from the store,
     then `published` completes once the fetch is in the tier, or failed)."""
-    source: StagedSource
+    source: StagedSource | HotSource
     pinned: TierKey | None
     published: Future | None = None
 
 
-def _layer_of(name: str) -> int | None:
-    m = _LAYER_FILE.match(name)
-    return int(m.group(1)) if m else None
-
-
 class Prefetcher:
-    def __init__(self, tier: HostTier, tenants: Tenants, store: str, rank: int, channels: tuple[int, int],
-                 n_layers: int, layer_group: int, threads: int, trace: Trace | None = None):
+    def __init__(self, tier: PinnedTier, tenants: Tenants, store: str, rank: int, channels: tuple[int, int],
+                 n_layers: int, layer_group: int, threads: int, trace: Trace | None = None, local_socket: str = ""):
         self.tier, self.tenants, self.store, self.rank, self.trace = tier, tenants, store, rank, trace
+        self.local_socket = local_socket or None
         self.channels = Range(*channels)
         self.groups = [Range(a, min(a + layer_group, n_layers)) for a in range(0, n_layers, layer_group)]
         self._publish = ThreadPoolExecutor(max(1, threads // 2), thread_name_prefix="fetch-doc")
@@ -70,7 +63,8 @@ class Prefetcher:
     def _client(self, tenant: str) -> StoreClient:
         with self._lock:
             if tenant not in self._clients:
-                self._clients[tenant] = StoreClient(self.store, self.tenants.token(tenant), timeout_s=120)
+                self._clients[tenant] = StoreClient(self.store, self.tenants.token(tenant), timeout_s=120,
+                                                     local_socket=self.local_socket)
             return self._clients[tenant]
 
     def _note(self, event: str, group: int) -> None:
@@ -99,21 +93,28 @@ class Prefetcher:
         return StagedSource(head, groups)
 
     def _publish_when_done(self, tkey: TierKey, src: StagedSource, t0: float) -> None:
-        """Once every stream of a fetch arrived: the whole directory into the tier (a failed fetch publishes
-        nothing; the request that needed it has its reason from the source)."""
+        """Once every stream of a fetch arrived: every shard verified against the certificate, the document parsed
+        and pinned, into the tier (a failed or corrupt fetch publishes nothing; the request that needed it has its
+        reason from the source or its own verification)."""
         try:
             files = {**src.head.result()}
             for _, g in src.groups:
                 files.update(g.result())
-            if CERTIFICATE_FILE not in files:
-                log.warning("rank %d: %s has no certificate; not kept", self.rank, tkey)
-                return
             nbytes = sum(len(d) for d in files.values())
-            self.tier.insert(tkey, write_rank_dir(self.tier.staging_dir(tkey), sorted(files.items())), nbytes)
             with self._lock:
                 self.stats.bytes += nbytes
                 self.stats.seconds.append(time.perf_counter() - t0)
-            log.info("rank %d fetched %s generation %d: %d files", self.rank, tkey[1], tkey[2], len(files))
+            if self.tier.capacity == 0:                 # the tier is off: nothing is kept, nothing to prepare
+                return
+            head, v = read_head(files, None)
+            if v.ok:
+                layers, v = read_layers(head, range(head.manifest["n_layers"]), files)
+            if not v.ok:
+                log.warning("rank %d: %s not kept: %s: %s", self.rank, tkey, v.reason.value, v.detail)
+                return
+            del files
+            self.tier.insert(tkey, head, pin(head.document(layers)))
+            log.info("rank %d fetched %s generation %d: %d bytes", self.rank, tkey[1], tkey[2], nbytes)
         except SourceError as e:
             log.info("rank %d: fetch of %s failed: %s", self.rank, tkey, e)
         finally:
@@ -128,24 +129,6 @@ class Prefetcher:
                 self._inflight[tkey] = src, self._publish.submit(self._publish_when_done, tkey, src,
                                                                  time.perf_counter())
             return self._inflight[tkey]
-
-    # ------------------------------------------------------------------------------------------- the tier
-    def _read(self, path: Path, names: list[str], group: int) -> dict[str, bytes]:
-        self._note("fetch_start", group)
-        try:
-            files = {p: (path / p).read_bytes() for p in names}
-        except OSError as e:
-            raise SourceError(FallbackReason.MISSING_SHARD, f"tier file unreadable: {type(e).__name__}: {e}") from None
-        self._note("fetch_done", group)
-        return files
-
-    def _from_tier(self, path: Path) -> StagedSource:
-        names = sorted(p.name for p in path.iterdir())
-        head = self._streams.submit(self._read, path, [n for n in names if n in HEAD_FILES], -1)
-        groups = tuple((range(g.lo, g.hi),
-                        self._streams.submit(self._read, path, [n for n in names if _layer_of(n) in range(g.lo, g.hi)], i))
-                       for i, g in enumerate(self.groups))
-        return StagedSource(head, groups)
 
     # ------------------------------------------------------------------------------------------- requests
     def warm(self, docs: list[tuple[str, DocumentKey, int]]) -> None:
@@ -162,9 +145,9 @@ class Prefetcher:
         from the store (joined when already in flight). Never waits and never raises: failures arrive through
         the source's futures."""
         tkey = (tenant, key.doc_id, generation)
-        path = self.tier.lookup(tkey)
-        if path is not None:
-            return Opened(self._from_tier(path), tkey)
+        entry = self.tier.lookup(tkey)
+        if entry is not None:
+            return Opened(HotSource(entry.head, entry.doc), tkey)
         src, published = self._start(tenant, key, generation)
         return Opened(src, None, published)
 
@@ -172,7 +155,7 @@ class Prefetcher:
         """The newest tier entry of a document that has no current generation (the certificate check names it
         stale), pinned; None when the tier has none."""
         older = self.tier.older(tenant, key.doc_id)
-        return None if older is None else Opened(self._from_tier(older[1]), older[0])
+        return None if older is None else Opened(HotSource(older[1].head, older[1].doc), older[0])
 
     def failed(self, reason: FallbackReason, detail: str) -> StagedSource:
         """A source that delivers nothing: the request meets `reason` when it reads the head."""

@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import queue
 import signal
-import tempfile
 import threading
 from concurrent.futures import Future
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import torch
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -23,7 +20,7 @@ from pydantic import ValidationError
 
 from runtime.reuse.roles import channel_range
 from services.common.failpoints import Failpoints
-from services.common.serving import Binding, checkpoint_identity, load_profile
+from services.common.serving import Binding, checkpoint_identity, load_profile, serving_dtype
 from services.common.tenants import Tenants
 from services.common.tp import STOP, RankGroup, launch
 
@@ -32,7 +29,7 @@ from .metrics import WorkerMetrics
 from .prefetch import Prefetcher
 from .protocol import WorkerRequest, WorkerResponse
 from .settings import WorkerSettings
-from .tier import HostTier
+from .tier import PinnedTier
 
 log = logging.getLogger("redknot.worker")
 MAX_BODY = 256 << 20
@@ -41,16 +38,6 @@ MAX_BODY = 256 << 20
 def _host_port(listen: str) -> tuple[str, int]:
     host, _, port = listen.rpartition(":")
     return host.strip("[]") or "0.0.0.0", int(port)
-
-
-def tier_root(s: WorkerSettings, rank: int) -> Path:
-    if s.tier_dir:
-        base = Path(s.tier_dir)
-    else:
-        shm = Path("/dev/shm")
-        base = (shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir()))
-        base = base / f"redknot-worker-{_host_port(s.listen)[1]}"
-    return base / f"rank{rank}"
 
 
 class RejectedRequest(ValueError):
@@ -147,8 +134,7 @@ def record(metrics: WorkerMetrics, resp: WorkerResponse, reports: list[RankRepor
         metrics.fetch_bytes.inc(r.fetch.bytes)
         for sec in r.fetch.seconds:
             metrics.fetch_seconds.observe(sec)
-        metrics.tier.labels("host", "hit").inc(r.tier_hits)
-        metrics.tier.labels("host", "miss").inc(r.tier_misses)
+        metrics.observe_tier(r.rank, r.tier, r.tier_bytes)
 
 
 def rank_main(group: RankGroup, s: WorkerSettings) -> None:
@@ -171,15 +157,15 @@ def rank_main(group: RankGroup, s: WorkerSettings) -> None:
              torch.distributed.get_backend() if group.size > 1 else "single process")
     profile = load_profile(s.profile)
     ident = group.broadcast(checkpoint_identity(s.model, s.fingerprint) if group.leader else None)
-    model = load_model(s.model, par=group.par, device=group.device)
+    model = load_model(s.model, par=group.par, dtype=serving_dtype(s.dtype, group.device), device=group.device)
     cfg = model.cfg
     profile.check(cfg)
     with torch.inference_mode():            # warm-up: first-call costs stay out of the first request's TTFT
         model(torch.full((16,), cfg.bos_token_id, device=group.device))
-    tier = HostTier(tier_root(s, group.rank), s.tier_bytes)
+    tier = PinnedTier(int(s.tier_gib * 2**30))
     prefetcher = Prefetcher(tier, Tenants.load(s.tokens, s.tokens_file), s.store, group.rank,
                             channel_range(cfg, group.rank, group.size), cfg.n_layers, s.layer_group,
-                            s.fetch_threads)
+                            s.fetch_threads, local_socket=s.store_local_socket)
     engine = RankEngine(group, model, Binding(ident, profile, group.size, cfg.eos_token_id), prefetcher,
                         Failpoints(s.failpoints))
     try:

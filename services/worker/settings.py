@@ -8,9 +8,12 @@ class WorkerSettings(CommonSettings):
     listen: str = setting("127.0.0.1:8100", "REDKNOT_WORKER_LISTEN",
                           "host:port of rank 0's HTTP endpoint (/v1/generate, /healthz, /readyz, /metrics)")
     device: str = setting("cpu", "REDKNOT_DEVICE", "cpu (gloo) or cuda (NCCL, one GPU per rank)")
-    tier_dir: str = setting("", "REDKNOT_WORKER_TIER_DIR", "host-memory tier root (default: /dev/shm/redknot-"
-                                                          "worker-PORT, else the temp dir); wiped at start")
-    tier_bytes: int = setting(4 << 30, "REDKNOT_WORKER_TIER_BYTES", "host tier capacity per rank, bytes")
+    tier_gib: float = setting(16.0, "REDKNOT_WORKER_TIER_GIB", "pinned host tier capacity per rank, GiB (verified "
+                                                              "documents kept in page-locked memory, LRU by bytes; "
+                                                              "0: off, every request fetches from the store)")
+    store_local_socket: str = setting("", "REDKNOT_WORKER_STORE_LOCAL_SOCKET",
+                                      "the co-located store's local socket (its --local-socket): fetches pass blob "
+                                      "file descriptors instead of streaming bytes over gRPC (empty: gRPC only)")
     layer_group: int = setting(4, "REDKNOT_WORKER_LAYER_GROUP", "layers per fetch stream")
     fetch_threads: int = setting(4, "REDKNOT_WORKER_FETCH_THREADS", "concurrent fetch streams per rank")
     max_queue: int = setting(64, "REDKNOT_WORKER_MAX_QUEUE", "requests waiting beyond this are refused (503)")

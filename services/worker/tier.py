@@ -1,54 +1,87 @@
-"""The host-memory tier: whole artifact directories of this rank (a tmpfs under /dev/shm by default), least
-recently used evicted first, never one a running request holds. Entries are keyed by (tenant, store doc id,
-generation) and are complete by construction: the fetcher publishes a directory with one rename, certificate
-written last. `runtime.reuse.store.load_artifact` re-verifies every digest on every use, so a byte that rots
-here is a counted fallback (digest_mismatch), after which the entry is dropped and fetched again."""
+"""The pinned host tier: documents this rank staged, kept in its own page-locked host memory (plain memory where no
+GPU exists), least recently used evicted first by bytes, never one a running request holds.
+
+An entry is a document whose every shard was verified against its certificate when it entered (the bytes' blake3
+digests, the manifest, the tensors' shapes and dtypes), parsed, and packed layer by layer into pinned slabs
+(`runtime.reuse.prefetch.pin`): a request that finds all its documents here takes the path `bench/ttft.py`
+measures, each layer copied to the GPU in one transfer one layer ahead of the forward, with no file read, parse,
+digest or pin. What is checked on every use is the certificate's binding (checkpoint, tokens, profile, dtype,
+producer, TP geometry, generation), against the request. Keys are (tenant, store doc id, generation)."""
 from __future__ import annotations
 
-import shutil
 import threading
-import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
-from pathlib import Path
+
+import torch
+
+from runtime.reuse.artifact import DocumentArtifact
+from runtime.reuse.store import ArtifactHead
 
 TierKey = tuple[str, str, int]          # tenant, store doc id, generation
+# why a look-up missed: never fetched (or lost with a restart), evicted for room, dropped after a failed check
+MISS_REASONS = ("absent", "evicted", "dropped")
+_GONE_KEPT = 4096                       # how many removed keys are remembered to name a later miss's reason
+
+
+def host_bytes(doc: DocumentArtifact) -> int:
+    """The host bytes `doc`'s tensors hold (each storage once: `pin` packs a document into a few slabs)."""
+    seen: dict[int, int] = {}
+    for la in doc.layers:
+        for v in vars(la).values():
+            for t in (v if isinstance(v, tuple) else (v,)):
+                if isinstance(t, torch.Tensor):
+                    st = t.untyped_storage()
+                    seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
 
 
 @dataclass
-class _Entry:
-    path: Path
+class TierEntry:
+    head: ArtifactHead
+    doc: DocumentArtifact
     nbytes: int
     pins: int = 0
 
 
-class HostTier:
-    def __init__(self, root: str | Path, capacity_bytes: int):
-        self.root = Path(root)
-        shutil.rmtree(self.root, ignore_errors=True)      # a cache: nothing survives a restart, no partial dirs
-        self.root.mkdir(parents=True, exist_ok=True)
+@dataclass
+class TierCounts:
+    hits: int = 0
+    misses: dict[str, int] | None = None
+    evictions: int = 0
+
+    def __post_init__(self):
+        if self.misses is None:
+            self.misses = {r: 0 for r in MISS_REASONS}
+
+
+class PinnedTier:
+    def __init__(self, capacity_bytes: int):
+        if capacity_bytes < 0:
+            raise ValueError(f"tier capacity must be >= 0 bytes, got {capacity_bytes}")
         self.capacity = capacity_bytes
         self._lock = threading.Lock()
-        self._entries: OrderedDict[TierKey, _Entry] = OrderedDict()
+        self._entries: OrderedDict[TierKey, TierEntry] = OrderedDict()
+        self._gone: OrderedDict[TierKey, str] = OrderedDict()
         self.used = 0
-        self.hits = self.misses = 0
+        self._counts = TierCounts()
 
-    def lookup(self, key: TierKey, *, count: bool = True) -> Path | None:
-        """The entry's directory, pinned until `release`; counted as a hit or a miss."""
+    def lookup(self, key: TierKey, *, count: bool = True) -> TierEntry | None:
+        """The entry, pinned until `release`; counted as a hit or a miss (with its reason)."""
         with self._lock:
             e = self._entries.get(key)
             if count:
                 if e is None:
-                    self.misses += 1
+                    self._counts.misses[self._gone.get(key, "absent")] += 1
                 else:
-                    self.hits += 1
+                    self._counts.hits += 1
             if e is None:
                 return None
             self._entries.move_to_end(key)
             e.pins += 1
-            return e.path
+            return e
 
-    def older(self, tenant: str, doc_id: str) -> tuple[TierKey, Path] | None:
+    def older(self, tenant: str, doc_id: str) -> tuple[TierKey, TierEntry] | None:
         """The newest entry of this document at any generation, pinned (a request whose document has no current
         generation hands it to the certificate check, which names it stale)."""
         with self._lock:
@@ -57,22 +90,21 @@ class HostTier:
                 return None
             key = max(found, key=lambda k: k[2])
             self._entries[key].pins += 1
-            return key, self._entries[key].path
+            return key, self._entries[key]
 
-    def staging_dir(self, key: TierKey) -> Path:
-        """A fresh path for a fetch to publish into (it must not exist yet)."""
-        return self.root / f"{key[0]}-{key[1]}-g{key[2]}-{uuid.uuid4().hex[:8]}"
-
-    def insert(self, key: TierKey, path: Path, nbytes: int) -> Path:
-        """Add a published directory (unpinned); returns the entry's directory (an existing one wins)."""
+    def insert(self, key: TierKey, head: ArtifactHead, doc: DocumentArtifact) -> TierEntry:
+        """Add a verified, pinned document (unpinned by requests); an existing entry for `key` wins. A tier of
+        capacity 0 is off: it keeps nothing (every request fetches from the store)."""
         with self._lock:
+            if self.capacity == 0:
+                return TierEntry(head, doc, host_bytes(doc))
             if key in self._entries:
-                shutil.rmtree(path, ignore_errors=True)
-                return self._entries[key].path
-            self._entries[key] = _Entry(path, nbytes)
-            self.used += nbytes
+                return self._entries[key]
+            e = self._entries[key] = TierEntry(head, doc, host_bytes(doc))
+            self._gone.pop(key, None)
+            self.used += e.nbytes
             self._evict_over_capacity()
-            return path
+            return e
 
     def release(self, key: TierKey) -> None:
         with self._lock:
@@ -82,30 +114,34 @@ class HostTier:
             self._evict_over_capacity()
 
     def drop(self, key: TierKey) -> None:
-        """Forget an entry (it failed verification); its directory goes once no request holds it."""
+        """Forget an entry (it failed a check); requests holding it keep their references until they end."""
         with self._lock:
-            e = self._entries.pop(key, None)
-            if e is not None:
-                self.used -= e.nbytes
-                shutil.rmtree(e.path, ignore_errors=True)
+            self._remove(key, "dropped")
+
+    def _remove(self, key: TierKey, why: str) -> None:
+        e = self._entries.pop(key, None)
+        if e is None:
+            return
+        self.used -= e.nbytes
+        self._gone[key] = why
+        while len(self._gone) > _GONE_KEPT:
+            self._gone.popitem(last=False)
 
     def _evict_over_capacity(self) -> None:
         # the most recent entry is never evicted: it was just fetched or used (even one larger than the tier)
         for key in list(self._entries)[:-1]:
             if self.used <= self.capacity:
                 return
-            e = self._entries[key]
-            if e.pins == 0:
-                del self._entries[key]
-                self.used -= e.nbytes
-                shutil.rmtree(e.path, ignore_errors=True)
+            if self._entries[key].pins == 0:
+                self._remove(key, "evicted")
+                self._counts.evictions += 1
 
     def keys(self) -> list[TierKey]:
         with self._lock:
             return list(self._entries)
 
-    def take_counts(self) -> tuple[int, int]:
+    def take_counts(self) -> TierCounts:
+        """Hits, misses by reason and evictions since the last call."""
         with self._lock:
-            out = (self.hits, self.misses)
-            self.hits = self.misses = 0
+            out, self._counts = self._counts, TierCounts()
             return out

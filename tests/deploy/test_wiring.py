@@ -118,7 +118,7 @@ def test_helm_commands_and_env_start_the_services(name, rendered, monkeypatch):
         elif service == "worker":
             assert _port(s.listen) == ports["http"], where
             assert s.device == ("cuda" if "nvidia.com/gpu" in c["resources"].get("limits", {}) else "cpu")
-            assert _under(s.tier_dir, mounts), where
+            assert s.tier_gib == values(name).get("worker", {}).get("tierGiB", 48), where
         elif service == "builder":
             assert _port(s.metrics_listen) == ports["metrics"], where
             assert _under(s.workdir, mounts), where

@@ -29,13 +29,13 @@ def make_cert(**kw) -> Certificate:
 def expect(**kw) -> dict:
     base = dict(fingerprint="ckpt", tokens_hash=token_hash([5, 6, 7], TOK), profile=FLASH_PROFILE.to_dict(),
                 tp_size=2, tp_rank=1, channel_range=(1024, 2048), layers_needed={0, 1, 2}, current_generation=4,
-                shard_digests_seen=None)
+                dtype="bfloat16", producer_version="redknot 0.1.0", shard_digests_seen=None)
     base.update(kw)
     return base
 
 
 def test_reasons_are_fixed_lowercase_labels():
-    assert len(R) == 10
+    assert len(R) == 11
     for r in R:
         assert r.value == r.name.lower() and isinstance(r, str)
 
@@ -115,6 +115,8 @@ def test_validate_accepts_then_each_reason():
         (dict(fingerprint="other"), R.CHECKPOINT_MISMATCH),
         (dict(tokens_hash=token_hash([5, 6, 8], TOK)), R.TOKEN_MISMATCH),
         (dict(profile=FLASH_PROFILE.replace(budget=0.2).to_dict()), R.PROFILE_MISMATCH),
+        (dict(dtype="float32"), R.PRODUCER_MISMATCH),
+        (dict(producer_version="redknot 0.2.0"), R.PRODUCER_MISMATCH),
         (dict(tp_size=4), R.TP_GEOMETRY_MISMATCH),
         (dict(tp_rank=0), R.TP_GEOMETRY_MISMATCH),
         (dict(channel_range=(0, 1024)), R.TP_GEOMETRY_MISMATCH),
@@ -133,10 +135,10 @@ def test_validate_accepts_then_each_reason():
 
 def test_validate_order_is_fixed():
     c = make_cert()
-    everything_wrong = expect(fingerprint="x", tokens_hash="y", profile={}, tp_rank=0, layers_needed={9},
-                              current_generation=0, shard_digests_seen={})
+    everything_wrong = expect(fingerprint="x", tokens_hash="y", profile={}, dtype="float32", tp_rank=0,
+                              layers_needed={9}, current_generation=0, shard_digests_seen={})
     order = [("fingerprint", R.CHECKPOINT_MISMATCH), ("tokens_hash", R.TOKEN_MISMATCH),
-             ("profile", R.PROFILE_MISMATCH), ("tp_rank", R.TP_GEOMETRY_MISMATCH),
+             ("profile", R.PROFILE_MISMATCH), ("dtype", R.PRODUCER_MISMATCH), ("tp_rank", R.TP_GEOMETRY_MISMATCH),
              ("layers_needed", R.MISSING_LAYER), ("current_generation", R.STALE_GENERATION),
              ("shard_digests_seen", R.MISSING_SHARD)]
     good = expect(shard_digests_seen=dict(c.shard_digests))

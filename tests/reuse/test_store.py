@@ -50,7 +50,7 @@ def cert_fields(art: DocumentArtifact, generation: int = 3) -> dict:
 def expect_for(art: DocumentArtifact, **kw) -> dict:
     base = dict(fingerprint="ckpt-fp", tokens_hash=token_hash(art.tokens, TOK), profile=FLASH_PROFILE.to_dict(),
                 tp_size=art.tp_size, tp_rank=art.tp_rank, channel_range=(art.tp_rank * CH, (art.tp_rank + 1) * CH),
-                layers_needed={0, 1, 2}, current_generation=3)
+                layers_needed={0, 1, 2}, current_generation=3, dtype="bfloat16", producer_version="redknot 0.1.0")
     base.update(kw)
     return base
 
@@ -171,7 +171,8 @@ def test_damaged_store_is_rejected(saved, kind, reason):
     (dict(tp_size=4), R.TP_GEOMETRY_MISMATCH),
     (dict(channel_range=(32, 48)), R.TP_GEOMETRY_MISMATCH),
     (dict(layers_needed={0, 1, 2, 3}), R.MISSING_LAYER),
-    (dict(current_generation=4), R.STALE_GENERATION)])
+    (dict(current_generation=4), R.STALE_GENERATION),
+    (dict(dtype="float32"), R.PRODUCER_MISMATCH), (dict(producer_version="redknot 0.0.9"), R.PRODUCER_MISMATCH)])
 def test_mismatched_request_is_rejected(saved, kw, reason):
     art, d, _ = saved
     if kw == "changed token":

@@ -33,7 +33,7 @@ from services.common.tp import RankGroup, launch
 from services.worker.engine import Job, RankEngine, greedy
 from services.worker.prefetch import Prefetcher
 from services.worker.protocol import WorkerDocument, WorkerRequest
-from services.worker.tier import HostTier
+from services.worker.tier import PinnedTier
 
 from .conftest import TOKENS
 
@@ -143,7 +143,7 @@ def test_a_corrupted_late_group_restarts_the_request_in_the_recompute_arm(setup,
 
 def _engine(model, store_target, tier_root, trace=None) -> RankEngine:
     group = RankGroup(0, 1, torch.device("cpu"), Parallel())
-    tier = HostTier(tier_root, 1 << 30)
+    tier = PinnedTier(1 << 30)
     pf = Prefetcher(tier, Tenants(TOKENS), store_target, 0, channel_range(CFG, 0, 1), CFG.n_layers, 2, 4, trace)
     return RankEngine(group, model, Binding(IDENT, PROF, 1, CFG.eos_token_id), pf, Failpoints(""), trace)
 
@@ -168,21 +168,35 @@ def test_the_worker_streams_groups_from_the_store_then_the_tier_and_falls_back_o
         assert cold.arm == "reuse" and cold.fallback is None and cold.tokens == want
         assert cold.ledger["rows"] == ref.ledger.summary()["rows"]
         assert len(eng.tier.keys()) == 2                              # both published whole into the tier
+        n_events = len(trace.events)
         hot, reports = eng.run(_request(docs, question))
-        assert hot.arm == "reuse" and hot.tokens == want and reports[0].tier_hits == 2
+        # both documents from the pinned tier: no fetch, no group staged (the all-hot path: answer's layer-ahead
+        # copies of pinned, already verified layers), the same answer
+        assert hot.arm == "reuse" and hot.tokens == want and reports[0].tier.hits == 2
+        assert trace.events[n_events:] == []
+        assert reports[0].tier_bytes == eng.tier.used > 0
         rec, _ = eng.run(_request(docs, question, "recompute"))
 
-        # a byte of the tier copy rots in the last group: counted fallback, the recompute answer, entry dropped
-        tkey = next(k for k in eng.tier.keys())
-        path = eng.tier.lookup(tkey, count=False)
-        eng.tier.release(tkey)
-        name = sorted(n for n in os.listdir(path) if _layer(n) in (4, 5))[-1]
-        data = bytearray((path / name).read_bytes())
-        data[len(data) // 2] ^= 0x5A
-        (path / name).write_bytes(bytes(data))
-        rot, _ = eng.run(_request(docs, question))
-        assert rot.arm == "recompute" and rot.fallback.reason == "digest_mismatch" and rot.tokens == rec.tokens
-        assert rot.fallback.ranks == ["digest_mismatch"] and tkey not in eng.tier.keys()
+        # one document leaves the tier: the next request stages that one from the store, group by group, beside
+        # the other's tier layers (the mixed path), and publishes it again
+        tkey = (eng.tier.keys()[0])
+        eng.tier.drop(tkey)
+        n_events = len(trace.events)
+        mixed, reports = eng.run(_request(docs, question))
+        assert mixed.arm == "reuse" and mixed.fallback is None and mixed.tokens == want
+        assert reports[0].tier.hits == 1 and reports[0].tier.misses["dropped"] == 1
+        assert [g for e, g in trace.events[n_events:] if e == "consume"] == [0, 1, 2]
+        assert tkey in eng.tier.keys()
+
+        # documents that lost their current generation (0): the tier's copies are handed to the certificate check,
+        # which alone refuses them (stale), and the request answers as the recompute arm
+        stale = Job(WorkerRequest(tenant="acme", documents=[WorkerDocument(id=f"d{i}", tokens=d, generation=0)
+                                                           for i, d in enumerate(docs)],
+                                  question=question, max_new_tokens=5, arm="reuse"))
+        n_events = len(trace.events)
+        old, _ = eng.run(stale)
+        assert old.arm == "recompute" and old.fallback.reason == "stale_generation" and old.tokens == rec.tokens
+        assert trace.events[n_events:] == [] and len(eng.tier.keys()) == 2
     finally:
         eng.prefetcher.close()
 

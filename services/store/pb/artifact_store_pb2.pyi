@@ -29,6 +29,7 @@ class FallbackReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FALLBACK_REASON_RANK_DISAGREEMENT: _ClassVar[FallbackReason]
     FALLBACK_REASON_STORE_UNAVAILABLE: _ClassVar[FallbackReason]
     FALLBACK_REASON_CHECKPOINT_MISMATCH: _ClassVar[FallbackReason]
+    FALLBACK_REASON_PRODUCER_MISMATCH: _ClassVar[FallbackReason]
 SHARD_KIND_UNSPECIFIED: ShardKind
 SHARD_KIND_LATENT: ShardKind
 SHARD_KIND_LOCAL: ShardKind
@@ -46,6 +47,7 @@ FALLBACK_REASON_DIGEST_MISMATCH: FallbackReason
 FALLBACK_REASON_RANK_DISAGREEMENT: FallbackReason
 FALLBACK_REASON_STORE_UNAVAILABLE: FallbackReason
 FALLBACK_REASON_CHECKPOINT_MISMATCH: FallbackReason
+FALLBACK_REASON_PRODUCER_MISMATCH: FallbackReason
 
 class DocumentKey(_message.Message):
     __slots__ = ("doc_hash", "checkpoint_fingerprint", "profile", "tp_size")
