@@ -1,0 +1,27 @@
+"""bench/serve_ttft.py stays runnable: its --small CPU run (not a measurement) starts the real stack as separate
+processes on a random-init checkpoint, uploads and builds documents through the API, and times every case through
+`POST /v1/generate`. The script stops on any reuse request that fell back; here its JSON is checked."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_serve_ttft_small_runs_every_case_through_the_http_api_without_a_fallback(tmp_path):
+    out = tmp_path / "serve.json"
+    r = subprocess.run([sys.executable, "bench/serve_ttft.py", "--small", "--workdir", str(tmp_path / "work"),
+                        "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run = json.loads(out.read_text())
+    assert run["device"] == "cpu" and run["small"] and all(c == 0 for c in run["exit_codes"].values())
+    (row,) = run["rows"]
+    assert row["docs"] == 2 and row["tokens"] == 512 + run["question_tokens"]
+    for case in ("recompute", "hot", "empty"):
+        assert len(row[case]["reps_client_s"]) == 2 and row[case]["client_s"] >= row[case]["server_ttft_s"] > 0
+    assert row["cold"]["client_s"] > row["cold"]["build_s"] > 0
+    assert row["speedup_hot"] > 0 and row["speedup_empty"] > 0
+    assert row["ledger"]["rows"]["active"] > 0 and row["ledger"]["rows"]["relocated"] > 0
+    assert run["tier_bytes"] > 0 and row["store_bytes"] > 0           # the hot case's documents were in the tier
+    assert f"| {row['tokens']} | 2 | " in r.stdout             # the results table
