@@ -13,9 +13,8 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import torch
-
 from runtime.reuse.artifact import DocumentArtifact
+from runtime.reuse.prefetch import _tensors
 from runtime.reuse.store import ArtifactHead
 
 TierKey = tuple[str, str, int]          # tenant, store doc id, generation
@@ -26,14 +25,9 @@ _GONE_KEPT = 4096                       # how many removed keys are remembered t
 
 def host_bytes(doc: DocumentArtifact) -> int:
     """The host bytes `doc`'s tensors hold (each storage once: `pin` packs a document into a few slabs)."""
-    seen: dict[int, int] = {}
-    for la in doc.layers:
-        for v in vars(la).values():
-            for t in (v if isinstance(v, tuple) else (v,)):
-                if isinstance(t, torch.Tensor):
-                    st = t.untyped_storage()
-                    seen[st.data_ptr()] = st.nbytes()
-    return sum(seen.values())
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for la in doc.layers for t in _tensors(la)}
+    return sum(storages.values())
 
 
 @dataclass
