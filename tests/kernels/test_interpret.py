@@ -79,6 +79,64 @@ REUSE_CASES = [("1", "online", "query", "0"), ("1", "artifact", "query", "0"), (
                ("0", "artifact", "query", "auto")]
 
 
+def reuse_profile(picks: str) -> ReuseProfile:
+    return ReuseProfile(first_fences=2, last_fences=2, align=16, budget=0.25, global_picks=picks)
+
+
+_ARTIFACTS: dict = {}
+
+
+def reference_artifacts(model, docs, picks: str) -> list:
+    """The request's documents produced on the reference path, once per process and `picks` setting: the cases
+    compare the consumer's two paths over the same artifacts (the producer through the kernels has its own test,
+    test_producer_through_the_kernels_equals_the_reference; under the interpreter it is most of a case's time)."""
+    key = (id(model), picks)                            # each module builds its own model (module-scoped fixture)
+    if key not in _ARTIFACTS:
+        old = os.environ.get("REDKNOT_KERNELS")
+        os.environ["REDKNOT_KERNELS"] = "0"
+        try:
+            _ARTIFACTS[key] = (model, [produce(model, d, reuse_profile(picks)) for d in docs])  # keeps ids unique
+        finally:
+            if old is None:
+                del os.environ["REDKNOT_KERNELS"]
+            else:
+                os.environ["REDKNOT_KERNELS"] = old
+    return _ARTIFACTS[key][1]
+
+
+@torch.no_grad()
+def test_producer_through_the_kernels_equals_the_reference(model, request_tokens, kernels_on, monkeypatch):
+    """A document's artifact produced with every kernel on (sparse attention, indexer top-k, mHC, the Local
+    contribution's projection) equals the reference path's: every tensor to 1e-5 (float32), the offline picks
+    exactly."""
+    docs, _ = request_tokens
+    prof = reuse_profile("artifact")
+    monkeypatch.setenv("REDKNOT_KERNELS", "0")
+    want = produce(model, docs[1], prof)
+    launches = []
+    real = K.sparse_mqa_attention
+    monkeypatch.setattr(K, "sparse_mqa_attention", lambda *a, **kw: launches.append(1) or real(*a, **kw))
+    monkeypatch.setenv("REDKNOT_KERNELS", "1")
+    got = produce(model, docs[1], prof)
+    assert launches                                     # the model's attention really went through the kernel
+    checked = 0
+    for i, (g, w) in enumerate(zip(got.layers, want.layers)):
+        for name in ("latent", "entries", "index_keys", "local_p"):
+            a, b = getattr(g, name), getattr(w, name)
+            assert (a is None) == (b is None), (i, name)
+            if a is not None:
+                assert a.shape == b.shape and rel_err(a, b) <= TOL, (i, name, rel_err(a, b))
+                checked += 1
+        for name in ("comp_prev", "index_prev"):
+            a, b = getattr(g, name), getattr(w, name)
+            assert (a is None) == (b is None), (i, name)
+            if a is not None:
+                assert max(rel_err(x, y) for x, y in zip(a, b)) <= TOL, (i, name)
+        assert (g.picks is None) == (w.picks is None) and (g.picks is None or torch.equal(g.picks, w.picks)), i
+    assert checked and any(la.local_p is not None for la in got.layers) and any(la.picks is not None
+                                                                                  for la in got.layers)
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("fused,picks,frame,sparse_rows", REUSE_CASES[:3])
 def test_reuse_prefill_and_decode_through_the_kernels(model, request_tokens, kernels_on, monkeypatch, fused, picks,
@@ -106,8 +164,8 @@ def reuse_case(model, request_tokens, kernels_on, monkeypatch, fused, picks, fra
     docs, question = request_tokens
     if fused == "auto":
         monkeypatch.setattr(consumer_mod, "FUSED_MIN_HEADS", CFG.n_heads)
-    prof = ReuseProfile(first_fences=2, last_fences=2, align=16, budget=0.25, global_picks=picks)
-    arts = [produce(model, d, prof) for d in docs]
+    prof = reuse_profile(picks)
+    arts = reference_artifacts(model, docs, picks)
     eng = ReuseEngine(model, prof)
     monkeypatch.setenv("REDKNOT_KERNELS", "0")
     ref = eng.prefill(arts, question)
@@ -409,3 +467,4 @@ def test_sparse_packed_rows_equal_the_reference(mode, H, monkeypatch):
     monkeypatch.setenv("REDKNOT_SPARSE_ROWS", "8")
     with pytest.raises(ValueError, match="REDKNOT_SPARSE_ROWS"):
         sa.packed_rows(H, mode)
+
