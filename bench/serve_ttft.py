@@ -137,7 +137,8 @@ def main() -> int:
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"# {name} | torch {torch.__version__} | Flash dims x {cfg.n_layers} layers{' (small)' if args.small else ''}"
           f", routed experts {cfg.n_routed_experts} | profile {prof.first_fences}F-{prof.last_fences}F budget "
-          f"{prof.budget} | {args.docs} documents + a {n_q}-token question | served: API -> worker -> store",
+          f"{prof.budget} picks {prof.global_picks} Local {prof.local_format}"
+          f" | {args.docs} documents + a {n_q}-token question | served: API -> worker -> store",
           flush=True)
     stack = LocalStack(StackConfig(
         workdir=work / "stack", model=ckpt, tp=1, profile=json.dumps(prof.to_dict()), device=args.device,
@@ -227,7 +228,8 @@ def main() -> int:
             r.pop("ids", None)
         Path(args.json).write_text(json.dumps(dict(
             device=name, torch=torch.__version__, small=args.small, layers=cfg.n_layers,
-            experts=cfg.n_routed_experts, budget=prof.budget, question_tokens=n_q, tier_bytes=tier_bytes,
+            experts=cfg.n_routed_experts, budget=prof.budget, profile=prof.to_dict(), question_tokens=n_q,
+            tier_bytes=tier_bytes,
             first_length_store_bytes=row0["store_bytes"], rows=list(rows.values()), exit_codes=codes), indent=1))
     return 0 if all(v == 0 for v in codes.values()) and fallbacks == 0 else 1
 

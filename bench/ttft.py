@@ -40,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.syncs import allocator_counters, allocator_delta, sync_report  # noqa: E402
 from runtime.model.config import CSA, FLASH  # noqa: E402
 from runtime.model.deepseek_v4 import Transformer  # noqa: E402
+from runtime.model.quant import FP8_ROW_BLOCK  # noqa: E402
 from runtime.model.random_init import init_random  # noqa: E402
 from runtime.reuse.artifact import DocumentArtifact  # noqa: E402
 from runtime.reuse.consumer import ReuseEngine  # noqa: E402
@@ -68,6 +69,8 @@ def add_model_args(ap: argparse.ArgumentParser, lengths: str) -> None:
     ap.add_argument("--question", type=int, default=64)
     ap.add_argument("--budget", type=float, default=0.25)
     ap.add_argument("--global-picks", default="artifact", choices=["online", "artifact"])
+    ap.add_argument("--local-format", default="native", choices=["native", "fp8"],
+                    help="the stored Local contribution: the model's dtype, or e4m3 with row-block scales")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--warmup", type=_at_least_one, default=2,
                     help="untimed runs of every arm before the timed reps (each one's time is printed and kept); the "
@@ -84,7 +87,8 @@ def model_config(args):
     if args.small:
         cfg = cfg.replace(dim=256, n_heads=16, head_dim=128, rope_head_dim=32, q_lora_rank=128, o_lora_rank=128,
                           index_n_heads=8, index_head_dim=32, index_topk=64, moe_inter_dim=128, vocab_size=1024)
-    return cfg, FLASH_PROFILE.replace(budget=args.budget, global_picks=args.global_picks)
+    return cfg, FLASH_PROFILE.replace(budget=args.budget, global_picks=args.global_picks,
+                                      local_format=args.local_format)
 
 
 def timed(fn, device) -> tuple[float, object]:
@@ -124,15 +128,17 @@ def artifact_bytes(cfg, prof, n_docs: int, per_doc: int, elem: int) -> dict[str,
             b["index_keys"] += n_docs * (per_doc // 4) * cfg.index_head_dim * elem
             if reusable and prof.global_picks == "artifact":
                 b["picks"] += (n_docs - 1) * per_doc * min(cfg.index_topk, per_doc // 4) * 4
-        if reusable:   # W_a,L O_L: o_groups x o_lora_rank per row
-            b["local"] += (n_docs - 1) * per_doc * cfg.o_groups * cfg.o_lora_rank * elem
+        if reusable:   # W_a,L O_L: o_groups x o_lora_rank per row (FP8: a byte each and a scale per 128)
+            C = cfg.o_groups * cfg.o_lora_rank
+            row = C + -(-C // FP8_ROW_BLOCK) if prof.local_format == "fp8" else C * elem
+            b["local"] += (n_docs - 1) * per_doc * row
     return b
 
 
 def drop_unused(doc: DocumentArtifact) -> DocumentArtifact:
     """The prefix document: its rows are never computed, so its Local contribution and picks are not kept."""
     return DocumentArtifact(doc.tokens, doc.n_content,
-                            [dataclasses.replace(la, local_p=None, picks=None) for la in doc.layers],
+                            [dataclasses.replace(la, local_p=None, local_s=None, picks=None) for la in doc.layers],
                             doc.tp_rank, doc.tp_size, doc.meta)
 
 

@@ -174,3 +174,36 @@ def fake_quant_fp8_act(x: torch.Tensor, block: int = 128) -> torch.Tensor:
     q = (xb / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32) * s
     q = q.reshape(*x.shape[:-1], nb * block)
     return (q[..., :n] if pad else q).to(x.dtype)
+
+
+FP8_ROW_BLOCK = 128  # channels per scale of a row-block-quantized tensor (`quant_fp8_rows`)
+
+
+def quant_fp8_rows(x: torch.Tensor, block: int = FP8_ROW_BLOCK,
+                   chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, C] -> (float8_e4m3fn codes [n, C], uint8 E8M0 exponents [n, ceil(C/block)]): one power-of-two scale per
+    row and `block` channels, the smallest that covers the block's amax (`_pow2_cover_exp`, so no code saturates),
+    codes rounded to nearest even from x / scale (exact: the scale is a power of two). Rows are quantized
+    `chunk` at a time, so the float32 temporaries stay bounded on a long document."""
+    assert x.dim() == 2, x.shape
+    n, C = x.shape
+    nb = _ceil_div(C, block)
+    codes = torch.empty(n, C, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(n, nb, dtype=torch.uint8, device=x.device)
+    pad = nb * block - C
+    for a in range(0, n, chunk):
+        xf = x[a:a + chunk].to(torch.float32)
+        xb = (torch.nn.functional.pad(xf, (0, pad)) if pad else xf).view(-1, nb, block)
+        exp = _pow2_cover_exp(xb.abs().amax(dim=2), FP8_MAX).to(xf.device)
+        scales[a:a + chunk] = (exp + E8M0_BIAS).to(torch.uint8)
+        s = e8m0_to_float(scales[a:a + chunk])
+        codes[a:a + chunk] = (xb / s[..., None]).view(xf.shape[0], -1)[:, :C].to(torch.float8_e4m3fn)
+    return codes, scales
+
+
+def dequant_fp8_rows(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
+                     block: int = FP8_ROW_BLOCK) -> torch.Tensor:
+    """The torch reference of a row-block dequantization: code x 2^(e-127) in float32 (exact), then `dtype`."""
+    n, C = codes.shape
+    s = e8m0_to_float(scales).repeat_interleave(block, dim=1)[:, :C]
+    return (_as_bytes(codes).view(torch.float8_e4m3fn).to(torch.float32) * s).to(dtype)

@@ -19,6 +19,9 @@ class LayerArtifact:
     index_prev: tuple[torch.Tensor, torch.Tensor] | None = None
     local_p: torch.Tensor | None = None       # [n, G_local * o_lora_rank] W_a,L O_L, reusable layers, this rank
     picks: torch.Tensor | None = None         # [n, k] int32 offline indexer top-k (CSA, global_picks="artifact")
+    # local_format="fp8": local_p holds float8_e4m3fn codes and local_s [n, ceil(C/128)] their uint8 E8M0 exponents,
+    # one per row and 128 channels (`runtime.model.quant.quant_fp8_rows`); None for the native format
+    local_s: torch.Tensor | None = None
 
 
 @dataclass

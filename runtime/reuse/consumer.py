@@ -29,6 +29,7 @@ from runtime.model.deepseek_v4 import (NEG_INF, Block, CompressorState, LayerCac
 from runtime.kernels import enabled, indexer_scores_segments, merge_stacked, rope_, sparse_mqa_attention
 from runtime.kernels._host import to_device_nowait
 from runtime.kernels.f32linear import kept_on_weights
+from runtime.kernels.fp8_rows import gather_dequant_rows
 from runtime.kernels.multiseg import multi_segment_attention
 from runtime.kernels.rope import rope_source
 from runtime.kernels.reference import sparse_mqa_reference
@@ -1052,6 +1053,9 @@ class ReuseEngine:
         (gathered into `out`, given: contiguous, of W_a's dtype)."""
         w = attn.wo_a.weight
         local = [docs[j].layers[i].local_p for j, _, _ in sp.rest_local]
+        scales = [docs[j].layers[i].local_s for j, _, _ in sp.rest_local]
+        if any(s is not None for s in scales):
+            return self._dequantized_local(sp, local, scales, n_rest, attn, out)
         view = _rows_view(local)
         if view is not None and view[0].dtype == w.dtype and view[0].device == w.device:     # one gather
             rows, firsts = view
@@ -1059,6 +1063,32 @@ class ReuseEngine:
             return torch.index_select(rows, 0, ids, out=out)
         return gather_rows([(t, ids, off) for t, (j, ids, off) in zip(local, sp.rest_local)], n_rest,
                            attn.n_groups * self.cfg.o_lora_rank, w.dtype, w.device, out)
+
+    def _dequantized_local(self, sp: _Split, local, scales, n_rest: int, attn, out=None) -> torch.Tensor:
+        """`_restored_local` for FP8 artifacts (local_format="fp8"): the rows' codes and scales gathered and
+        dequantized in one pass into W_a's dtype (`gather_dequant_rows`): one launch where every document's codes
+        and scales each lie in one `_rows_view` (a staged layer), else one per document."""
+        w = attn.wo_a.weight
+        width = attn.n_groups * self.cfg.o_lora_rank
+        if any(s is None for s in scales) or any(t.element_size() != 1 for t in local):
+            raise ValueError("an FP8 Local contribution needs its codes and scales in every document")
+        if out is None:
+            out = torch.empty((n_rest, width), dtype=w.dtype, device=w.device)
+        elif out.shape != (n_rest, width) or out.dtype != w.dtype or not out.is_contiguous():
+            raise ValueError(f"out must be contiguous [{n_rest}, {width}] {w.dtype}, got {tuple(out.shape)} "
+                             f"{out.dtype}")
+        ids = [(ids,) for _, ids, _ in sp.rest_local]
+        cview, sview = _rows_view(local), _rows_view(scales)
+        if cview is not None and sview is not None and cview[0].device == w.device:
+            return gather_dequant_rows(cview[0], sview[0], _view_rows(sp, "local_p", cview[1], ids),
+                                       _view_rows(sp, "local_s", sview[1], ids), out)
+        for c, s, (_, ids, off) in zip(local, scales, sp.rest_local):
+            if c.device != w.device:                # the rows only, then to the device
+                r = ids.to(c.device)
+                c, s = c.view(torch.uint8).index_select(0, r).to(w.device), s.index_select(0, r).to(w.device)
+                ids = torch.arange(r.numel(), device=w.device)
+            gather_dequant_rows(c, s, ids, ids, out[off:off + ids.numel()])
+        return out
 
     def _moe_adaptive(self, block, h, tokens, ledger) -> torch.Tensor:
         """Top-6 by the router, then k = smallest k >= min_experts whose normalized cumulative weight reaches

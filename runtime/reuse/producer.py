@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from runtime.model.deepseek_v4 import Transformer
+from runtime.model.quant import quant_fp8_rows
 from .artifact import DocumentArtifact, LayerArtifact
 from .profile import ReuseProfile
 from .roles import local_mask
@@ -50,6 +51,8 @@ def produce(model: Transformer, tokens: list[int], profile: ReuseProfile, pad_id
                 art.picks = cap["topk"].to(torch.int32).clone()
         if not profile.is_fence(cfg, i):
             art.local_p = cap["local_p"]
+            if profile.local_format == "fp8":
+                art.local_p, art.local_s = quant_fp8_rows(art.local_p)
         layers.append(art)
         lc.capture = None
     return DocumentArtifact(tokens=padded, n_content=len(tokens), layers=layers, tp_rank=model.par.rank,

@@ -12,6 +12,7 @@ from runtime.model.config import ModelConfig
 
 FFN_MODES = ("skip", "shared-expert-only", "native")
 LAST_FENCE_KV = ("recompute", "artifact")
+LOCAL_FORMATS = ("native", "fp8")
 
 
 class ProfileError(ValueError):
@@ -35,6 +36,9 @@ class ReuseProfile:
     join_rows: int = 128          # B128: first/last rows of every relocated segment
     recent_rows: int = 32768      # T_32K
     align: int = 128              # segment starts padded to multiples of this
+    # the stored Local contribution W_a,L O_L: "native" = the model's dtype; "fp8" = e4m3 codes with one power-of-two
+    # scale per row and 128 channels (half the bytes of bf16), dequantized on the device in the restore
+    local_format: str = "native"
 
     def __post_init__(self):
         if not 0.0 < self.budget <= 1.0:
@@ -45,6 +49,8 @@ class ReuseProfile:
             raise ProfileError(f"ffn_mode={self.ffn_mode!r} not in {FFN_MODES}")
         if self.last_fence_kv not in LAST_FENCE_KV:
             raise ProfileError(f"last_fence_kv={self.last_fence_kv!r} not in {LAST_FENCE_KV}")
+        if self.local_format not in LOCAL_FORMATS:
+            raise ProfileError(f"local_format={self.local_format!r} not in {LOCAL_FORMATS}")
         if self.global_picks not in ("online", "artifact"):
             raise ProfileError(f"global_picks={self.global_picks!r} not in ('online', 'artifact')")
         if self.first_fences < 1:

@@ -2,7 +2,8 @@
 
     manifest.msgpack                                  format, tokens, n_content, tp geometry, meta, shard table
     layer{L:02d}.latent.safetensors                   rank-agnostic: latent, entries, index_keys, *_prev kv/gate
-    layer{L:02d}.local.r{rank}.c{lo}-{hi}.safetensors reusable layers: local_p, this rank's channel range
+    layer{L:02d}.local.r{rank}.c{lo}-{hi}.safetensors reusable layers: local_p (local_s: its FP8 scales), this rank's
+                                                      channel range
     certificate.msgpack                               written LAST: a directory without it is not an artifact
 
 Every file is written to a temp name, fsynced and renamed. The certificate holds the blake3 digest of every
@@ -21,6 +22,7 @@ import msgpack
 import safetensors.torch
 import torch
 
+from runtime.model.quant import FP8_ROW_BLOCK
 from .artifact import DocumentArtifact, LayerArtifact
 from .certificate import Certificate, CertificateError, FallbackReason, Verdict, digest_bytes, validate
 
@@ -117,7 +119,14 @@ def save_artifact(art: DocumentArtifact, directory: str | os.PathLike, cert_fiel
             if tuple(la.local_p.shape) != (art.n, hi - lo):
                 raise ValueError(f"layer {layer}: local_p {tuple(la.local_p.shape)} does not match "
                                  f"{art.n} rows x channels [{lo}, {hi})")
-            parts.append((local_shard(layer, art.tp_rank, (lo, hi)), "local", {"local_p": la.local_p}))
+            local = {"local_p": la.local_p}
+            if la.local_s is not None:
+                nb = -(-(hi - lo) // FP8_ROW_BLOCK)
+                if tuple(la.local_s.shape) != (art.n, nb) or la.local_s.dtype != torch.uint8:
+                    raise ValueError(f"layer {layer}: local_s {tuple(la.local_s.shape)} {la.local_s.dtype} is not "
+                                     f"uint8 [{art.n}, ceil({hi - lo}/{FP8_ROW_BLOCK})]")
+                local["local_s"] = la.local_s
+            parts.append((local_shard(layer, art.tp_rank, (lo, hi)), "local", local))
         for name, kind, tensors in parts:
             # clone: safetensors refuses tensors that share storage (e.g. kv/gate views of one buffer)
             tensors = {k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}
@@ -249,7 +258,8 @@ def _layer(m: dict, layer: int, parsed: dict[str, dict[str, torch.Tensor]]) -> L
     assert len(local) <= 1, local
     return LayerArtifact(latent=lat["latent"], entries=lat.get("entries"), index_keys=lat.get("index_keys"),
                          comp_prev=pair("comp_prev"), index_prev=pair("index_prev"), picks=lat.get("picks"),
-                         local_p=parsed[local[0]]["local_p"] if local else None)
+                         local_p=parsed[local[0]]["local_p"] if local else None,
+                         local_s=parsed[local[0]].get("local_s") if local else None)
 
 
 def _build(m: dict, parsed: dict[str, dict[str, torch.Tensor]]) -> DocumentArtifact:

@@ -468,3 +468,38 @@ def test_sparse_packed_rows_equal_the_reference(mode, H, monkeypatch):
     with pytest.raises(ValueError, match="REDKNOT_SPARSE_ROWS"):
         sa.packed_rows(H, mode)
 
+
+def gather_dequant_case(device, dtype, monkeypatch, seed: int = 0):
+    """The FP8 restore's gather-dequantize kernel against its torch reference on every e4m3 code but NaN, scales
+    at both ends of E8M0's useful range (0 = 2^-127; 246 = 2^119, where 448 x scale is still finite) among
+    typical ones, distinct code and scale row ids and a last partial 128-channel block: bit for bit, and the
+    kernel really launched."""
+    import runtime.kernels.fp8_rows as F
+    launched = []
+    kern = F._gather_dequant_kernel
+    monkeypatch.setattr(F, "_gather_dequant_kernel", type("Spy", (), {"__getitem__": lambda self, grid:
+                                                                      launched.append(grid) or kern[grid]})())
+    g = torch.Generator().manual_seed(seed)
+    R, C = 40, 1100
+    codes = torch.randint(0, 256, (R, C), generator=g, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x7E                                   # e4m3's NaN codes are never stored
+    codes[0, :256] = torch.arange(256, dtype=torch.uint8).masked_fill((torch.arange(256) & 0x7F) == 0x7F, 0)
+    scales = torch.randint(110, 140, (R + 3, 9), generator=g, dtype=torch.uint8)
+    scales[1, 0], scales[2, 0] = 0, 246
+    cid = torch.randint(0, R, (57,), generator=g)
+    sid = torch.randint(0, R + 3, (57,), generator=g)
+    cid[:3], sid[:3] = 0, torch.tensor([0, 1, 2])
+    codes, scales, cid, sid = (t.to(device) for t in (codes, scales, cid, sid))
+    fp8 = codes.view(torch.float8_e4m3fn)
+    monkeypatch.setenv("REDKNOT_KERNELS", "0")
+    want = F.gather_dequant_rows(fp8, scales, cid, sid, torch.empty(57, C, dtype=dtype, device=device))
+    assert not launched
+    monkeypatch.setenv("REDKNOT_KERNELS", "1")
+    got = F.gather_dequant_rows(fp8, scales, cid, sid, torch.full((57, C), float("nan"), dtype=dtype, device=device))
+    assert launched
+    return got, want
+
+
+def test_fp8_gather_dequant_kernel_equals_the_reference(kernels_on, monkeypatch):
+    got, want = gather_dequant_case("cpu", torch.float32, monkeypatch)
+    assert torch.equal(got, want) and torch.isfinite(want).all()

@@ -472,3 +472,13 @@ def test_fused_multi_segment_equals_reference(kind, H, monkeypatch):
     assert counted["fused"] == 1
     assert int(pairs) == int(ref_pairs)
     assert rel_err(out.float(), ref) < TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_gather_dequant_kernel_equals_reference(dtype, monkeypatch):
+    """The FP8 Local restore's kernel on the device, bit for bit against the torch reference (the scales are powers
+    of two and e4m3 fits in bf16, so both are exact)."""
+    from .test_interpret import gather_dequant_case
+    poison()
+    got, want = gather_dequant_case(DEV, dtype, monkeypatch)
+    assert torch.equal(got, want)

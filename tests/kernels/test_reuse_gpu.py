@@ -101,6 +101,8 @@ def both_arms(model, docs, question, prof, force=None):
 PROFILES = {
     "budget25": ReuseProfile(**BASE, budget=0.25, recent_rows=16, join_rows=8),
     "budget10-artifact-picks": ReuseProfile(**BASE, budget=0.1, global_picks="artifact"),
+    # the Local contribution stored in FP8: produced and dequantized (gather_dequant_rows) on the GPU
+    "budget25-fp8-local": ReuseProfile(**BASE, budget=0.25, recent_rows=16, join_rows=8, local_format="fp8"),
 }
 
 

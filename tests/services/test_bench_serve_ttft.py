@@ -1,6 +1,8 @@
 """bench/serve_ttft.py stays runnable: its --small CPU run (not a measurement) starts the real stack as separate
 processes on a random-init checkpoint, uploads and builds documents through the API, and times every case through
-`POST /v1/generate`. The script stops on any reuse request that fell back; here its JSON is checked."""
+`POST /v1/generate`. The script stops on any reuse request that fell back; here its JSON is checked. The documents
+are built with the Local contribution in FP8 (the builder quantizes, the store keeps codes and scales, the worker
+dequantizes in the restore); the native format is what every other service test serves."""
 import json
 import subprocess
 import sys
@@ -12,10 +14,12 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_serve_ttft_small_runs_every_case_through_the_http_api_without_a_fallback(tmp_path):
     out = tmp_path / "serve.json"
     r = subprocess.run([sys.executable, "bench/serve_ttft.py", "--small", "--workdir", str(tmp_path / "work"),
-                        "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                        "--local-format", "fp8", "--json", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     run = json.loads(out.read_text())
     assert run["device"] == "cpu" and run["small"] and all(c == 0 for c in run["exit_codes"].values())
+    assert run["profile"]["local_format"] == "fp8"
     (row,) = run["rows"]
     assert row["docs"] == 2 and row["tokens"] == 512 + run["question_tokens"]
     for case in ("recompute", "hot", "empty"):
