@@ -41,8 +41,12 @@ class CertificateError(ValueError):
 
 # ---------------------------------------------------------------------------------------------------- hashing
 
-def digest_bytes(b: bytes | bytearray | memoryview) -> str:
-    return blake3.blake3(b).hexdigest()
+PARALLEL_DIGEST_BYTES = 1 << 20     # from this size `digest_bytes(..., parallel=True)` hashes with blake3's threads
+
+
+def digest_bytes(b: bytes | bytearray | memoryview, parallel: bool = False) -> str:
+    threads = blake3.blake3.AUTO if parallel and len(b) >= PARALLEL_DIGEST_BYTES else 1
+    return blake3.blake3(b, max_threads=threads).hexdigest()
 
 
 def _field(h: blake3.blake3, b: bytes) -> None:

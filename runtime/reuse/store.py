@@ -398,7 +398,7 @@ def read_layers(head: ArtifactHead, layers: Sequence[int], files: Mapping[str, b
             data = files.get(shard_file(name))
             if data is None:
                 raise _reject(FallbackReason.MISSING_SHARD, f"shard {name} not found")
-            seen, want = digest_bytes(data), head.certificate.shard_digests[name]
+            seen, want = digest_bytes(data, parallel=True), head.certificate.shard_digests[name]
             if seen != want:
                 raise _reject(FallbackReason.DIGEST_MISMATCH, f"shard {name} digest {seen[:16]} != certified {want[:16]}")
             parsed[name] = _parse_shard(name, data, entries[name])

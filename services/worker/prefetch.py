@@ -5,7 +5,8 @@ store only for its own shards: its rank's certificate and manifest (the head), t
 shards and the LOCAL shards inside its channel range, each layer group on its own stream. `open` hands the
 request a `StagedSource` at once: futures for the head and for each group, which the forward consumes as they
 complete (`runtime.reuse.prefetch.GroupStager`), so layer group g runs while g+1 is still arriving. A document
-fetched whole is verified (every shard against its certificate), parsed, pinned and published into the tier.
+fetched whole is verified (every shard against its certificate), parsed (both once, shared with the request's
+stager: `StagedSource.read`), pinned and published into the tier.
 Rank 0 broadcasts the documents of the requests queued behind the current one; every rank starts fetching those
 in the background while the current request runs (`warm`), and a request joins a fetch already in flight
 instead of starting another."""
@@ -17,9 +18,9 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from runtime.reuse.certificate import FallbackReason
+from runtime.reuse.certificate import FallbackReason, Verdict
 from runtime.reuse.prefetch import HotSource, SourceError, StagedSource, Trace, pin
-from runtime.reuse.store import CERTIFICATE_FILE, MANIFEST_FILE, read_head, read_layers
+from runtime.reuse.store import CERTIFICATE_FILE, MANIFEST_FILE, read_head
 from services.common.tenants import Tenants
 from services.store.client import StoreClient, fallback_reason
 from services.store.errors import StoreError
@@ -107,12 +108,19 @@ class Prefetcher:
             if self.tier.capacity == 0:                 # the tier is off: nothing is kept, nothing to prepare
                 return
             head, v = read_head(files, None)
-            if v.ok:
-                layers, v = read_layers(head, range(head.manifest["n_layers"]), files)
+            del files
+            layers = []
+            for g in range(len(src.groups) if v.ok else 0):       # the request's stager reads the same groups:
+                arts, v = src.read(g, head)                         # each is verified and parsed once for both
+                if not v.ok:
+                    break
+                layers.extend(arts)
+            if v.ok and len(layers) != head.manifest["n_layers"]:
+                v = Verdict.reject(FallbackReason.MISSING_SHARD, f"{len(layers)} layers fetched of "
+                                                                  f"{head.manifest['n_layers']}")
             if not v.ok:
                 log.warning("rank %d: %s not kept: %s: %s", self.rank, tkey, v.reason.value, v.detail)
                 return
-            del files
             self.tier.insert(tkey, head, pin(head.document(layers)))
             log.info("rank %d fetched %s generation %d: %d bytes", self.rank, tkey[1], tkey[2], nbytes)
         except SourceError as e:
