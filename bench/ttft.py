@@ -319,7 +319,8 @@ def main() -> int:
         n_r = max(1, len(prof.reusable_layers(cfg)))
         print(f"## {L} tokens: hot artifacts {total / 2**30:.1f} GiB in pinned host memory ("
               + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in need.items())
-              + f" GiB; Local W_a,L O_L = {cfg.o_groups} x {cfg.o_lora_rank} x {elem} B per relocated row and "
+              + f" GiB; Local W_a,L O_L = {cfg.o_groups} x {cfg.o_lora_rank} x "
+              + ("1 B + a scale per 128" if prof.local_format == "fp8" else f"{elem} B") + " per relocated row and "
               f"reusable layer, {need['local'] / n_r / 2**30:.2f} GiB per layer x {n_r}); staged per reusable layer "
               f"{(total - need['latent'] * (cfg.n_layers - n_r) / cfg.n_layers) / n_r / 2**30:.2f} GiB; host memory "
               f"{host_memory() / 2**30:.0f} GiB, budget {args.host_budget_gib:.0f} GiB"
