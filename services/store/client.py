@@ -11,6 +11,7 @@ SPEC §6 fallback a worker records for it. Fetched bytes are verified here too, 
 truncated or altered is never returned."""
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -20,11 +21,12 @@ import grpc
 
 from . import wire
 from .core import BeginResult, CommitResult, DocumentSummary, GcResult, ManifestResult, PutResult, Verdict
-from .errors import DataLoss, NotFound, StoreError, Unavailable, error_from_status
+from .errors import DataLoss, NoLocalStore, NotFound, StoreError, Unavailable, error_from_status
 from .keys import CHUNK_BYTES, MAX_MESSAGE_BYTES, DocumentKey, Range, Reason, ShardSpec, new_hasher
 from .pb import artifact_store_pb2 as pb
 from .pb import artifact_store_pb2_grpc as pb_grpc
 
+log = logging.getLogger("redknot.store.client")
 Blob = bytes | os.PathLike | str
 
 
@@ -75,7 +77,8 @@ class StoreClient:
     def __init__(self, target: str, token: str, *, tls: TlsConfig | None = None, timeout_s: float = 300.0,
                  options: Sequence[tuple[str, object]] = (), local_socket: str | os.PathLike | None = None):
         """`local_socket`: the store's local socket on this host (`--local-socket`); `fetch` then goes through it
-        (local_client.py: descriptors instead of a byte stream, verified here), everything else over gRPC."""
+        (local_client.py: descriptors instead of a byte stream, verified here), everything else over gRPC. Where no
+        store listens on it (the store runs on another node), `fetch` takes gRPC too."""
         opts = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES), *options]
         if tls is not None:
@@ -88,7 +91,7 @@ class StoreClient:
         self.stub = pb_grpc.ArtifactStoreServiceStub(self.channel)
         self.metadata = (("authorization", f"Bearer {token}"),)
         self.timeout_s = timeout_s
-        self.local = None
+        self.target, self.local, self._warned_local = target, None, False
         if local_socket is not None:
             from .local_client import LocalStoreClient
             self.local = LocalStoreClient(local_socket, token, timeout_s=timeout_s)
@@ -169,9 +172,14 @@ class StoreClient:
         a caller that re-checks digests itself (load_artifact does) may turn off. With `local_socket`, the shards
         come through it and are always verified here (the store only checks their sizes there)."""
         if self.local is not None:
-            yield from self.local.fetch(key, rank, generation=generation, layers=layers, channels=channels,
-                                        names=names)
-            return
+            try:
+                yield from self.local.fetch(key, rank, generation=generation, layers=layers, channels=channels,
+                                            names=names)
+                return
+            except NoLocalStore as e:                       # raised at connect, before any shard was yielded
+                if not self._warned_local:
+                    self._warned_local = True
+                    log.warning("%s: fetching from %s over gRPC instead", e, self.target)
         req = pb.FetchShardsRequest(key=wire.key_to_pb(key), generation=generation, rank=rank, names=list(names))
         if layers is not None:
             req.layers.CopyFrom(wire.range_to_pb(layers))

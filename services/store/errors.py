@@ -48,6 +48,11 @@ class Unavailable(StoreError):
     falls back with reason store_unavailable."""
 
 
+class NoLocalStore(Unavailable):
+    """No store listens on the local socket (no socket file, or a stale one nothing accepts on): the store runs on
+    another node. Raised before anything was read, so `StoreClient.fetch` takes the gRPC path instead."""
+
+
 GRPC_CODE: dict[type[StoreError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,

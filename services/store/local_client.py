@@ -27,7 +27,7 @@ import blake3
 from . import local_wire
 from .client import FetchedShard
 from .core import FetchParams
-from .errors import DataLoss, StoreError, Unavailable
+from .errors import DataLoss, NoLocalStore, StoreError, Unavailable
 from .keys import DocumentKey, Range, ShardSpec
 
 PARALLEL_HASH_BYTES = 1 << 20       # shards from this size are hashed with blake3's threads as well
@@ -79,6 +79,9 @@ class LocalStoreClient:
         s.settimeout(self.timeout_s)
         try:
             s.connect(self.path)
+        except (FileNotFoundError, ConnectionRefusedError) as e:
+            s.close()
+            raise NoLocalStore(f"local socket {self.path}: {e}") from None
         except OSError as e:
             s.close()
             raise Unavailable(f"local socket {self.path}: {e}") from None

@@ -87,6 +87,8 @@ def test_schema_rejects_bad_values(bad, where):
     ({"model": {"path": "/models/m"}, "tenants": {"existingSecret": "t"}, "redis": {"enabled": False}},
      "set redis.externalUrl"),
     ({**values("default"), "store": {"replicas": 2}}, "store.replicas > 1 needs store.backend=s3"),
+    ({**values("default"), "store": {"backend": "s3", "replicas": 1, "localSocket": {"enabled": True}}},
+     "store.localSocket.enabled needs store.backend=fs"),
     ({**values("default"), "worker": {"tp": 4}}, r"worker.gpus \(8\) must equal worker.tp \(4\)"),
     ({**values("default"), "worker": {"tp": 4, "gpus": 4}}, r"builder.gpus \(8\) must be worker.tp \(4\) or 0"),
 ])
@@ -201,6 +203,26 @@ def test_gpu_values_pin_workers_to_the_gpu_pool(rendered):
     secret = find(objs, "Secret", "-tenants")
     lines = secret["stringData"]["tokens"].splitlines()
     assert lines == [f"{t['tenant']} {t['token']}" for t in gv["tenants"]["tokens"]]
+
+
+def test_local_socket_is_shared_by_the_store_and_the_workers_of_a_node(rendered):
+    """store.localSocket: the store listens on a socket in a host directory that the worker pods mount at the same
+    path and are told to fetch through (on another node they find none and fetch over gRPC); off by default."""
+    for name, on in (("gpu", True), ("default", False)):
+        objs = objects(rendered[name])
+        store, worker = find(objs, "StatefulSet", "-store"), find(objs, "StatefulSet", "-worker")
+        store_env, worker_env = _env(_container(store)), _env(_container(worker))
+        assert ("REDKNOT_STORE_LOCAL_SOCKET" in store_env) == on, name
+        assert ("REDKNOT_WORKER_STORE_LOCAL_SOCKET" in worker_env) == on, name
+        if not on:
+            continue
+        assert store_env["REDKNOT_STORE_LOCAL_SOCKET"] == worker_env["REDKNOT_WORKER_STORE_LOCAL_SOCKET"]
+        sock_dir = str(store_env["REDKNOT_STORE_LOCAL_SOCKET"]).rsplit("/", 1)[0]
+        for w in (store, worker):
+            vols = {v["name"]: v for v in _pod_spec(w)["volumes"]}
+            mounts = {m["name"]: m["mountPath"] for m in _container(w)["volumeMounts"]}
+            assert vols["local-socket"]["hostPath"]["path"] == values(name)["store"]["localSocket"]["hostPath"]
+            assert mounts["local-socket"] == sock_dir
 
 
 def test_gpu_resource_name_is_a_value():

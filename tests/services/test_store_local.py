@@ -16,7 +16,7 @@ import pytest
 
 from services.store import local_wire
 from services.store.core import FetchParams
-from services.store.errors import (DataLoss, InvalidArgument, LimitExceeded, NotFound, Unauthenticated,
+from services.store.errors import (DataLoss, InvalidArgument, LimitExceeded, NoLocalStore, NotFound, Unauthenticated,
                                    Unavailable)
 from services.store.local_client import LocalStoreClient
 from services.store.keys import Range, ShardKind
@@ -250,3 +250,26 @@ def test_local_socket_needs_the_fs_backend():
         Settings(backend="s3", local_socket="/tmp/x.sock")
     with pytest.raises(ValueError, match="0600 or 0660"):
         Settings(local_socket="/tmp/x.sock", local_socket_mode="0666")
+
+
+def test_a_socket_no_store_listens_on_means_grpc(local_store, sock_dir):
+    """A worker set to use the local socket on a node where the store does not run (no socket file, or a stale one
+    nothing accepts on) fetches the same bytes over gRPC and says so once; the local path alone names the cause."""
+    key = doc_key("local-absent")
+    stale = sock_dir / "stale.sock"
+    with socket.socket(socket.AF_UNIX) as s:            # bound, then closed: a socket file nothing listens on
+        s.bind(str(stale))
+    with local_store.client() as grpc_client:
+        grpc_client.put_generation(key, make_generation(key, layers=2, size=4096))
+        want = as_dict(grpc_client.fetch(key, 0))
+        served = local_store.metric("redknot_store_shards_served_total", 'path="local"')
+        for path in (sock_dir / "absent.sock", stale):
+            with local_store.client(local_socket=path) as c:
+                assert as_dict(c.fetch(key, 0)) == want and as_dict(c.fetch(key, 1))
+                assert c._warned_local
+            with pytest.raises(NoLocalStore, match=str(path)):
+                list(LocalStoreClient(path, TOKENS["acme"], timeout_s=5).fetch(key, 0))
+        assert local_store.metric("redknot_store_shards_served_total", 'path="local"') == served
+        with local_store.client(local_socket=local_store.socket_path) as c:   # where it listens, it is used
+            assert as_dict(c.fetch(key, 0)) == want and not c._warned_local
+        assert local_store.metric("redknot_store_shards_served_total", 'path="local"') > served
