@@ -8,9 +8,9 @@ forward and its staging); the side stream waits for that allocation before writi
 
 `GroupStager` (the worker): one request's documents arriving layer group by layer group (from the store or the
 host tier, `StagedSource`). A pool of staging threads takes each group as soon as its bytes are there, verifies
-every shard against the already validated certificate (`read_layers`, once per fetch: `StagedSource.read`), and on
-CUDA pins it and issues its host->device copies on a side stream, then records the group's CUDA event; on CPU the
-same pipeline runs with threads and no copies.
+every shard against the already validated certificate (`read_layers`) and pins it (`pin_layers`; both once per
+fetch, shared with the worker's tier: `StagedSource.read`), and on CUDA issues its host->device copies on a side
+stream, then records the group's CUDA event; on CPU the same pipeline runs with threads and no copies.
 The forward asks for layer i; the stager waits (host side) only until group(i) was staged, lets the TP ranks agree
 on that group's verdict (one small collective on the control group, the same point on every rank), then makes the
 compute stream wait on the group's event. A group any rank rejected raises `StagingRejected` on every rank at the
@@ -226,19 +226,25 @@ def pack_documents(layers: list[LayerArtifact], device, copy=None,
     return out, n
 
 
-def pin(doc: DocumentArtifact) -> DocumentArtifact:
-    """A copy of `doc` whose tensors live in page-locked host memory (the hot tier); plain host memory where no
-    GPU exists (page-locking needs one). Each layer's tensors are packed in one run of bytes (`_layout`), so the
-    prefetcher stages a document's layer with one copy; the layers lie in power-of-two slabs (`slab_plan`), so
-    the pinned allocator's rounding wastes little (one buffer per layer could double the host memory)."""
+def pin_layers(src: Sequence[LayerArtifact]) -> list[LayerArtifact]:
+    """Copies of `src` whose tensors live in page-locked host memory; plain host memory where no GPU exists
+    (page-locking needs one). Each layer's tensors are packed in one run of bytes (`_layout`), so the prefetcher
+    stages a layer with one copy; the layers lie in power-of-two slabs (`slab_plan`), so the pinned allocator's
+    rounding wastes little (one buffer per layer could double the host memory)."""
     pinned = torch.cuda.is_available()
-    layouts = [_layout(_tensors(la)) for la in doc.layers]
-    layers: list[LayerArtifact | None] = [None] * len(doc.layers)
+    layouts = [_layout(_tensors(la)) for la in src]
+    layers: list[LayerArtifact | None] = [None] * len(src)
     for cap, placed in slab_plan([size for _, size, _ in layouts], [whole for _, _, whole in layouts]):
         slab = torch.empty(cap, dtype=torch.uint8, pin_memory=pinned)
         for li, o in placed:
-            layers[li] = _pack_into(doc.layers[li], slab[o:o + layouts[li][1]], layouts[li][0])
-    return DocumentArtifact(doc.tokens, doc.n_content, layers, doc.tp_rank, doc.tp_size, dict(doc.meta))
+            layers[li] = _pack_into(src[li], slab[o:o + layouts[li][1]], layouts[li][0])
+    return layers
+
+
+def pin(doc: DocumentArtifact) -> DocumentArtifact:
+    """A copy of `doc` in page-locked host memory (the hot tier): `pin_layers` of its layers."""
+    return DocumentArtifact(doc.tokens, doc.n_content, pin_layers(doc.layers), doc.tp_rank, doc.tp_size,
+                            dict(doc.meta))
 
 
 class _Private(Sequence):
@@ -425,9 +431,10 @@ class StagedSource:
     _lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
 
     def read(self, g: int, head: ArtifactHead) -> tuple[list[LayerArtifact] | None, Verdict]:
-        """Group g's layers from its bytes, verified against `head`'s certificate and parsed (`read_layers`) once
-        per source and certificate: the request's stager and the worker's tier publisher read the same fetch, and
-        each byte is hashed and parsed once for both. Waits for the group's bytes; never raises on content."""
+        """Group g's layers from its bytes, verified against `head`'s certificate, parsed (`read_layers`) and
+        pinned (`pin_layers`), once per source and certificate: the request's stager copies them to the device and
+        the worker's tier keeps them, so each byte is hashed, parsed and pinned once for both. Waits for the
+        group's bytes; never raises on content."""
         key = (g, tuple(sorted(head.certificate.shard_digests.items())))
         with self._lock:
             once = self._read.get(key)
@@ -436,7 +443,8 @@ class StagedSource:
         with once[0]:
             if once[1] is None:
                 files, v = source_verdict(self.groups[g][1])
-                once[1] = read_layers(head, self.groups[g][0], files) if v.ok else (None, v)
+                arts, v = read_layers(head, self.groups[g][0], files) if v.ok else (None, v)
+                once[1] = (pin_layers(arts) if v.ok else None), v
             return once[1]
 
 
@@ -558,7 +566,7 @@ class GroupStager:
             def copy(t: torch.Tensor) -> torch.Tensor:
                 with self._count:
                     self.bytes_copied += t.numel() * t.element_size()
-                # a tier document's tensors are pinned already (pin_memory() then returns them as they are)
+                # pinned already (tier documents, `StagedSource.read`): pin_memory() returns them as they are
                 return (t if t.is_pinned() else t.pin_memory()).to(self.device, non_blocking=True)
             staged = [[_map(la, copy) for la in arts] for arts in per_doc]
             ev = torch.cuda.Event()

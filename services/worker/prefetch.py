@@ -5,8 +5,8 @@ store only for its own shards: its rank's certificate and manifest (the head), t
 shards and the LOCAL shards inside its channel range, each layer group on its own stream. `open` hands the
 request a `StagedSource` at once: futures for the head and for each group, which the forward consumes as they
 complete (`runtime.reuse.prefetch.GroupStager`), so layer group g runs while g+1 is still arriving. A document
-fetched whole is verified (every shard against its certificate), parsed (both once, shared with the request's
-stager: `StagedSource.read`), pinned and published into the tier.
+fetched whole is verified (every shard against its certificate), parsed and pinned (once, shared with the
+request's stager: `StagedSource.read`) and published into the tier.
 Rank 0 broadcasts the documents of the requests queued behind the current one; every rank starts fetching those
 in the background while the current request runs (`warm`), and a request joins a fetch already in flight
 instead of starting another."""
@@ -19,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from runtime.reuse.certificate import FallbackReason, Verdict
-from runtime.reuse.prefetch import HotSource, SourceError, StagedSource, Trace, pin
+from runtime.reuse.prefetch import HotSource, SourceError, StagedSource, Trace
 from runtime.reuse.store import CERTIFICATE_FILE, MANIFEST_FILE, read_head
 from services.common.tenants import Tenants
 from services.store.client import StoreClient, fallback_reason
@@ -121,7 +121,7 @@ class Prefetcher:
             if not v.ok:
                 log.warning("rank %d: %s not kept: %s: %s", self.rank, tkey, v.reason.value, v.detail)
                 return
-            self.tier.insert(tkey, head, pin(head.document(layers)))
+            self.tier.insert(tkey, head, head.document(layers))       # pinned already, by `src.read`
             log.info("rank %d fetched %s generation %d: %d bytes", self.rank, tkey[1], tkey[2], nbytes)
         except SourceError as e:
             log.info("rank %d: fetch of %s failed: %s", self.rank, tkey, e)
