@@ -69,8 +69,9 @@ def add_model_args(ap: argparse.ArgumentParser, lengths: str) -> None:
     ap.add_argument("--question", type=int, default=64)
     ap.add_argument("--budget", type=float, default=0.25)
     ap.add_argument("--global-picks", default="artifact", choices=["online", "artifact"])
-    ap.add_argument("--local-format", default="native", choices=["native", "fp8"],
-                    help="the stored Local contribution: the model's dtype, or e4m3 with row-block scales")
+    ap.add_argument("--local-format", default=None, choices=["native", "fp8"],
+                    help="the stored Local contribution: the model's dtype, or e4m3 with row-block scales "
+                         "(default: the Flash preset's, fp8)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--warmup", type=_at_least_one, default=2,
                     help="untimed runs of every arm before the timed reps (each one's time is printed and kept); the "
@@ -88,7 +89,7 @@ def model_config(args):
         cfg = cfg.replace(dim=256, n_heads=16, head_dim=128, rope_head_dim=32, q_lora_rank=128, o_lora_rank=128,
                           index_n_heads=8, index_head_dim=32, index_topk=64, moe_inter_dim=128, vocab_size=1024)
     return cfg, FLASH_PROFILE.replace(budget=args.budget, global_picks=args.global_picks,
-                                      local_format=args.local_format)
+                                      local_format=args.local_format or FLASH_PROFILE.local_format)
 
 
 def timed(fn, device) -> tuple[float, object]:

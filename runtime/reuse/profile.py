@@ -87,8 +87,11 @@ class ReuseProfile:
         return dataclasses.replace(self, **kw)
 
 
-FLASH_PROFILE = ReuseProfile(name="flash")     # 3F-37R-3F, 56 Local / 8 Global on Flash
-PRO_PROFILE = ReuseProfile(name="pro")         # 3F-55R-3F, 112 Local / 16 Global on Pro
+# The presets store the Local contribution in FP8: half the served bytes (9.2 KiB per document token and reusable
+# layer on Flash, from 18.1 in bf16) for a first-token KL of 3-4% of reuse's own on the Flash-shaped model
+# (docs/BENCHMARKS.md, bench/fp8_local.py)
+FLASH_PROFILE = ReuseProfile(name="flash", local_format="fp8")  # 3F-37R-3F, 56 Local / 8 Global on Flash
+PRO_PROFILE = ReuseProfile(name="pro", local_format="fp8")      # 3F-55R-3F, 112 Local / 16 Global on Pro
 PROFILES = {"flash": FLASH_PROFILE, "pro": PRO_PROFILE}
 
 

@@ -15,7 +15,7 @@ from runtime.reuse.artifact import DocumentArtifact
 from runtime.reuse.consumer import ReuseEngine
 from runtime.reuse.prefetch import _map, owned_copies
 from runtime.reuse.producer import produce
-from runtime.reuse.profile import ProfileError, ReuseProfile
+from runtime.reuse.profile import FLASH_PROFILE, PRO_PROFILE, ProfileError, ReuseProfile
 from runtime.reuse.store import load_artifact, save_artifact
 
 CFG = tiny_reuse()
@@ -78,9 +78,11 @@ def test_row_block_quantization_keeps_e4m3s_bound_and_round_trips():
     assert torch.equal(dequant_fp8_rows(codes, scales, torch.bfloat16).float(), dq)    # exact in bf16 too
 
 
-def test_profile_refuses_an_unknown_local_format():
+def test_profile_refuses_an_unknown_local_format_and_the_presets_store_fp8():
     with pytest.raises(ProfileError, match="local_format"):
         ReuseProfile(local_format="fp4")
+    assert ReuseProfile().local_format == "native"
+    assert FLASH_PROFILE.local_format == PRO_PROFILE.local_format == "fp8"
 
 
 def test_fp8_artifacts_hold_half_the_local_bytes_of_bf16(artifacts):
