@@ -387,18 +387,32 @@ def check_binding(head: ArtifactHead, expect: dict) -> Verdict:
     return _validate_head(head.certificate, _checks(expect))
 
 
+class VerifiedFiles(dict):
+    """File name -> bytes, with `digests`: file name -> the BLAKE3 digest its bytes were already checked against on
+    their way here (a store client's end-to-end check, `services.store.client`). `read_layers` then compares that
+    digest with the certificate's instead of hashing the bytes a second time. Only code that has just verified the
+    bytes may build one."""
+
+    def __init__(self, files: Mapping[str, bytes] = (), digests: Mapping[str, str] | None = None):
+        super().__init__(files)
+        self.digests = dict(digests or {})
+
+
 def read_layers(head: ArtifactHead, layers: Sequence[int], files: Mapping[str, bytes]
                 ) -> tuple[list[LayerArtifact] | None, Verdict]:
     """The LayerArtifacts of `layers` from their shards' bytes, each verified against the head's certificate
-    (missing -> missing_shard, altered -> digest_mismatch, in sorted order); never raises on content."""
+    (missing -> missing_shard, altered -> digest_mismatch, in sorted order); never raises on content. Bytes of a
+    `VerifiedFiles` already checked against the certified digest are not hashed again."""
     entries = {s["name"]: s for s in head.manifest["shards"] if s["layer"] in set(layers)}
+    known = getattr(files, "digests", {})
     try:
         parsed = {}
         for name in sorted(entries):
             data = files.get(shard_file(name))
             if data is None:
                 raise _reject(FallbackReason.MISSING_SHARD, f"shard {name} not found")
-            seen, want = digest_bytes(data, parallel=True), head.certificate.shard_digests[name]
+            want = head.certificate.shard_digests[name]
+            seen = want if known.get(shard_file(name)) == want else digest_bytes(data, parallel=True)
             if seen != want:
                 raise _reject(FallbackReason.DIGEST_MISMATCH, f"shard {name} digest {seen[:16]} != certified {want[:16]}")
             parsed[name] = _parse_shard(name, data, entries[name])

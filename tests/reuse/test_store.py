@@ -244,3 +244,31 @@ def test_agree_over_tp2_gloo(tmp_path):
         counter.inc(r["agreed"][1])
     snap = counter.snapshot()
     assert snap["rank_disagreement"] == 1 and snap["digest_mismatch"] == 1 and sum(snap.values()) == 2
+
+
+def test_read_layers_hashes_once_and_trusts_only_the_certified_digest(saved, monkeypatch):
+    """Shards that a store client already checked (`VerifiedFiles`: the digest their bytes matched) are compared by
+    digest with the certificate instead of hashed again; without that claim, or with a claim of another digest,
+    every shard is hashed, so altered bytes are still rejected with digest_mismatch."""
+    art, d, cert = saved
+    files = {p.name: p.read_bytes() for p in d.iterdir()}
+    head, v = store.read_head(files, expect_for(art))
+    assert v.ok
+    names = sorted(n for n in files if n.startswith("layer"))
+    hashed = []
+    real = store.digest_bytes
+    monkeypatch.setattr(store, "digest_bytes", lambda b, parallel=False: hashed.append(len(b)) or real(b, parallel))
+    layers, v = store.read_layers(head, [0, 1, 2], files)
+    assert v.ok and len(hashed) == len(names)                          # plain bytes: every shard hashed
+    hashed.clear()
+    claimed = store.VerifiedFiles(files, {n: cert.shard_digests[n.removesuffix(".safetensors")] for n in names})
+    got, v = store.read_layers(head, [0, 1, 2], claimed)
+    assert v.ok and not hashed                                         # checked on the way in: compared, not hashed
+    assert_same(DocumentArtifact(art.tokens, art.n_content, got, art.tp_rank, art.tp_size, art.meta),
+                load_artifact(d, expect_for(art))[0])
+    bad = dict(files)
+    victim = names[1]
+    bad[victim] = bad[victim][:-1] + bytes([bad[victim][-1] ^ 1])
+    wrong = store.VerifiedFiles(bad, {**claimed.digests, victim: "0" * 64})   # a claim that is not the certified one
+    _, v = store.read_layers(head, [0, 1, 2], wrong)
+    assert not v.ok and v.reason == R.DIGEST_MISMATCH and victim.removesuffix(".safetensors") in v.detail
