@@ -5,7 +5,7 @@ deploy. Prints the agreement between the two (LongBench normalization, as in the
 and where the reuse arm's GPU results of the same questions are given (--against, a `runtime.eval` JSON), the
 agreement of the reuse arms restricted to the questions where bf16 kept the answer. Not a test.
 
-    python bench/agreement_floor.py --task hotpotqa --limit 40 --against docs/quality_gpu_hotpotqa_n300.json
+    python bench/agreement_floor.py --task hotpotqa --limit 40 --against bench/results/quality_gpu_hotpotqa_n300.json
 """
 from __future__ import annotations
 

@@ -44,8 +44,8 @@ def test_plot_from_earlier_runs_takes_the_cold_arm_from_another_run(tmp_path):
     """The committed H200 runs redraw the plot (matplotlib from the bench extra; without it the script says how to
     get it and still exits 0)."""
     out = tmp_path / "ttft.png"
-    r = subprocess.run([sys.executable, "bench/ttft.py", "--plot-from", "docs/ttft_h200_run14_16k_32k.json",
-                        "docs/ttft_h200_run14_64k.json", "--cold-from", "docs/ttft_h200_run13_64k.json", "--plot",
+    r = subprocess.run([sys.executable, "bench/ttft.py", "--plot-from", "bench/results/ttft_h200_run14_16k_32k.json",
+                        "bench/results/ttft_h200_run14_64k.json", "--cold-from", "bench/results/ttft_h200_run13_64k.json", "--plot",
                         str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-1000:]
     try:
