@@ -78,7 +78,9 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def _write_atomic(directory: Path, file: str, data: bytes) -> None:
+def write_atomic(directory: Path, file: str, data: bytes) -> None:
+    """`directory / file` holds `data` whole or not at all: written to a temp name, fsynced, renamed (the
+    directory's own fsync is the caller's, once for all its files)."""
     tmp = directory / f".{file}.{uuid.uuid4().hex}.tmp"
     try:
         with open(tmp, "wb") as f:
@@ -87,8 +89,7 @@ def _write_atomic(directory: Path, file: str, data: bytes) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, directory / file)
     finally:
-        if tmp.exists():
-            tmp.unlink()
+        tmp.unlink(missing_ok=True)
 
 
 def save_artifact(art: DocumentArtifact, directory: str | os.PathLike, cert_fields: dict) -> Certificate:
@@ -131,7 +132,7 @@ def save_artifact(art: DocumentArtifact, directory: str | os.PathLike, cert_fiel
             # clone: safetensors refuses tensors that share storage (e.g. kv/gate views of one buffer)
             tensors = {k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}
             data = safetensors.torch.save(tensors)
-            _write_atomic(directory, shard_file(name), data)
+            write_atomic(directory, shard_file(name), data)
             digests[name] = digest_bytes(data)
             shards.append({"name": name, "file": shard_file(name), "layer": layer, "kind": kind,
                            "tensors": {k: [list(v.shape), _dtype_name(v)] for k, v in sorted(tensors.items())},
@@ -144,7 +145,7 @@ def save_artifact(art: DocumentArtifact, directory: str | os.PathLike, cert_fiel
         data = msgpack.packb(manifest, use_bin_type=True)
     except TypeError as e:
         raise TypeError(f"artifact meta must be msgpack-serializable: {e}") from None
-    _write_atomic(directory, MANIFEST_FILE, data)
+    write_atomic(directory, MANIFEST_FILE, data)
     digests[MANIFEST] = digest_bytes(data)
     _fsync_dir(directory)        # every shard is durable before the certificate can name it
 
@@ -154,7 +155,7 @@ def save_artifact(art: DocumentArtifact, directory: str | os.PathLike, cert_fiel
                        producer_version=str(cert_fields["producer_version"]), shard_digests=digests,
                        generation=int(cert_fields["generation"]))
     assert not cert.problems(), cert.problems()
-    _write_atomic(directory, CERTIFICATE_FILE, cert.to_bytes())
+    write_atomic(directory, CERTIFICATE_FILE, cert.to_bytes())
     _fsync_dir(directory)
     return cert
 

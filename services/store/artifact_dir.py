@@ -15,7 +15,7 @@ from pathlib import Path
 import msgpack
 
 from runtime.reuse.certificate import Certificate, digest_bytes
-from runtime.reuse.store import CERTIFICATE_FILE, MANIFEST, MANIFEST_FILE, shard_file
+from runtime.reuse.store import CERTIFICATE_FILE, MANIFEST, MANIFEST_FILE, shard_file, write_atomic
 
 from .keys import DocumentKey, Range, ShardKind, ShardSpec, profile_id
 
@@ -73,18 +73,6 @@ def read_generation(dirs: Iterable[str | os.PathLike]) -> tuple[DocumentKey, int
     return document_key(first), first.generation, [s for r in ranks for s in r.shards]
 
 
-def write_file_atomic(directory: Path, name: str, data: bytes) -> None:
-    tmp = directory / f".{name}.{uuid.uuid4().hex}.tmp"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, directory / name)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def write_rank_dir(directory: str | os.PathLike, files: Sequence[tuple[str, bytes]]) -> Path:
     """Publish fetched shards as an artifact directory: into a fresh sibling, certificate last, every file
     fsynced, then one rename, so `directory` never holds a partial artifact."""
@@ -96,7 +84,7 @@ def write_rank_dir(directory: str | os.PathLike, files: Sequence[tuple[str, byte
     tmp.mkdir()
     try:
         for name, data in sorted(files, key=lambda f: f[0] == CERTIFICATE_FILE):
-            write_file_atomic(tmp, name, data)
+            write_atomic(tmp, name, data)
         fd = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(fd)
