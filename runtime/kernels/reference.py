@@ -1,12 +1,64 @@
-"""Torch reference paths for the kernels, built from the model's own functions. They run anywhere (CPU too),
+"""Torch reference paths for the kernels, and the model's own torch forms they are built from (RMS norms, the
+attention pieces, SwiGLU: runtime/model/deepseek_v4.py imports these). They run anywhere (CPU too),
 chunked over query rows like the model (`q_chunk`), in whatever dtype they are given: the tests pass upcast
 inputs (float32/float64) to get a higher-precision reference, the benchmark passes bf16 to time the path the
 model runs today."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from runtime.model.deepseek_v4 import NEG_INF, _lse_attend, entry_attention, gathered_attention
+NEG_INF = float("-inf")
+
+
+# ============================================================================ the model's own torch forms
+# (runtime/model/deepseek_v4.py imports them from here: the kernels import no model)
+
+def weighted_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * xf).to(x.dtype)
+
+
+def unweighted_rms_norm_reference(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def _lse_attend(scores: torch.Tensor, values: torch.Tensor, einsum: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax-normalized output and its natural-log LSE; rows with no valid key give out 0 and LSE -inf."""
+    lse = torch.logsumexp(scores, dim=-1)
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    p = torch.exp(scores - safe.unsqueeze(-1))
+    out = torch.einsum(einsum, p.to(values.dtype), values)
+    return out, lse
+
+
+def entry_attention(q: torch.Tensor, entries: torch.Tensor, visible: torch.Tensor, scale: float):
+    """q [T,H,D]; entries [N,D]; visible [T,N] bool."""
+    s = torch.einsum("thd,nd->thn", q, entries.to(q.dtype)).float() * scale
+    s = s.masked_fill(~visible[:, None, :], NEG_INF)
+    return _lse_attend(s, entries, "thn,nd->thd")
+
+
+def gathered_attention(q: torch.Tensor, entries: torch.Tensor, idx: torch.Tensor, scale: float):
+    """q [T,H,D]; entries [N,D]; idx [T,k] with -1 for no entry."""
+    k = entries[idx.clamp(min=0)]                                        # [T, k, D]
+    s = torch.einsum("thd,tkd->thk", q, k.to(q.dtype)).float() * scale
+    s = s.masked_fill((idx < 0)[:, None, :], NEG_INF)
+    return _lse_attend(s, k, "thk,tkd->thd")
+
+
+def swiglu_activation(gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor | None,
+                      limit: float) -> torch.Tensor:
+    """The float32 SwiGLU between an expert's projections: clamp at `limit` (0: none), silu(gate) * up, times the
+    routing weights."""
+    if limit > 0:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    h = F.silu(gate) * up
+    return h if weights is None else weights * h
+
+
+# ============================================================================ references of the kernels
 
 Part = tuple[torch.Tensor, torch.Tensor]
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.model.deepseek_v4 import unweighted_rms_norm_reference, weighted_rms_norm  # the torch forms
+from .reference import unweighted_rms_norm_reference, weighted_rms_norm  # the torch forms
 
 from ._triton import HAVE_TRITON, check_runnable, tl, triton
 

@@ -1,7 +1,7 @@
 """The experts' SwiGLU between their projections in one pass: h = (silu(clamp(gate)) * clamp(up) * w).to(dtype),
 in float32 inside, from the two projections' outputs as they come (bf16) to the input of W_2 (bf16).
 
-The torch form (runtime/model/deepseek_v4.py `swiglu_activation` with its casts) makes eight passes over the
+The torch form (`swiglu_activation` in runtime/kernels/reference.py, with the model's casts) makes eight passes over the
 [rows, inter] block: two float32 copies, the two clamps, silu, the product, the routing weight, the cast back. It
 runs for every expert of every MoE layer in both arms (at 128K tokens in the recompute arm, ~1 s of elementwise
 kernels in the profile of docs/BENCHMARKS.md run 16), and in the reuse arm's active rows' per-expert loop each of
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.model.deepseek_v4 import swiglu_activation  # the torch form
+from .reference import swiglu_activation  # the torch form
 
 from ._triton import HAVE_TRITON, check_runnable, tl, triton
 

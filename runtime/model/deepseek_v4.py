@@ -23,10 +23,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.profiler import record_function
 
+import runtime.kernels as K        # `K.enabled` etc. read at call time: the one switch, patched by the CPU tests
+from runtime.kernels import f32linear, mhc, rmsnorm, swiglu
+from runtime.kernels.reference import (NEG_INF, _lse_attend, entry_attention, gathered_attention,  # noqa: F401
+                                       swiglu_activation, unweighted_rms_norm_reference, weighted_rms_norm)
+from runtime.kernels.rope import rope_
 from .config import CSA, HCA, WINDOW, ModelConfig
 from .parallel import Parallel
 
-NEG_INF = float("-inf")
 
 
 def phase(name: str):
@@ -47,28 +51,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from runtime.kernels import enabled, rmsnorm
-        if enabled(x) and rmsnorm.supported(x, self.weight):      # the same arithmetic in one pass
+        if K.enabled(x) and rmsnorm.supported(x, self.weight):      # the same arithmetic in one pass
             return rmsnorm.rms_norm(x, self.weight, self.eps)
         return weighted_rms_norm(x, self.weight, self.eps)
 
 
-def weighted_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight * xf).to(x.dtype)
-
-
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """The per-head query norm: on CUDA (runtime.kernels.enabled) the one-pass kernel, else the torch form."""
-    from runtime.kernels import enabled, rmsnorm
-    if enabled(x) and rmsnorm.supported(x, None):                  # the same arithmetic in one pass
+    if K.enabled(x) and rmsnorm.supported(x, None):                  # the same arithmetic in one pass
         return rmsnorm.rms_norm(x, None, eps)
     return unweighted_rms_norm_reference(x, eps)
-
-
-def unweighted_rms_norm_reference(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
 def yarn_inv_freq(dim: int, base: float, factor: float, original_seq_len: int,
@@ -185,11 +177,9 @@ class Rotary(nn.Module):
         (runtime.kernels.enabled) two launches: the other channels copied, the rope channels turned by
         `runtime.kernels.rope.rope_` (the same float32 arithmetic), instead of about ten elementwise ops and a
         concatenation."""
-        from runtime.kernels import enabled
         rd = cos.shape[-1] * 2
-        if (enabled(x) and x.dim() >= 2 and x.numel() and cos.shape[0] == x.shape[0] and x.stride(-1) == 1
+        if (K.enabled(x) and x.dim() >= 2 and x.numel() and cos.shape[0] == x.shape[0] and x.stride(-1) == 1
                 and cos.dtype == sin.dtype == torch.float32 and (rd // 2 & (rd // 2 - 1)) == 0):
-            from runtime.kernels.rope import rope_
             T, D = x.shape[0], x.shape[-1]
             out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
             out[..., :-rd].copy_(x[..., :-rd])
@@ -256,15 +246,6 @@ class ModelCache:
 
 # ============================================================================ attention pieces
 
-def _lse_attend(scores: torch.Tensor, values: torch.Tensor, einsum: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax-normalized output and its natural-log LSE; rows with no valid key give out 0 and LSE -inf."""
-    lse = torch.logsumexp(scores, dim=-1)
-    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    p = torch.exp(scores - safe.unsqueeze(-1))
-    out = torch.einsum(einsum, p.to(values.dtype), values)
-    return out, lse
-
-
 def window_attention(q: torch.Tensor, keys: torch.Tensor, n_past: int, window: int, scale: float):
     """q [T,H,D]; keys [n_past+T, D] where query t sits at key row n_past+t and sees rows
     (n_past+t-window, n_past+t]. Each query gathers exactly `window` rows (no masked waste beyond the edge)."""
@@ -275,21 +256,6 @@ def window_attention(q: torch.Tensor, keys: torch.Tensor, n_past: int, window: i
     s = torch.einsum("thd,twd->thw", q, k).float() * scale
     s = s.masked_fill(~valid[:, None, :], NEG_INF)
     return _lse_attend(s, k, "thw,twd->thd")
-
-
-def entry_attention(q: torch.Tensor, entries: torch.Tensor, visible: torch.Tensor, scale: float):
-    """q [T,H,D]; entries [N,D]; visible [T,N] bool."""
-    s = torch.einsum("thd,nd->thn", q, entries.to(q.dtype)).float() * scale
-    s = s.masked_fill(~visible[:, None, :], NEG_INF)
-    return _lse_attend(s, entries, "thn,nd->thd")
-
-
-def gathered_attention(q: torch.Tensor, entries: torch.Tensor, idx: torch.Tensor, scale: float):
-    """q [T,H,D]; entries [N,D]; idx [T,k] with -1 for no entry."""
-    k = entries[idx.clamp(min=0)]                                        # [T, k, D]
-    s = torch.einsum("thd,tkd->thk", q, k.to(q.dtype)).float() * scale
-    s = s.masked_fill((idx < 0)[:, None, :], NEG_INF)
-    return _lse_attend(s, k, "thk,tkd->thd")
 
 
 def merge_with_sink(parts: list[tuple[torch.Tensor, torch.Tensor]], sink: torch.Tensor) -> torch.Tensor:
@@ -355,8 +321,7 @@ class Compressor(nn.Module):
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-row compressor inputs: (kv, gate) [T, width] in float32, gate without the position bias. On CUDA with
         bf16 rows, the same float32 products on the tensor cores (runtime/kernels/f32linear.py)."""
-        from runtime.kernels import enabled, f32linear
-        if enabled(x) and f32linear.supported(x, self.wkv.weight, self.wgate.weight):
+        if K.enabled(x) and f32linear.supported(x, self.wkv.weight, self.wgate.weight):
             return f32linear.linear_f32(x, self.wkv.weight, self.wgate.weight)
         xf = x.float()
         return self.wkv(xf), self.wgate(xf)
@@ -402,18 +367,16 @@ class Indexer(nn.Module):
     def head_weights(self, q, w_raw) -> torch.Tensor:
         """The scaled head weights `scores_roped` applies to queries `q` (the kernel path scales the dot products
         by head_dim^-0.5 itself): a caller scoring the same rows against several key sets computes them once."""
-        from runtime.kernels import enabled
-        return w_raw * (self.n_heads ** -0.5 if enabled(q) else self.n_heads ** -0.5 * self.head_dim ** -0.5)
+        return w_raw * (self.n_heads ** -0.5 if K.enabled(q) else self.n_heads ** -0.5 * self.head_dim ** -0.5)
 
     def scores_roped(self, q, w_raw, positions, keys, out: torch.Tensor | None = None,
                      w: torch.Tensor | None = None) -> torch.Tensor:
         """`scores_from` with the query already roped at `positions`; written into `out` (a float32 [T, N] view
         with unit column stride, e.g. a column slice of a wider score block) when given. `w`: `head_weights(q,
         w_raw)` already computed (w_raw is then not read)."""
-        from runtime.kernels import enabled, indexer_scores
         w = self.head_weights(q, w_raw) if w is None else w
-        if enabled(q):
-            return indexer_scores(q, keys.to(q.dtype), w, positions, out=out)
+        if K.enabled(q):
+            return K.indexer_scores(q, keys.to(q.dtype), w, positions, out=out)
         # in the activation dtype (the reference runs this in FP8), ReLU in place, heads reduced by a batched
         # matvec: the [T, heads, N] block is written once and read once
         s = torch.relu_(torch.einsum("thd,nd->thn", q, keys.to(q.dtype)))
@@ -432,12 +395,11 @@ class Indexer(nn.Module):
             return torch.full((x.shape[0], k), -1, dtype=torch.long, device=x.device)
         # the [rows, heads, N] score block is the indexer's largest temporary: bound it to ~2^28 elements
         q_chunk = max(1, min(q_chunk, (1 << 28) // (self.n_heads * keys.shape[0])))
-        from runtime.kernels import enabled, indexer_topk
-        if enabled(x):
+        if K.enabled(x):
             q = Rotary.apply(self.wq_b(qr).view(x.shape[0], self.n_heads, self.head_dim),
                              *self.rotary.cos_sin(positions))
             w = self.weights_proj(x).float() * self.n_heads ** -0.5
-            return indexer_topk(q, keys.to(q.dtype), w, positions, k)[0]
+            return K.indexer_topk(q, keys.to(q.dtype), w, positions, k)[0]
         out = []
         for a in range(0, x.shape[0], q_chunk):
             b = min(a + q_chunk, x.shape[0])
@@ -562,8 +524,7 @@ class Attention(nn.Module):
         if self.indexer is not None:
             idx = self.indexer(x, qr, positions, cache.indexer, q_chunk, start=a0)
 
-        from runtime.kernels import enabled, sparse_mqa_attention
-        fast = enabled(x)
+        fast = K.enabled(x)
         # the kernel sees key rows; HCA's entry visibility needs positions, which differ from key rows whenever the
         # cache keeps only the window's last rows (decoding, the reuse arm's fence layers): one sync per HCA call
         shift = int(positions[0]) - n_past if fast and self.kind == HCA and T else 0
@@ -579,7 +540,7 @@ class Attention(nn.Module):
             if fast:   # one fused pass over window rows and entries; the sink joins in the merge
                 mode = {WINDOW: "none", HCA: "causal", CSA: "picks"}[self.kind]
                 cpos = torch.arange(n_past + a, n_past + b, device=x.device)
-                part = sparse_mqa_attention(qc, keys[: n_past + b], cpos, W, entries, mode, self.ratio or 1,
+                part = K.sparse_mqa_attention(qc, keys[: n_past + b], cpos, W, entries, mode, self.ratio or 1,
                                             ic, self.scale, pos_shift=shift)
                 oc = merge_with_sink([part], self.attn_sink).to(x.dtype)
             else:
@@ -630,23 +591,12 @@ class Expert(nn.Module):
         """`activate` on the projections' outputs as they come, cast to `dtype` (W_2's input): on CUDA
         (runtime.kernels.enabled) in one pass (runtime/kernels/swiglu.py, the same float32 arithmetic), else the
         torch form."""
-        from runtime.kernels import enabled, swiglu
-        if enabled(gate) and swiglu.supported(gate, up, weights):
+        if K.enabled(gate) and swiglu.supported(gate, up, weights):
             return swiglu.swiglu(gate, up, weights, self.limit, dtype)
         return self.activate(gate.float(), up.float(), weights).to(dtype)
 
     def activate(self, gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
         return swiglu_activation(gate, up, weights, self.limit)
-
-
-def swiglu_activation(gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor | None,
-                      limit: float) -> torch.Tensor:
-    """The float32 SwiGLU between an expert's projections: clamp at `limit` (0: none), silu(gate) * up, times the
-    routing weights."""
-    if limit > 0:
-        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-    h = F.silu(gate) * up
-    return h if weights is None else weights * h
 
 
 class Gate(nn.Module):
@@ -729,9 +679,8 @@ class MoE(nn.Module):
         0), torch._grouped_mm on a Hopper-or-later GPU, bf16 activations and weights, dims a multiple of 8 (16
         bytes). Its GEMMs take the loop's GPU time (bench/moe.py); what it saves is the loop's host read and
         per-expert launches (`grouped_slots` says for which calls)."""
-        from runtime.kernels import enabled
         w = self.experts[str(self.local[0])].w1.weight
-        return (x.is_cuda and enabled(x) and hasattr(torch, "_grouped_mm")
+        return (x.is_cuda and K.enabled(x) and hasattr(torch, "_grouped_mm")
                 and x.dtype == w.dtype == torch.bfloat16
                 and w.shape[0] % 8 == 0 and w.shape[1] % 8 == 0 and torch.cuda.get_device_capability(x.device)[0] >= 9)
 
@@ -870,8 +819,7 @@ class Block(nn.Module):
     def hc_pre(self, x: torch.Tensor, site: str):
         c = self.cfg
         fn, base, scale = (getattr(self, f"hc_{site}_{name}") for name in ("fn", "base", "scale"))
-        from runtime.kernels import enabled, mhc
-        if enabled(x) and mhc.supported(x):    # the same math fused (runtime/kernels/mhc.py)
+        if K.enabled(x) and mhc.supported(x):    # the same math fused (runtime/kernels/mhc.py)
             collapsed, pre, post, comb = mhc.hc_pre(x, fn, base, scale, c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps)
             return collapsed, post, comb
         pre, post, comb = hc_mix_weights(x, fn, base, scale, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps)
@@ -885,10 +833,9 @@ class Block(nn.Module):
         """New streams: post * block output + comb^T @ old streams (comb is doubly stochastic, not symmetric).
         With `y_rows`, row t's block output is y[y_rows[t]]; with `out` and `out_rows`, row t's new streams replace
         out[out_rows[t]] (in place) and out is returned. The kernel reads and writes those rows where they lie."""
-        from runtime.kernels import enabled, mhc
         if (out is None) != (out_rows is None):
             raise ValueError("hc_post: out and out_rows come together")
-        if enabled(x) and mhc.supported(x):
+        if K.enabled(x) and mhc.supported(x):
             return mhc.hc_post(y, x, post, comb, y_rows, out, out_rows)
         dt = x.dtype
         if y_rows is not None:
