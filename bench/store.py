@@ -82,7 +82,7 @@ def start_store(tmp: Path, redis_url: str, prefix: str) -> tuple[subprocess.Pope
                REDKNOT_STORE_BLOB_ROOT=str(tmp / "blobs"), REDKNOT_STORE_TOKENS_FILE=str(tmp / "tokens"),
                REDKNOT_STORE_METRICS_LISTEN="", REDKNOT_STORE_MAX_SHARD_BYTES=str(1 << 30),
                REDKNOT_STORE_LOCAL_SOCKET=str(tmp / "store.sock"))
-    proc = subprocess.Popen([sys.executable, "-m", "runtime.cli", "store", "serve", "--listen", f"127.0.0.1:{port}"],
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "store", "serve", "--listen", f"127.0.0.1:{port}"],
                             cwd=ROOT, env=env, stdout=open(tmp / "store.log", "wb"), stderr=subprocess.STDOUT)
     target = f"127.0.0.1:{port}"
     deadline = time.monotonic() + 30

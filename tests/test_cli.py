@@ -1,5 +1,5 @@
 """The README's demo commands run end to end (small sizes) and print their tables."""
-from runtime.cli import main
+from services.cli import main
 
 
 def test_demo_runs(tmp_path, capsys):

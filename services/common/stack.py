@@ -187,7 +187,7 @@ def store_service(listen: str, metrics_listen: str, redis_url: str, redis_prefix
     env = {"PYTHONUNBUFFERED": "1", "REDIS_URL": redis_url, "REDKNOT_STORE_REDIS_PREFIX": redis_prefix,
            "REDKNOT_STORE_BLOB_ROOT": str(blob_root), "REDKNOT_STORE_TOKENS_FILE": str(tokens_file),
            "REDKNOT_STORE_LOCAL_SOCKET": local_socket}
-    return Service("store", [sys.executable, "-m", "runtime.cli", "store", "serve", "--listen", listen,
+    return Service("store", [sys.executable, "-m", "services.cli", "store", "serve", "--listen", listen,
                              "--metrics-listen", metrics_listen], env, log, lambda: grpc_serving(listen))
 
 
@@ -231,7 +231,7 @@ class LocalStack:
     # ------------------------------------------------------------------------------------------- define
     def _define(self) -> None:
         c, p, logs = self.cfg, self.ports, self.workdir / "logs"
-        py = [sys.executable, "-m", "runtime.cli"]
+        py = [sys.executable, "-m", "services.cli"]
         base = {"PYTHONUNBUFFERED": "1"}
         if not c.redis_url:
             self.services["redis"] = redis_service(p["redis"], self.workdir / "redis", logs / "redis.log")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.cli import main
+from services.cli import main
 from runtime.llama.gguf import CONVERTER_VERSION, smollm2_gguf_path, unpermute_rows
 from runtime.llama.tokenizer import ChatTokenizer
 

@@ -143,7 +143,7 @@ class StoreProcess:
                  REDKNOT_STORE_BLOB_ROOT=str(self.blob_root), REDKNOT_STORE_TOKENS_FILE=str(self.tokens_file),
                  REDKNOT_STORE_BACKEND=self.backend, **self.extra_env, **env)
         # flags for the addresses, env for the rest: both paths of Settings are exercised
-        cmd = [sys.executable, "-m", "runtime.cli", "store", "serve", "--listen", f"127.0.0.1:{self.port}",
+        cmd = [sys.executable, "-m", "services.cli", "store", "serve", "--listen", f"127.0.0.1:{self.port}",
                "--metrics-listen", f"127.0.0.1:{self.metrics_port}", *self.extra_args]
         self.log_path = self.tmp / f"store-{uuid.uuid4().hex[:6]}.log"
         self._log = open(self.log_path, "wb")

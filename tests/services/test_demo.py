@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_make_demo_runs_the_whole_service_and_stops_cleanly(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}      # nothing configured: its own Redis
     env.update(PYTHONUNBUFFERED="1", COLUMNS="140")
-    p = subprocess.run([sys.executable, "-m", "runtime.cli", "demo", "--workdir", str(tmp_path), "--repeat", "1",
+    p = subprocess.run([sys.executable, "-m", "services.cli", "demo", "--workdir", str(tmp_path), "--repeat", "1",
                         "--requests", "1", "--new-tokens", "2"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=540)
     out = p.stdout + p.stderr

@@ -39,10 +39,10 @@ def test_token_table(tmp_path):
             TokenTable.parse(bad)
 
 
-def test_runtime_cli_imports_no_rpc_stack():
-    code = ("import sys, runtime.cli; import runtime.cli as c; "
+def test_cli_imports_no_rpc_stack():
+    code = ("import sys, services.cli; import services.cli as c; "
             "assert not {'grpc', 'redis', 'boto3', 'prometheus_client'} & set(sys.modules), sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
-    r = subprocess.run([sys.executable, "-m", "runtime.cli", "store", "serve", "--help"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "services.cli", "store", "serve", "--help"], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "REDKNOT_STORE_TOKENS_FILE" in r.stdout
