@@ -22,7 +22,8 @@ import grpc
 from . import wire
 from .core import BeginResult, CommitResult, DocumentSummary, GcResult, ManifestResult, PutResult, Verdict
 from .errors import DataLoss, NoLocalStore, NotFound, StoreError, Unavailable, error_from_status
-from .keys import CHUNK_BYTES, MAX_MESSAGE_BYTES, DocumentKey, Range, Reason, ShardSpec, new_hasher
+from .keys import (CHUNK_BYTES, MAX_MESSAGE_BYTES, DocumentKey, FetchedShard, Range, Reason, ShardSpec,  # noqa: F401
+                   new_hasher)
 from .pb import artifact_store_pb2 as pb
 from .pb import artifact_store_pb2_grpc as pb_grpc
 
@@ -36,13 +37,6 @@ class TlsConfig:
     cert: bytes | None = None             # PEM client certificate (mTLS)
     key: bytes | None = None              # PEM client key (mTLS)
     server_name: str | None = None        # override the name checked against the server certificate
-
-
-@dataclass(frozen=True)
-class FetchedShard:
-    spec: ShardSpec
-    generation: int
-    data: bytes
 
 
 @dataclass(frozen=True)

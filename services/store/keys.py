@@ -162,6 +162,14 @@ class ShardSpec:
 
 
 @dataclass(frozen=True)
+class FetchedShard:
+    """One shard as a client returns it (over gRPC or the local socket): its spec, generation and bytes."""
+    spec: ShardSpec
+    generation: int
+    data: bytes
+
+
+@dataclass(frozen=True)
 class Limits:
     max_shard_bytes: int = 1 << 30
     max_shards_per_generation: int = 16384

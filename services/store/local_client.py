@@ -25,10 +25,9 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 import blake3
 
 from . import local_wire
-from .client import FetchedShard
 from .core import FetchParams
 from .errors import DataLoss, NoLocalStore, StoreError, Unavailable
-from .keys import DocumentKey, Range, ShardSpec
+from .keys import DocumentKey, FetchedShard, Range, ShardSpec
 
 PARALLEL_HASH_BYTES = 1 << 20       # shards from this size are hashed with blake3's threads as well
 
