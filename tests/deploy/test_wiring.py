@@ -35,7 +35,7 @@ def available(service: str) -> bool:
 
 def start_settings(monkeypatch, argv: list[str], env: dict[str, str]):
     """(service, settings) that `redknot <argv>` would start with under `env`, without starting anything."""
-    from runtime import cli
+    from services import cli
     started = []
     for service, module in ENTRY_POINTS.items():
         if available(service):
