@@ -26,9 +26,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.ttft import add_model_args, model_config, request  # noqa: E402
-from runtime.model.deepseek_v4 import Transformer  # noqa: E402
-from runtime.model.random_init import init_random  # noqa: E402
+from bench.ttft import add_model_args, flash_model, model_config, request  # noqa: E402
 from runtime.reuse.consumer import ReuseEngine  # noqa: E402
 from runtime.reuse.prefetch import _tensors  # noqa: E402
 from runtime.reuse.producer import produce  # noqa: E402
@@ -75,14 +73,11 @@ def main() -> int:
     if args.small:
         args.lengths, args.docs, args.questions, args.layers, args.experts, args.device = "1024", 4, 2, 8, 8, "cpu"
     device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg, prof = model_config(args)
     if args.small:
         prof = prof.replace(first_fences=2, last_fences=2)
-    with torch.device(device):
-        model = Transformer(cfg, dtype=dtype, q_chunk=args.q_chunk)
-    init_random(model, 0, per_name=False)
-    model.eval()
+    model = flash_model(cfg, device, args.q_chunk)
+    dtype = model.dtype
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"# {name} | torch {torch.__version__} | Flash dims x {cfg.n_layers} layers{' (small)' if args.small else ''}"
           f", {dtype}, routed experts {cfg.n_routed_experts} | profile {prof.first_fences}F-"

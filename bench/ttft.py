@@ -92,6 +92,15 @@ def model_config(args):
                                       local_format=args.local_format or FLASH_PROFILE.local_format)
 
 
+def flash_model(cfg, device: torch.device, q_chunk: int) -> Transformer:
+    """The benchmarks' model on `device`: bf16 on CUDA (the serving dtype), float32 elsewhere, random weights drawn
+    from seed 0, in eval mode."""
+    with torch.device(device):
+        model = Transformer(cfg, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, q_chunk=q_chunk)
+    init_random(model, 0, per_name=False)
+    return model.eval()
+
+
 def timed(fn, device) -> tuple[float, object]:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -298,12 +307,9 @@ def main() -> int:
     if any(not 0 < b <= 1 for b in extra):
         ap.error(f"--extra-budgets must lie in (0, 1], got {args.extra_budgets!r}")
     device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg, prof = model_config(args)
-    with torch.device(device):
-        model = Transformer(cfg, dtype=dtype, q_chunk=args.q_chunk)
-    init_random(model, 0, per_name=False)
-    model.eval()
+    model = flash_model(cfg, device, args.q_chunk)
+    dtype = model.dtype
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"# {name} | torch {torch.__version__} | Flash dims x {cfg.n_layers} layers, {dtype}, routed experts "
           f"{args.experts} of 256 (top-6 + shared kept) | profile {prof.first_fences}F-"

@@ -19,8 +19,8 @@ from ._triton import HAVE_TRITON, tl, triton
 if HAVE_TRITON:
 
     @triton.jit
-    def _gather_dequant_kernel(codes_ptr, scales_ptr, cid_ptr, sid_ptr, out_ptr, C, NB, stride_c, stride_s,
-                               stride_o, BLOCK_C: tl.constexpr, QBLOCK: tl.constexpr):
+    def _gather_dequant_kernel(codes_ptr, scales_ptr, cid_ptr, sid_ptr, out_ptr, C, stride_c, stride_s, stride_o,
+                               BLOCK_C: tl.constexpr, QBLOCK: tl.constexpr):
         r = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         mask = cols < C
@@ -61,6 +61,6 @@ def gather_dequant_rows(codes: torch.Tensor, scales: torch.Tensor, code_ids: tor
         return out
     block = 1024
     _gather_dequant_kernel[(n, triton.cdiv(C, block))](
-        codes.view(torch.uint8), scales, code_ids, scale_ids, out, C, scales.shape[1], codes.stride(0),
+        codes.view(torch.uint8), scales, code_ids, scale_ids, out, C, codes.stride(0),
         scales.stride(0), out.stride(0), BLOCK_C=block, QBLOCK=FP8_ROW_BLOCK, num_warps=4)
     return out

@@ -413,6 +413,17 @@ def _keep_apart(segs: list[SegmentKeys], states: list[CompressorState], docs, i:
                 setattr(st, f.name, getattr(st, f.name).clone())
 
 
+def rows_out(out, n: int, width: int, dtype: torch.dtype, device, who: str) -> torch.Tensor:
+    """The [n, width] buffer rows are gathered into: `out` when given (it must be contiguous and of that shape and
+    dtype), else a new one."""
+    if out is None:
+        return torch.empty((n, width), dtype=dtype, device=device)
+    if out.shape != (n, width) or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"{who}: out must be contiguous [{n}, {width}] {dtype}, got {tuple(out.shape)} "
+                         f"{out.dtype}")
+    return out
+
+
 def gather_rows(parts, n: int, width: int, dtype: torch.dtype, device, out=None) -> torch.Tensor:
     """[n, width]: for each (src [m, width], ids, off) of `parts`, rows off.. of the result (`out`, given) =
     src[ids], gathered straight into place (no temporary per part). The parts must cover rows 0..n-1."""
@@ -420,11 +431,7 @@ def gather_rows(parts, n: int, width: int, dtype: torch.dtype, device, out=None)
     ends = [0] + [b for _, b in spans]
     if [a for a, _ in spans] != ends[:-1] or ends[-1] != n:     # no row left unwritten, none written twice
         raise ValueError(f"the parts' row ranges {spans} must tile rows 0..{n - 1} exactly")
-    if out is None:
-        out = torch.empty((n, width), dtype=dtype, device=device)
-    elif out.shape != (n, width) or out.dtype != dtype or not out.is_contiguous():
-        raise ValueError(f"gather_rows: out must be contiguous [{n}, {width}] {dtype}, got {tuple(out.shape)} "
-                         f"{out.dtype}")
+    out = rows_out(out, n, width, dtype, device, "gather_rows")
     for src, ids, off in parts:
         dst = out[off:off + ids.numel()]
         if src.dtype == dtype and src.device == dst.device:
@@ -1069,14 +1076,9 @@ class ReuseEngine:
         dequantized in one pass into W_a's dtype (`gather_dequant_rows`): one launch where every document's codes
         and scales each lie in one `_rows_view` (a staged layer), else one per document."""
         w = attn.wo_a.weight
-        width = attn.n_groups * self.cfg.o_lora_rank
         if any(s is None for s in scales) or any(t.element_size() != 1 for t in local):
             raise ValueError("an FP8 Local contribution needs its codes and scales in every document")
-        if out is None:
-            out = torch.empty((n_rest, width), dtype=w.dtype, device=w.device)
-        elif out.shape != (n_rest, width) or out.dtype != w.dtype or not out.is_contiguous():
-            raise ValueError(f"out must be contiguous [{n_rest}, {width}] {w.dtype}, got {tuple(out.shape)} "
-                             f"{out.dtype}")
+        out = rows_out(out, n_rest, attn.n_groups * self.cfg.o_lora_rank, w.dtype, w.device, "the FP8 restore")
         ids = [(ids,) for _, ids, _ in sp.rest_local]
         cview, sview = _rows_view(local), _rows_view(scales)
         if cview is not None and sview is not None and cview[0].device == w.device:

@@ -99,20 +99,17 @@ class Prefetcher:
         and pinned, into the tier (a failed or corrupt fetch publishes nothing; the request that needed it has its
         reason from the source or its own verification)."""
         try:
-            files = {**src.head.result()}
-            for _, g in src.groups:
-                files.update(g.result())
-            nbytes = sum(len(d) for d in files.values())
+            head_files = src.head.result()
+            nbytes = sum(len(d) for files in (head_files, *(g.result() for _, g in src.groups)) for d in files.values())
             with self._lock:
                 self.stats.bytes += nbytes
                 self.stats.seconds.append(time.perf_counter() - t0)
             if self.tier.capacity == 0:                 # the tier is off: nothing is kept, nothing to prepare
                 return
-            head, v = read_head(files, None)
-            del files
+            head, v = read_head(head_files, None)
             layers = []
             for g in range(len(src.groups) if v.ok else 0):       # the request's stager reads the same groups:
-                arts, v = src.read(g, head)                         # each is verified and parsed once for both
+                arts, v = src.read(g, head)                         # each verified, parsed and pinned once for both
                 if not v.ok:
                     break
                 layers.extend(arts)

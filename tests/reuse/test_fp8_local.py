@@ -7,9 +7,7 @@ import torch
 
 import runtime.kernels.fp8_rows as fp8_rows
 import runtime.reuse.consumer as consumer
-from runtime.model.checkpoint import random_state
 from runtime.model.config import tiny_reuse
-from runtime.model.deepseek_v4 import Transformer
 from runtime.model.quant import FP8_MAX, FP8_ROW_BLOCK, dequant_fp8_rows, e8m0_to_float, quant_fp8_rows
 from runtime.reuse.artifact import DocumentArtifact
 from runtime.reuse.consumer import ReuseEngine
@@ -18,34 +16,16 @@ from runtime.reuse.producer import produce
 from runtime.reuse.profile import FLASH_PROFILE, PRO_PROFILE, ProfileError, ReuseProfile
 from runtime.reuse.store import load_artifact, save_artifact
 
+from .test_reuse_exactness import model, rel_err, request_tokens  # noqa: F401  (the exactness tests' model and request)
+
 CFG = tiny_reuse()
 BASE = dict(first_fences=2, last_fences=2, align=16, budget=0.25, recent_rows=16, join_rows=8)
-
-
-def rel_err(a, b):
-    return ((a - b).abs().max() / b.abs().max()).item()
-
-
-@pytest.fixture(scope="module")
-def model():
-    m = Transformer(CFG)
-    m.load_state_dict(random_state(CFG, seed=1))
-    return m.eval()
-
-
-@pytest.fixture(scope="module")
-def request_tokens():
-    g = torch.Generator().manual_seed(3)
-    docs = [torch.randint(2, CFG.vocab_size, (n,), generator=g).tolist() for n in (100, 150, 60)]
-    return docs, torch.randint(2, CFG.vocab_size, (20,), generator=g).tolist()
 
 
 @pytest.fixture(scope="module")
 def artifacts(model, request_tokens):
     docs, _ = request_tokens
-    with torch.inference_mode(False):
-        return {fmt: [produce(model, t, ReuseProfile(**BASE, local_format=fmt)) for t in docs]
-                for fmt in ("native", "fp8")}
+    return {fmt: [produce(model, t, ReuseProfile(**BASE, local_format=fmt)) for t in docs] for fmt in ("native", "fp8")}
 
 
 def dequantized(art: DocumentArtifact, dtype=torch.float32) -> DocumentArtifact:
