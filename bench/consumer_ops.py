@@ -84,25 +84,7 @@ def _gpu_path() -> None:
                                               qpos_host=qpos.cpu().numpy())[0]
         finally:
             consumer.enabled = lambda t: True
-    def index_segments(q, w, qpos, keys, deltas, cols, cos, sin, out, ratio=4, blocks=None, config=None):
-        """The one-launch multi-segment indexer scores by the torch formula, segment by segment."""
-        from runtime.kernels.rope import rope_reference_
-        for j, (k, d, c) in enumerate(zip(keys, deltas, cols)):
-            qs = rope_reference_(q.clone(), cos[j], sin[j], src=q)
-            sc = torch.einsum("thn,th->tn", torch.relu(torch.einsum("thd,nd->thn", qs, k.to(qs.dtype))), w.float())
-            sc = sc * q.shape[-1] ** -0.5
-            ready = (qpos - d + 1).clamp(min=0) // ratio
-            out[:, c:c + k.shape[0]] = sc.masked_fill(torch.arange(k.shape[0])[None, :] >= ready[:, None],
-                                                      float("-inf"))
-        return out
     consumer.enabled = lambda t: True
-    with_table = one("indexer_segments", index_segments)
-
-    def counted_segments(*a, **kw):
-        with torch.profiler.record_function("kernel::segment_table_copy"):
-            pass
-        return with_table(*a, **kw)
-    consumer.indexer_scores_segments = counted_segments
     consumer.sparse_mqa_attention = one("sparse_mqa", sparse)
     consumer.multi_segment_attention = one("multiseg", multiseg)
     if hasattr(consumer, "rope_"):

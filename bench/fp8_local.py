@@ -28,7 +28,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.ttft import add_model_args, flash_model, model_config, request  # noqa: E402
 from runtime.reuse.consumer import ReuseEngine  # noqa: E402
-from runtime.reuse.prefetch import _tensors  # noqa: E402
 from runtime.reuse.producer import produce  # noqa: E402
 
 FIELDS = ("latent", "entries", "index_keys", "comp_prev", "index_prev", "picks", "local_p", "local_s")

@@ -8,9 +8,9 @@ dimensions (D = 512, 64 rope channels, window 128, bf16). Two row sets, as runti
   indexer's top-512 over the union of every segment's visible entries (random ids here, drawn from the same range);
 - "global": the other relocated rows, the 8 Global heads; CSA picks are each row's own document's 512 (artifact).
 Per row set and layer kind (window, HCA ratio 128, CSA ratio 4): the stacked path (one sparse-attention launch per
-segment part into a float32 [parts, rows, heads, D] buffer, then the N-way merge; REDKNOT_FUSED_SEGMENTS=0) and
-the fused multi-segment kernel (runtime/kernels/multiseg.py through consumer.fused_attention, as
-REDKNOT_FUSED_SEGMENTS=1 runs it), each timed with CUDA events (median
+segment part into a float32 [parts, rows, heads, D] buffer, then the N-way merge: a policy whose fused_min_heads
+no call reaches) and the fused multi-segment kernel (runtime/kernels/multiseg.py through consumer.fused_attention,
+the default policy's frame), each timed with CUDA events (median
 of --reps after a warm-up) on rows in chunks of --q-chunk x 64 / heads (as the consumer's `_attend`), plus the
 relative difference of their outputs. `--sweep` also times the fused path under a grid of block sizes (for
 8 heads: query rows per program, the packed kernel; ROWS = 1 is the one-row kernel).
@@ -32,6 +32,9 @@ from bench.timing import median_time  # noqa: E402
 import runtime.reuse.consumer as C  # noqa: E402
 from runtime.model.config import CSA, HCA, WINDOW  # noqa: E402
 from runtime.model.deepseek_v4 import Rotary  # noqa: E402
+from runtime.policy import RuntimePolicy  # noqa: E402
+
+STACKED = RuntimePolicy(fused_min_heads=1 << 30)     # every call through the stacked parts
 
 D, W, ROPE, K = 512, 128, 64, 512
 DT = torch.bfloat16          # --fp32: float32 (the CPU smoke run: the interpreter has no bf16 of its own)
@@ -120,10 +123,10 @@ def case(args, kind, which, lens, deltas, lat, rows_all, dev, g):
         first, total = C._offsets(segs, "entries")
 
     def stacked():
-        os.environ["REDKNOT_FUSED_SEGMENTS"] = "0"
         return torch.cat([C.segment_attention(attn, q[c], rows[c], segs, sink, qpos_host=host[c],
                                               own_picks=None if own is None else own[c],
-                                              picks=[p[c] for p in per_seg] if online else None)[0]
+                                              picks=[p[c] for p in per_seg] if online else None,
+                                              policy=STACKED)[0]
                           for c in chunks])
 
     def fused(config=None):

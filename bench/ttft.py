@@ -32,7 +32,6 @@ import statistics
 import sys
 import tempfile
 import time
-from unittest import mock
 
 import torch
 
@@ -42,6 +41,7 @@ from runtime.model.config import CSA, FLASH  # noqa: E402
 from runtime.model.deepseek_v4 import Transformer  # noqa: E402
 from runtime.model.quant import FP8_ROW_BLOCK  # noqa: E402
 from runtime.model.random_init import init_random  # noqa: E402
+from runtime.policy import RuntimePolicy  # noqa: E402
 from runtime.reuse.artifact import DocumentArtifact  # noqa: E402
 from runtime.reuse.consumer import ReuseEngine  # noqa: E402
 from runtime.reuse.prefetch import LayerPrefetcher, pin  # noqa: E402
@@ -275,34 +275,18 @@ def main() -> int:
     ap.add_argument("--extra-budgets", default="",
                     help="comma list: also time the reuse arm at these budgets, on the same artifacts and tokens, "
                          "interleaved with the arms above (the artifacts do not depend on the budget)")
-    ap.add_argument("--fused-too", nargs="?", const="1", default=None, choices=["1", "auto", "0"],
-                    help="also time the reuse arm at --budget with REDKNOT_FUSED_SEGMENTS set to this (1: the fused "
-                         "multi-segment kernel for every call, auto: for calls of >= 16 heads; default 1) beside "
-                         "the run's own setting, interleaved")
-    ap.add_argument("--moe-too", choices=["grouped", "loop"], default=None,
-                    help="also time the reuse arm at --budget with the routed MoE in this form (REDKNOT_MOE_GROUPED="
-                         "1 or 0: one grouped GEMM per weight for calls of up to 128K slots, or always the per-expert "
-                         "loop with one host read) beside the run's own setting (default auto: grouped up to 32K "
-                         "slots), interleaved")
-    ap.add_argument("--frame-too", choices=["key", "query"], default=None,
-                    help="also time the reuse arm at --budget with REDKNOT_MULTISEG_FRAME set to this (key: every fused "
-                         "call through the key-frame kernel; query: none, as before run 17; the default auto: the "
-                         "active rows' CSA calls) beside the run's own setting, interleaved")
-    ap.add_argument("--split-too", choices=["0", "1"], default=None,
-                    help="also time the reuse arm at --budget with REDKNOT_SPLIT_STATE set to this (0: the projected "
-                         "state in the rows' order, each part scattered into it) beside the run's own setting, "
-                         "interleaved")
-    ap.add_argument("--rows-too", choices=["0", "auto"], default=None,
-                    help="also time the reuse arm at --budget with REDKNOT_SPARSE_ROWS set to this (auto, the default: "
-                         "several query rows per program in the Global heads' window and causal parts; 0: one) beside "
-                         "the run's own setting, interleaved")
-    ap.add_argument("--all-rows-too", action="store_true",
-                    help="also time BOTH arms with REDKNOT_LAST_LAYER=all (the last layer computes every row's output, "
-                         "not the last row's only) beside the run's own, interleaved; the row gets all_rows_recompute_s, "
-                         "all_rows_reuse_s, their speedup and that setting's analytic FLOP ratio")
+    ap.add_argument("--policy", action="append", default=[], metavar="KEY=VALUE",
+                    help="also time the reuse arm at --budget under the default RuntimePolicy with this field changed "
+                         "(repeatable: runtime/policy.py names the fields, e.g. fused_min_heads=8, "
+                         "moe_grouped_slots=0) beside the default's, interleaved; the row gets policy_s, policy_all "
+                         "and the changed fields")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
+    try:
+        alt = RuntimePolicy.parse(args.policy) if args.policy else None
+    except ValueError as e:
+        ap.error(str(e))
     extra = [float(v) for v in args.extra_budgets.split(",") if v.strip()]
     if any(not 0 < b <= 1 for b in extra):
         ap.error(f"--extra-budgets must lie in (0, 1], got {args.extra_budgets!r}")
@@ -352,18 +336,9 @@ def main() -> int:
             loose.append(pf.loose)
             return out
 
-        def reuse_with(env):             # the caller's own settings, if any, are restored afterwards
-            with mock.patch.dict(os.environ, env):
+        def reuse_alt():                 # the reuse arm under the alternative policy, then the default again
+            with model.policy_as(alt):
                 return reuse()
-
-        # the reuse arm at --budget under another setting, beside the run's own:
-        # name -> (env, the row key naming the setting, the setting)
-        beside = {name: (env, key, on) for name, env, key, on in (
-            ("fused", {"REDKNOT_FUSED_SEGMENTS": args.fused_too}, "fused_mode", args.fused_too),
-            ("moe", {"REDKNOT_MOE_GROUPED": "1" if args.moe_too == "grouped" else "0"}, "moe_form", args.moe_too),
-            ("frame", {"REDKNOT_MULTISEG_FRAME": args.frame_too}, "frame", args.frame_too),
-            ("split", {"REDKNOT_SPLIT_STATE": args.split_too}, "split_state", args.split_too),
-            ("rows", {"REDKNOT_SPARSE_ROWS": args.rows_too}, "sparse_rows", args.rows_too)) if on}
 
         rec_t, reu_t, alloc = [], [], []
         other_t, other_res = {b: [] for b in extra}, {}
@@ -387,29 +362,17 @@ def main() -> int:
                 f" GiB" for arm, m in mem.items()) + f" (GPU {gpu / 2**30:.1f} GiB)", flush=True)
         for b, eng in others.items():
             timed(lambda: reuse(eng), device)
-        bes_t = {arm: [] for arm in beside}
-        for env, _, _ in beside.values():
-            timed(lambda: reuse_with(env), device)
-        all_rows = {"REDKNOT_LAST_LAYER": "all"}
-        all_t = {"recompute": [], "reuse": []}
-        all_res = None
-        if args.all_rows_too:                                    # warm-up of both arms with the full last layer
-            with mock.patch.dict(os.environ, all_rows):
-                timed(lambda: model(full), device)
-            timed(lambda: reuse_with(all_rows), device)
+        alt_t = []
+        if alt is not None:
+            timed(reuse_alt, device)
         for _ in range(args.reps):                               # interleaved, side by side
             rec_t.append(timed(lambda: model(full), device)[0])
             before = allocator_counters()
             t, res = timed(reuse, device)
             alloc.append(allocator_delta(before))
             reu_t.append(t)
-            for arm, (env, _, _) in beside.items():          # (not `name`: that is the device's)
-                bes_t[arm].append(timed(lambda: reuse_with(env), device)[0])
-            if args.all_rows_too:
-                with mock.patch.dict(os.environ, all_rows):
-                    all_t["recompute"].append(timed(lambda: model(full), device)[0])
-                t, all_res = timed(lambda: reuse_with(all_rows), device)
-                all_t["reuse"].append(t)
+            if alt is not None:
+                alt_t.append(timed(reuse_alt, device)[0])
             for b, eng in others.items():
                 t, other_res[b] = timed(lambda: reuse(eng), device)
                 other_t[b].append(t)
@@ -431,15 +394,8 @@ def main() -> int:
         if row["staged_loose"]:
             print(f"## {L} tokens: {row['staged_loose']} (layer, document) pairs were staged tensor by tensor, "
                   f"not with one copy (not packed by pin)", flush=True)
-        for arm, (_, key, setting) in beside.items():
-            row.update({f"{arm}_s": statistics.median(bes_t[arm]), f"{arm}_all": bes_t[arm], key: setting})
-        if args.all_rows_too:
-            with mock.patch.dict(os.environ, all_rows):          # the ledger's recompute arm in that setting too
-                la = all_res.ledger.summary()
-            ar, au = statistics.median(all_t["recompute"]), statistics.median(all_t["reuse"])
-            row.update(all_rows_recompute_s=ar, all_rows_reuse_s=au, all_rows_speedup=ar / au,
-                       all_rows_flop_ratio=la["flop_saving"]["ratio"], all_rows_recompute_all=all_t["recompute"],
-                       all_rows_reuse_all=all_t["reuse"])
+        if alt is not None:
+            row.update(policy=alt.diff(), policy_s=statistics.median(alt_t), policy_all=alt_t)
         for b in extra:
             lb = other_res[b].ledger.summary()
             assert 0 < lb["rows"]["active"] < lb["rows"]["relocated"] and lb["head_row_saving"] > 0, lb
@@ -496,15 +452,8 @@ def main() -> int:
               f"(analytic FLOP ratio {row['flop_ratio']:.2f}x; head-row {row['head_row_saving']:.1%} of ceiling "
               f"{row['structural_ceiling']:.1%}; token-row {row['token_row_saving']:.1%}; active "
               f"{row['active']}/{row['relocated']})" + (f"  cold {row['cold_s']:.3f} s" if "cold_s" in row else "")
-              + (f"  fused={args.fused_too} {row['fused_s']:.3f} s" if "fused_s" in row else "")
-              + (f"  MoE {args.moe_too} {row['moe_s']:.3f} s" if "moe_s" in row else "")
-              + (f"  frame={args.frame_too} {row['frame_s']:.3f} s" if "frame_s" in row else "")
-              + (f"  split={args.split_too} {row['split_s']:.3f} s" if "split_s" in row else "")
-              + (f"  rows={args.rows_too} {row['rows_s']:.3f} s" if "rows_s" in row else ""), flush=True)
-        if "all_rows_speedup" in row:
-            print(f"T={row['tokens']:7d}  last layer on every row: recompute {row['all_rows_recompute_s']:7.3f} s  "
-                  f"reuse {row['all_rows_reuse_s']:7.3f} s  speedup {row['all_rows_speedup']:5.2f}x  (analytic FLOP "
-                  f"ratio {row['all_rows_flop_ratio']:.2f}x)", flush=True)
+              + (f"  policy {' '.join(args.policy)}: reuse {row['policy_s']:.3f} s" if "policy_s" in row else ""),
+              flush=True)
         for e in row["extra"]:
             print(f"T={row['tokens']:7d}  budget {e['budget']:.0%}: reuse {e['reuse_s']:7.3f} s  speedup "
                   f"{e['speedup']:5.2f}x  (analytic FLOP ratio {e['flop_ratio']:.2f}x; head-row "

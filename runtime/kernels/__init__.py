@@ -13,13 +13,13 @@ import os
 import torch
 
 from ._triton import HAVE_TRITON, available
-from .indexer import indexer_scores, indexer_scores_segments, indexer_topk
+from .indexer import indexer_scores, indexer_topk
 from .merge import merge_lse, merge_stacked
 from .rope import rope_
 from .sparse_attention import sparse_mqa_attention
 
 __all__ = ["HAVE_TRITON", "available", "enabled", "sparse_mqa_attention", "merge_lse", "merge_stacked", "rope_",
-           "indexer_scores", "indexer_scores_segments", "indexer_topk"]
+           "indexer_scores", "indexer_topk"]
 
 
 def enabled(t: torch.Tensor) -> bool:

@@ -14,27 +14,19 @@ from __future__ import annotations
 
 import torch
 
-from ._host import to_device_nowait
 from ._triton import HAVE_TRITON, check_runnable, dot_precision, tl, triton
 
 if HAVE_TRITON:
 
     @triton.jit
     def _score_tile(q_ptr, w_ptr, kt, offs_t, tmask, offs_d, offs_n, ready, scale, stride_qt, stride_qh, stride_wt,
-                    rope, c, sn, sgn, partner, IH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                    PREC: tl.constexpr, ROPE: tl.constexpr):
+                    IH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr):
         """One [BLOCK_T, BLOCK_N] tile of scores against the key tile kt [ID, BLOCK_N], the heads reduced in
-        registers; -inf past each row's `ready` entries. ROPE: the query's rope channels are turned on load
-        (x_d c + sgn_d x_partner(d) s in float32, rounded to the query's dtype, `rope_`'s arithmetic)."""
+        registers; -inf past each row's `ready` entries."""
         acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
         for h in range(IH):
             base = q_ptr + offs_t[:, None] * stride_qt + h * stride_qh
-            if ROPE:
-                x = tl.load(base + offs_d[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
-                xp = tl.load(base + partner[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
-                qh = tl.where(rope[None, :], x * c + (sgn[None, :] * xp) * sn, x).to(q_ptr.dtype.element_ty)
-            else:
-                qh = tl.load(base + offs_d[None, :], mask=tmask[:, None], other=0.0)   # [BLOCK_T, ID]
+            qh = tl.load(base + offs_d[None, :], mask=tmask[:, None], other=0.0)   # [BLOCK_T, ID]
             s = tl.dot(qh, kt, input_precision=PREC)
             wh = tl.load(w_ptr + offs_t * stride_wt + h, mask=tmask, other=0.0)
             acc += wh[:, None] * tl.maximum(s, 0.0)
@@ -59,54 +51,10 @@ if HAVE_TRITON:
             kt = tl.load(k_ptr + offs_n[None, :].to(tl.int64) * ID + offs_d[:, None], mask=nmask[None, :],
                          other=0.0)                                      # [ID, BLOCK_N]
             res = _score_tile(q_ptr, w_ptr, kt, offs_t, tmask, offs_d, offs_n, ready, scale, stride_qt, stride_qh,
-                              stride_wt, 0, 0, 0, 0, 0, IH, BLOCK_T, BLOCK_N, PREC, False)
+                              stride_wt, IH, BLOCK_T, BLOCK_N, PREC)
         else:
             res = tl.full([BLOCK_T, BLOCK_N], float("-inf"), tl.float32)
         tl.store(o_ptr + offs_t[:, None] * stride_ot + offs_n[None, :], res, mask=tmask[:, None] & nmask[None, :])
-
-
-    @triton.jit
-    def _indexer_segments_kernel(q_ptr, tab_ptr, blk_ptr, w_ptr, qpos_ptr, cos_ptr, sin_ptr, o_ptr, T, ratio, scale,
-                                 stride_qt, stride_qh, stride_wt, stride_ot, stride_cs,
-                                 IH: tl.constexpr, ID: tl.constexpr, HALF: tl.constexpr, BLOCK_T: tl.constexpr,
-                                 BLOCK_N: tl.constexpr, PREC: tl.constexpr):
-        """`_indexer_scores_kernel` over several segments' keys at once: program (b, t) scores column block b of
-        one segment (blk_ptr: its segment, its first key) against row block t, the query's RoPE channels turned
-        to the segment's frame on load (cos/sin of its t - Delta; the rotation `rope_` does, in float32, then
-        rounded to the query's dtype), so the per-segment rotated copies of the query are never written."""
-        pid_b = tl.program_id(0)
-        pid_t = tl.program_id(1)
-        seg = tl.load(blk_ptr + pid_b * 2).to(tl.int64)
-        n0 = tl.load(blk_ptr + pid_b * 2 + 1)
-        row = tab_ptr + seg * 4                    # per segment: key address, key count, first column, Delta
-        k_ptr = tl.load(row).to(tl.pointer_type(q_ptr.dtype.element_ty))
-        N = tl.load(row + 1)
-        col0 = tl.load(row + 2)
-        delta = tl.load(row + 3)
-        offs_t = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-        tmask = offs_t < T
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        nmask = offs_n < N
-        offs_d = tl.arange(0, ID)
-        cp = tl.where(tmask, tl.load(qpos_ptr + offs_t, mask=tmask, other=0) - delta, -1).to(tl.int32)
-        ready = tl.maximum(cp + 1, 0) // ratio
-        if n0 < tl.max(ready, 0):
-            kt = tl.load(k_ptr + offs_n[None, :].to(tl.int64) * ID + offs_d[:, None], mask=nmask[None, :],
-                         other=0.0)                                      # [ID, BLOCK_N]
-            # the rope channels (the last 2 HALF) turn pairwise: even d: x_d c - x_(d+1) s; odd d: x_d c + x_(d-1) s
-            rope = offs_d >= ID - 2 * HALF
-            pair = tl.where(rope, (offs_d - (ID - 2 * HALF)) // 2, 0)
-            cs_off = seg * stride_cs + offs_t[:, None] * HALF + pair[None, :]
-            c = tl.load(cos_ptr + cs_off, mask=tmask[:, None] & rope[None, :], other=1.0)
-            sn = tl.load(sin_ptr + cs_off, mask=tmask[:, None] & rope[None, :], other=0.0)
-            sgn = tl.where(offs_d % 2 == 0, -1.0, 1.0)
-            partner = tl.where(rope, offs_d ^ 1, offs_d)
-            res = _score_tile(q_ptr, w_ptr, kt, offs_t, tmask, offs_d, offs_n, ready, scale, stride_qt, stride_qh,
-                              stride_wt, rope, c, sn, sgn, partner, IH, BLOCK_T, BLOCK_N, PREC, True)
-        else:
-            res = tl.full([BLOCK_T, BLOCK_N], float("-inf"), tl.float32)
-        tl.store(o_ptr + offs_t[:, None] * stride_ot + col0 + offs_n[None, :], res,
-                 mask=tmask[:, None] & nmask[None, :])
 
 
 def default_config(IH: int, ID: int) -> dict:
@@ -166,52 +114,3 @@ def indexer_topk(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, cpo
         vals[a:b] = top.values
         idx[a:b] = torch.where(torch.isinf(top.values), torch.full_like(top.indices, -1), top.indices)
     return idx, vals
-
-
-def indexer_scores_segments(q: torch.Tensor, weights: torch.Tensor, qpos: torch.Tensor, keys: list[torch.Tensor],
-                            deltas: list[int], cols: list[int], cos: torch.Tensor, sin: torch.Tensor,
-                            out: torch.Tensor, ratio: int = 4, blocks: dict | None = None,
-                            config: dict | None = None) -> torch.Tensor:
-    """`indexer_scores` of one query block against several segments' keys in ONE launch: q [T, IH, ID] NOT roped;
-    segment j: keys[j] [N_j, ID] (roped in its own frame), its Delta deltas[j] and its first column cols[j] in
-    out [T, total] float32 (unit column stride); cos/sin [S, T, rd/2] float32, the angles of qpos - Delta_j; the
-    query's last rd channels are turned to each segment's frame on load, with `rope_`'s arithmetic, and its scores
-    are then what `indexer_scores(rope_(q at qpos - Delta_j), keys[j], weights, qpos - Delta_j)` writes.
-    `blocks`: a dict the per-request column-block table is kept in (it depends only on the segments' sizes)."""
-    check_runnable(q)
-    T, IH, ID = q.shape
-    S, half = len(keys), cos.shape[-1]
-    if ID & (ID - 1) or ID < 16 or half & (half - 1) or 2 * half > ID:
-        raise ValueError(f"index head dim {ID} must be a power of two >= 16 holding the {2 * half} rope channels")
-    if cos.shape != (S, T, half) or sin.shape != cos.shape:
-        raise ValueError(f"cos/sin must be [{S}, {T}, {half}], got {tuple(cos.shape)}")
-    if out.dtype != torch.float32 or out.shape[0] != T or (out.shape[1] > 1 and out.stride(1) != 1):
-        raise ValueError("out must be a float32 [T, total] tensor with unit column stride")
-    if T == 0 or S == 0:
-        return out
-    cfg = dict(default_config(IH, ID), **(config or {}))
-    keep = [k.to(q.dtype).contiguous() for k in keys]          # alive until the kernel has run
-    sizes = tuple(k.shape[0] for k in keep)
-    key = ("index_blocks", sizes, cfg["BLOCK_N"], str(q.device))
-    blk = None if blocks is None else blocks.get(key)
-    if blk is None:
-        rows = [[j, a] for j, n in enumerate(sizes) for a in range(0, n, cfg["BLOCK_N"])]
-        if not rows:                                            # no keys at all
-            return out
-        blk = to_device_nowait(torch.tensor(rows, dtype=torch.int32), q.device)
-        if blocks is not None:
-            blocks[key] = blk
-    tab = to_device_nowait(torch.tensor([[k.data_ptr(), k.shape[0], c, d] for k, c, d in zip(keep, cols, deltas)],
-                                        dtype=torch.int64), q.device)
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    weights = weights.float()
-    weights = weights if weights.stride(-1) == 1 else weights.contiguous()
-    qpos = qpos.to(device=q.device, dtype=torch.int64).contiguous()
-    cos, sin = cos.float().contiguous(), sin.float().contiguous()
-    grid = (blk.shape[0], triton.cdiv(T, cfg["BLOCK_T"]))
-    _indexer_segments_kernel[grid](q, tab, blk, weights, qpos, cos, sin, out, T, int(ratio), ID ** -0.5,
-                                   q.stride(0), q.stride(1), weights.stride(0), out.stride(0), T * half,
-                                   IH=IH, ID=ID, HALF=half, BLOCK_T=cfg["BLOCK_T"], BLOCK_N=cfg["BLOCK_N"],
-                                   PREC=dot_precision(q.dtype),
-                                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return out

@@ -24,31 +24,24 @@ depend on the segment, so the work splits:
 Nothing per segment goes to HBM: the stacked path (runtime/reuse/consumer.py) writes one float32 [rows, heads, D]
 part per segment and merges them in a second pass.
 
-Where it is used (REDKNOT_FUSED_SEGMENTS=auto, the default): calls of at least 16 heads, i.e. the active rows' 64,
-where it measured 1.2-2.1x faster than the stacked path on the H200; the 8 Global heads' calls keep the stacked
-path, where it measured 1.3-3.6x slower (half of each 16-row tile idle, and this kernel's extra rope dots and loads
-per tile). docs/BENCHMARKS.md runs 7 and 8 (bench/multiseg.py).
+Where it is used (RuntimePolicy.fused_min_heads): calls of at least 16 heads, i.e. the active rows' 64, where it is
+faster than the stacked path; the 8 Global heads' calls keep the stacked path (half of each 16-row tile idle, and
+this kernel's extra rope dots and loads per tile).
 
 Calls of fewer than 16 heads (the 8 Global heads) go to `_multiseg_packed_kernel`: ROWS consecutive query rows
 per program (ROWS x heads = 16 by default), so that the MMA tile's rows are filled and neighbouring rows share their
-window and entry tiles. It equals the reference under the interpreter (tests/kernels/test_interpret.py) and on
-the GPU (tests/kernels/test_reuse_gpu.py under =1). On the H200 it is slower than the stacked path at every length
-(docs/BENCHMARKS.md run 19: HCA 1.0-2.2x, CSA 1.4-3.3x, 16K-128K), so `auto` keeps those calls stacked.
+window and entry tiles. It serves models whose calls have fewer heads than the tile (the tests' tiny configs under
+a lowered fused_min_heads); on Flash's 8 Global heads it is slower than the stacked path, which the default keeps.
 
-`_multiseg_keyframe_kernel` (REDKNOT_MULTISEG_FRAME=auto, the default, for the "picks" calls of 16 heads or more; =key
-for every one-row call; one row per program): the same scores with the turn
+`_multiseg_keyframe_kernel` (`key_frame=True`: the "picks" calls of RuntimePolicy.key_frame_min_heads heads or
+more; one row per program): the same scores with the turn
 on the keys, q(t - Delta_j) . k = q(t) . k(+Delta_j). The query is turned once to t; each key tile's rope pairs are
 turned in registers by +Delta of the segment each key lies in (the stored rows are read in place, never
 rewritten); the rope value sums are then in the request frame and turned back once at t. A row's keys become three
 loops whatever the segments (window positions, visible entries by global id, or picks), each key tile free to span
 segments, where `_multiseg_kernel` runs one short loop per segment (about one tile of a row's 512 picks split over
-9 segments, so nothing pipelines). It equals the reference under the interpreter and compiles for sm_90. Timed in
-docs/BENCHMARKS.md run 12 (64K, active rows): 11% faster for CSA, 16% slower for HCA's causal entries, hence `auto`.
-
-History: the first version read every key tile as its even and odd channels (two stride-2 loads of 2-byte
-elements: nothing vectorized) and was 1.5x slower than the stacked path everywhere (run 7). A third, tried in run
-8, split the contiguous tile into its even and odd channels in registers (tl.reshape + tl.split, no rope-only
-dots); it was slower than this one.
+9 segments, so nothing pipelines): faster for CSA's picks, slower for HCA's long causal runs, hence the key frame
+for picks only. It equals the reference under the interpreter and compiles for sm_90.
 
 Segments come as a table (one int64 row each: latent address, n, Delta, entries address, entries count, first
 global pick id); picks as one list per row of global entry ids (segment j's entry w is `first_j + w`) sorted
@@ -57,7 +50,6 @@ ascending with unused slots at the end, and `bounds` [T, P+1] the start of each 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
@@ -422,24 +414,6 @@ if HAVE_TRITON:
                 rmask, NOPE)
 
 
-def key_frame(mode: str = "picks", heads: int = 64) -> bool:
-    """Whether a fused call of `mode` on `heads` heads takes `_multiseg_keyframe_kernel` (the rope turn on the keys,
-    one pipelined loop per key kind; one query row per program, fewer than 16 heads padded to 16, unless a config
-    asks for ROWS > 1), per REDKNOT_MULTISEG_FRAME:
-    - "auto" (default): the key frame for "picks" calls of 16 heads or more (the active rows' CSA calls, whose
-      picks split into one short loop per segment in the query frame), the query frame otherwise. On the H200
-      (docs/BENCHMARKS.md run 12, 64K, active rows): CSA 10.68 ms in the key frame against 12.03 ms in the query
-      frame, HCA 7.63 against 6.58 ms;
-    - "query": `_multiseg_kernel` (the query turned per segment), and the packed kernel for few heads;
-    - "key": every one-row call in the key frame."""
-    frame = os.environ.get("REDKNOT_MULTISEG_FRAME", "auto")
-    if frame not in ("auto", "query", "key"):
-        raise ValueError(f"REDKNOT_MULTISEG_FRAME must be auto, query or key, got {frame!r}")
-    if frame == "auto":
-        return mode == "picks" and heads >= 16
-    return frame == "key"
-
-
 def segment_table(segments, device, dtype, with_entries: bool, pick_first: list[int] | None = None):
     """[P, 6] int64 on `device`: per segment its latent's address, n, Delta, entries' address (0 when none), entry
     count, first global pick id (`pick_first`, by default the entries numbered globally in segment order). Returns
@@ -465,13 +439,18 @@ def multi_segment_attention(q_raw: torch.Tensor, qpos: torch.Tensor, segments, s
                             mode: str, ratio: int, scale: float, inv_freq: torch.Tensor,
                             picks: torch.Tensor | None = None, pick_first: list[int] | None = None,
                             bounds: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-                            config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                            config: dict | None = None, out: torch.Tensor | None = None,
+                            key_frame: bool = False) -> torch.Tensor:
     """q_raw [T,H,D] normed, not roped; qpos [T] request positions; segments: objects with .delta, .latent [n,D]
     and .entries [N,D] or None; sink [H]; inv_freq [rd/2] float32 (the layer's rotary). "picks": picks [T,k]
     global ids sorted ascending per row (unused: any id past every segment), pick_first[j] segment j's first
     global id, bounds [T, P+1] int32 each segment's start in the row's list (bounds[:, P] = the row's count).
     -> o [T,H,D] in out_dtype (default q's), merged with the sink, RoPE channels turned back (ready for W_a);
-    written into `out` (contiguous [T,H,D] of that dtype, e.g. a caller's row slice) when given."""
+    written into `out` (contiguous [T,H,D] of that dtype, e.g. a caller's row slice) when given. `key_frame`:
+    `_multiseg_keyframe_kernel` (the rope turn on the keys, one pipelined loop per key kind across segments; one
+    query row per program, fewer than 16 heads padded to 16; segments in increasing Delta), the caller's rule
+    (RuntimePolicy.key_frame_min_heads: the active rows' CSA calls); else the query turned per segment
+    (`_multiseg_kernel`, or `_multiseg_packed_kernel` for fewer than 16 heads unless a config sets ROWS = 1)."""
     check_runnable(q_raw)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
@@ -494,7 +473,7 @@ def multi_segment_attention(q_raw: torch.Tensor, qpos: torch.Tensor, segments, s
     if q_raw.stride(-1) != 1:
         q_raw = q_raw.contiguous()
     bh = triton.next_power_of_2(H)
-    keyed = key_frame(mode, H) and (config or {}).get("ROWS", 1) == 1    # one row per program, heads padded
+    keyed = key_frame and (config or {}).get("ROWS", 1) == 1    # one row per program, heads padded
     packed = not keyed and bh < 16 and (config or {}).get("ROWS", 16 // bh) > 1
     if keyed and any(a.delta > b.delta for a, b in zip(segments, segments[1:])):
         raise ValueError("the key-frame kernel needs the segments in increasing Delta")

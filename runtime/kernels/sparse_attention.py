@@ -18,8 +18,7 @@ time; each key tile is loaded once and used by all BLOCK_H heads for both produc
 [D, BLOCK_N], then O += P K on [BLOCK_H, BLOCK_N] x [BLOCK_N, D]), which is the MQA sharing that makes the
 work matrix-shaped (M = heads). Scores are scaled into the log2 domain and the softmax runs in float32.
 
-With REDKNOT_SPARSE_ROWS=auto (the default), calls of few heads (8 or fewer: the reuse consumer's Global heads) in modes
-"none" and "causal" take `_sparse_mqa_rows_kernel` (`packed_rows`): ROWS query rows x the heads per program,
+Calls of few heads (8 or fewer: the reuse consumer's Global heads) in modes "none" and "causal" take `_sparse_mqa_rows_kernel` (`packed_rows`): ROWS query rows x the heads per program,
 ROWS x heads = 64, so the MMA tile's rows are filled and each key tile serves ROWS rows (their windows overlap,
 their causal entries are shared), each score masked to the rows that see its key. Per-row picks share nothing,
 so "picks" keeps one row per program.
@@ -31,7 +30,6 @@ the useful tensor work is executed; the kernel reaches ~30% of the bf16 rate at 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
@@ -187,18 +185,11 @@ if HAVE_TRITON:
 
 
 def packed_rows(H: int, mode: str) -> int:
-    """Query rows per program for a call of H heads in `mode`, per REDKNOT_SPARSE_ROWS: "auto" packs rows
-    (`_sparse_mqa_rows_kernel`) where the heads alone leave most of the MMA tile idle (8 heads or fewer: the reuse
-    consumer's Global heads) and the rows share their keys (modes "none" and "causal"; "picks" differ per row), so
-    that ROWS x heads = 64 (at most 16 rows), the default; "0" never, one row per program. On the H200
-    (docs/BENCHMARKS.md run 17) the packed kernel alone is 2.7x faster on 114,688 rows x 8 heads with 896 causal
-    entries and 1.7x on the window; the Global heads' whole HCA call at 64K (stacked parts, RoPE, merge) 13%
-    faster; the whole reuse arm at 64K a tie (2.408 against 2.404 s), at 128K 3.6% faster (run 18: 4.557 against
-    4.726 s, outside the reps' spread), hence the default."""
-    mode_env = os.environ.get("REDKNOT_SPARSE_ROWS", "auto")
-    if mode_env not in ("auto", "0"):
-        raise ValueError(f"REDKNOT_SPARSE_ROWS must be auto or 0, got {mode_env!r}")
-    if mode_env == "0" or mode == "picks" or not HAVE_TRITON:
+    """Query rows per program for a call of H heads in `mode`: several rows (`_sparse_mqa_rows_kernel`) where the
+    heads alone leave most of the MMA tile idle (8 heads or fewer: the reuse consumer's Global heads) and the rows
+    share their keys (modes "none" and "causal"; "picks" differ per row), so that ROWS x heads = 64 (at most 16
+    rows); else one row per program. A config's ROWS overrides it (the kernel tests run both kernels)."""
+    if mode == "picks" or not HAVE_TRITON:
         return 1
     bh = triton.next_power_of_2(H)
     return min(16, 64 // bh) if bh <= 8 else 1

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +27,7 @@ from runtime.kernels import f32linear, mhc, rmsnorm, swiglu
 from runtime.kernels.reference import (NEG_INF, _lse_attend, entry_attention, gathered_attention,  # noqa: F401
                                        swiglu_activation, unweighted_rms_norm_reference, weighted_rms_norm)
 from runtime.kernels.rope import rope_
+from runtime.policy import DEFAULT_POLICY, RuntimePolicy
 from .config import CSA, HCA, WINDOW, ModelConfig
 from .parallel import Parallel
 
@@ -649,36 +649,21 @@ class MoE(nn.Module):
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """Sum over each row's routed slots of weight x expert(row), float32 [T, d]: the per-expert loop
-        (`routed_loop`, the reference) or, where `grouped_ok` (CUDA) and the call has at most `grouped_slots()`
-        (row, slot) pairs, one grouped GEMM per weight with no host read (`routed_grouped`)."""
-        if idx.numel() <= self.grouped_slots() and self.grouped_ok(x):
+        (`routed_loop`, the reference) or, where `grouped_ok` (CUDA) and the call has at most the policy's
+        `moe_grouped_slots` (row, slot) pairs, one grouped GEMM per weight with no host read (`routed_grouped`)."""
+        if idx.numel() <= self.policy.moe_grouped_slots and self.grouped_ok(x):
             return self.routed_grouped(x, weights, idx)
         return self.routed_loop(x, weights, idx)
 
-    # REDKNOT_MOE_GROUPED=1: the grouped form up to GROUPED_MAX_SLOTS (row, slot) pairs; above, the loop's GEMMs are
-    # large enough that its one host read costs little and the grouped GEMMs ran slower on an H200 (bench/moe.py,
-    # docs/BENCHMARKS.md run 10: 0.89x at 394K slots).
-    GROUPED_MAX_SLOTS = 1 << 17
-    # the default ("auto"): up to GROUPED_AUTO_SLOTS, where the whole reuse arm measured faster with it on an H200
-    # (run 11, side by side at a 10% budget: 16K 1.163 against 1.345 s, 32K 1.771 against 1.951 s; its calls over
-    # the active rows have 9K and 18K slots there: without the loop's host read and per-expert launches a
-    # launch-bound layer runs ahead); at 128K (69K slots a call) it measured slower (run 10: 6.85 against 6.69 s)
-    GROUPED_AUTO_SLOTS = 1 << 15
-
-    @classmethod
-    def grouped_slots(cls) -> int:
-        """The most (row, slot) pairs a call may have to take the grouped form, per REDKNOT_MOE_GROUPED: "auto"
-        (default) GROUPED_AUTO_SLOTS, "1" GROUPED_MAX_SLOTS, "0" none (always the loop)."""
-        mode = os.environ.get("REDKNOT_MOE_GROUPED", "auto")
-        if mode not in ("0", "1", "auto"):
-            raise ValueError(f"REDKNOT_MOE_GROUPED must be 0, 1 or auto, got {mode!r}")
-        return {"0": -1, "1": cls.GROUPED_MAX_SLOTS, "auto": cls.GROUPED_AUTO_SLOTS}[mode]
+    # the policy the model was given (Transformer.set_policy): its moe_grouped_slots says which calls take the
+    # grouped form
+    policy = DEFAULT_POLICY
 
     def grouped_ok(self, x: torch.Tensor) -> bool:
         """Where the grouped form can run: the kernels switch (runtime.kernels.enabled: CUDA, REDKNOT_KERNELS not
         0), torch._grouped_mm on a Hopper-or-later GPU, bf16 activations and weights, dims a multiple of 8 (16
         bytes). Its GEMMs take the loop's GPU time (bench/moe.py); what it saves is the loop's host read and
-        per-expert launches (`grouped_slots` says for which calls)."""
+        per-expert launches (the policy's `moe_grouped_slots` says for which calls)."""
         w = self.experts[str(self.local[0])].w1.weight
         return (x.is_cuda and K.enabled(x) and hasattr(torch, "_grouped_mm")
                 and x.dtype == w.dtype == torch.bfloat16
@@ -863,28 +848,20 @@ class Block(nn.Module):
 
 # ============================================================================ the model
 
-def last_row_only(cache: LayerCache | None = None) -> bool:
-    """Whether a prefill's last layer computes only the last row's output (`Block.forward(out_rows=1)`): the next
-    token reads that row alone, and every row still feeds the layer's cache, so logits and cache are those of a
-    full pass. Not while a producer captures the layer's outputs (`prefill_out_rows` applies it).
-    REDKNOT_LAST_LAYER=all turns it off (every row through the whole last layer, as before; bench/ttft.py
-    --all-rows-too times both arms that way beside)."""
-    mode = os.environ.get("REDKNOT_LAST_LAYER", "last")
-    if mode not in ("last", "all"):
-        raise ValueError(f"REDKNOT_LAST_LAYER must be last or all, got {mode!r}")
-    return mode == "last" and (cache is None or cache.capture is None)
-
-
 def prefill_out_rows(cfg: ModelConfig, layer: int, cache: LayerCache | None = None) -> int | None:
     """Block.forward's `out_rows` for `layer` of a prefill whose next token is all that is read: 1 for the model's
-    last layer where `last_row_only(cache)`, else None (every row). The recompute arm (Transformer.forward), the
+    last layer, else None (every row). The next token reads the last row alone, and every row still feeds the
+    layer's cache, so logits and cache are those of a full pass; not while a producer captures the layer's outputs
+    (`cache.capture`), which needs every row's. The recompute arm (Transformer.forward), the
     reuse arm's last fence and the FLOP ledger all take the rule from here."""
-    return 1 if layer == cfg.n_layers - 1 and last_row_only(cache) else None
+    return 1 if layer == cfg.n_layers - 1 and (cache is None or cache.capture is None) else None
 
 
 class Transformer(nn.Module):
+    policy = DEFAULT_POLICY      # the rules the fast path follows (runtime/policy.py); `set_policy` hands one in
+
     def __init__(self, cfg: ModelConfig, par: Parallel | None = None, dtype: torch.dtype = torch.float32,
-                 q_chunk: int = 4096):
+                 q_chunk: int = 4096, policy: RuntimePolicy | None = None):
         super().__init__()
         self.cfg, self.par = cfg, par or Parallel()
         self.dtype, self.q_chunk = dtype, q_chunk
@@ -895,6 +872,28 @@ class Transformer(nn.Module):
         self.hc_head_fn = nn.Parameter(torch.zeros(cfg.hc_mult, cfg.hc_mult * cfg.dim, dtype=torch.float32))
         self.hc_head_base = nn.Parameter(torch.zeros(cfg.hc_mult, dtype=torch.float32))
         self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+        if policy is not None:
+            self.set_policy(policy)
+
+    def set_policy(self, policy: RuntimePolicy) -> RuntimePolicy:
+        """The model and every module that follows a rule (the routed MoE) take `policy`; the reuse engine reads
+        the model's. Returns the policy it replaces."""
+        if not isinstance(policy, RuntimePolicy):
+            raise TypeError(f"policy must be a RuntimePolicy, got {type(policy).__name__}")
+        before = self.policy
+        for m in self.modules():
+            if isinstance(m, (Transformer, MoE)):
+                m.policy = policy
+        return before
+
+    @contextlib.contextmanager
+    def policy_as(self, policy: RuntimePolicy):
+        """`policy` for the duration of the block (a benchmark's alternative arm, a test), then the one before."""
+        before = self.set_policy(policy)
+        try:
+            yield self
+        finally:
+            self.set_policy(before)
 
     def new_cache(self) -> ModelCache:
         return ModelCache([LayerCache() for _ in range(self.cfg.n_layers)])

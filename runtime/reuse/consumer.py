@@ -16,7 +16,6 @@ re-pool, RoPE angles) is built once per request, so a reusable layer makes no ho
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field, fields as dataclass_fields
 
 import numpy as np
@@ -26,7 +25,8 @@ from runtime.model.config import CSA, HCA, WINDOW
 from runtime.model.deepseek_v4 import (NEG_INF, Block, CompressorState, LayerCache, Rotary, Transformer,
                                        grouped_projection, phase, prefill_out_rows, share_positions, shared_angles,
                                        shared_arange, unweighted_rms_norm)
-from runtime.kernels import enabled, indexer_scores_segments, merge_stacked, rope_, sparse_mqa_attention
+from runtime.policy import DEFAULT_POLICY, RuntimePolicy
+from runtime.kernels import enabled, merge_stacked, rope_, sparse_mqa_attention
 from runtime.kernels._host import to_device_nowait
 from runtime.kernels.f32linear import kept_on_weights
 from runtime.kernels.fp8_rows import gather_dequant_rows
@@ -111,38 +111,11 @@ def _plan(attn, host, segments, picks, own_picks, trig=None):
     return plan
 
 
-FUSED_MIN_HEADS = 16     # the MMA tile's rows: fewer heads leave part of each fused program's tile idle
-
-
-def fused_segments(n_heads: int) -> bool:
-    """Whether a segment_attention call of `n_heads` heads on CUDA takes the fused multi-segment kernel, per
-    REDKNOT_FUSED_SEGMENTS: "auto" (default) calls of at least FUSED_MIN_HEADS heads, i.e. the active rows' 64
-    heads, where it measured 1.2-2.1x faster than the stacked parts (the 8 Global heads' calls keep the stacked
-    parts, where the one-row fused kernel measured 1.3-3.6x slower: bench/multiseg.py, docs/BENCHMARKS.md run 8);
-    "1" every call (the 8-head calls through the packed-rows variant, slower than the stacked parts at 16K-128K:
-    run 19); "0" none."""
-    mode = os.environ.get("REDKNOT_FUSED_SEGMENTS", "auto")
-    if mode not in ("0", "1", "auto"):
-        raise ValueError(f"REDKNOT_FUSED_SEGMENTS must be 0, 1 or auto, got {mode!r}")
-    return mode == "1" or (mode == "auto" and n_heads >= FUSED_MIN_HEADS)
-
-
-def split_state() -> bool:
-    """Whether reusable layers lay the projected state out in split order (active rows, then the others; `_rows`),
-    per REDKNOT_SPLIT_STATE: "1" (default) or "0" (the rows' order, each part scattered into it: the layout before,
-    kept to be timed beside it, `bench/ttft.py --split-too 0`). Both give the same result to rounding
-    (tests/reuse/test_reuse_exactness.py)."""
-    mode = os.environ.get("REDKNOT_SPLIT_STATE", "1")
-    if mode not in ("0", "1"):
-        raise ValueError(f"REDKNOT_SPLIT_STATE must be 0 or 1, got {mode!r}")
-    return mode == "1"
-
-
 def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: list[SegmentKeys], sink: torch.Tensor,
                       idx_inputs=None, picks: list | None = None, qpos_host: np.ndarray | None = None,
                       own_picks: torch.Tensor | None = None, trig: dict | None = None,
-                      out: torch.Tensor | None = None,
-                      q_scratch: bool = False) -> tuple[torch.Tensor, torch.Tensor | int]:
+                      out: torch.Tensor | None = None, q_scratch: bool = False,
+                      policy: RuntimePolicy = DEFAULT_POLICY) -> tuple[torch.Tensor, torch.Tensor | int]:
     """q_raw [T,H,D] normed, not yet roped; qpos request positions (increasing). Returns the merged per-head output
     [T,H,D] in q_raw's dtype WITH the inverse output RoPE applied (ready for W_a), and the number of (query, key)
     pairs attended (an int from host arithmetic, or a tensor where picks are counted: no host sync).
@@ -153,16 +126,17 @@ def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: l
     de-rotated at t - Delta_j (+Delta_j into the request frame, then the inverse output RoPE at t, in one
     rotation). One pass then merges every row's parts with the sink once. `own_picks` [T, k]: each row's entry
     picks in its own segment (the artifact's, global_picks="artifact"); else CSA picks are the native indexer's
-    top-k over the union of all segments' visible entries. On CUDA, a call that `fused_segments` sends to the fused
-    multi-segment kernel does all of this in one launch instead (`_fused_segment_attention`). `out`: a contiguous
+    top-k over the union of all segments' visible entries. On CUDA, a call of at least `policy.fused_min_heads`
+    heads does all of this in one launch of the fused multi-segment kernel instead (`_fused_segment_attention`). `out`: a contiguous
     [T,H,D] tensor of q_raw's dtype the merged output is written into (a caller's row slice), else a new one.
     `q_scratch`: the caller no longer needs q_raw, so the per-segment rotations are written into it in place (from
     a compact copy of its rope channels, `rope_source`) instead of into a clone of it."""
     T, H, D = q_raw.shape
     W = attn.cfg.window_size
     host = qpos.cpu().numpy() if qpos_host is None else qpos_host      # host arithmetic: numpy, never a launch
-    if enabled(q_raw) and picks is None and fused_segments(H):
-        return _fused_segment_attention(attn, q_raw, qpos, segments, sink, idx_inputs, host, own_picks, trig, out)
+    if enabled(q_raw) and picks is None and H >= policy.fused_min_heads:
+        return _fused_segment_attention(attn, q_raw, qpos, segments, sink, idx_inputs, host, own_picks, trig, out,
+                                        policy)
     n_picks = None                       # the number of picks attended, where the indexer counted it
     if attn.kind == CSA and picks is None and own_picks is None:
         picks, n_picks = _indexer_picks(attn, qpos, segments, idx_inputs, trig)
@@ -228,8 +202,9 @@ def _count_pairs(attn, host: np.ndarray, segments: list[SegmentKeys], causal: bo
     return pairs
 
 
-def _fused_segment_attention(attn, q_raw, qpos, segments, sink, idx_inputs, host, own_picks, trig, out=None):
-    """`segment_attention` on CUDA where `fused_segments` says so: one launch of the fused multi-segment kernel
+def _fused_segment_attention(attn, q_raw, qpos, segments, sink, idx_inputs, host, own_picks, trig, out=None,
+                             policy: RuntimePolicy = DEFAULT_POLICY):
+    """`segment_attention` on CUDA for calls of at least `policy.fused_min_heads` heads: one launch of the fused multi-segment kernel
     (runtime/kernels/multiseg.py) over every segment each row reaches; no per-segment part goes through HBM.
     CSA picks (the native indexer's top-k over the union of all segments, or each row's own document's offline
     picks) go to it as one sorted list of global entry ids per row."""
@@ -241,22 +216,27 @@ def _fused_segment_attention(attn, q_raw, qpos, segments, sink, idx_inputs, host
         first, total = _offsets(segments, "index_keys" if own_picks is None else "entries")
         gp = own_global_picks(segments, qpos, own_picks, first, total, trig) if own_picks is not None else \
             _indexer_global_picks(attn, qpos, segments, idx_inputs, first, total, trig)
-    return fused_attention(attn, q_raw, qpos, segments, sink, host, mode, gp, first, total, out=out, trig=trig)
+    return fused_attention(attn, q_raw, qpos, segments, sink, host, mode, gp, first, total, out=out, trig=trig,
+                           policy=policy)
 
 
 def fused_attention(attn, q_raw, qpos, segments, sink, host, mode: str, gp=None, first=None, total=None,
-                    config: dict | None = None, out: torch.Tensor | None = None, trig: dict | None = None):
+                    config: dict | None = None, out: torch.Tensor | None = None, trig: dict | None = None,
+                    policy: RuntimePolicy = DEFAULT_POLICY):
     """One launch of the fused multi-segment kernel in `mode` ("none", "causal", or "picks" with gp [T, k] global
     entry ids, `total` for an empty slot, numbered by `first` as `_offsets` does), and the (query, key) pairs it
-    attends. `config`: the kernel's block sizes (bench/multiseg.py sweeps them); `out`: where the output goes."""
+    attends; "picks" calls of at least `policy.key_frame_min_heads` heads in the key frame. `config`: the kernel's
+    block sizes (bench/multiseg.py sweeps them); `out`: where the output goes."""
     bounds, pairs = None, 0
     if mode == "picks" and gp.shape[1] == 0:     # no slot to pick from: the windows only
         mode, gp, first = "none", None, None
     if mode == "picks":
         gp, bounds = pick_runs(gp, first, total, trig)
         pairs = bounds[:, -1].sum()
+    key_frame = mode == "picks" and q_raw.shape[1] >= policy.key_frame_min_heads
     out = multi_segment_attention(q_raw, qpos, segments, sink, attn.cfg.window_size, mode, attn.ratio or 1,
-                                  attn.scale, attn.rotary.inv_freq, gp, first, bounds, config=config, out=out)
+                                  attn.scale, attn.rotary.inv_freq, gp, first, bounds, config=config, out=out,
+                                  key_frame=key_frame)
     return out, pairs + _pairs_host(attn, host, segments, mode == "causal", trig)
 
 
@@ -288,18 +268,6 @@ def split_picks(gp, first, total):
     return [torch.where((gp >= f) & (gp < e), gp - f, -1) for f, e in zip(first, first[1:] + [total])]
 
 
-def indexer_segments_on() -> bool:
-    """Whether the online indexer on CUDA scores all segments in one launch (`indexer_scores_segments`), per
-    REDKNOT_INDEXER_SEGMENTS: "0" (default: segment by segment, `rope_` + `indexer_scores` each) or "1". The one
-    launch is opt-in: it turns the query in every program, once per column block instead of once per segment,
-    and on an H200 it is 2.5x (16K tokens) to 10.5x (128K) slower than segment by segment
-    (bench/indexer_segments.py, docs/BENCHMARKS.md run 13)."""
-    mode = os.environ.get("REDKNOT_INDEXER_SEGMENTS", "0")
-    if mode not in ("0", "1"):
-        raise ValueError(f"REDKNOT_INDEXER_SEGMENTS must be 0 or 1, got {mode!r}")
-    return mode == "1"
-
-
 def _indexer_global_picks(attn, qpos, segments, idx_inputs, first, total, trig=None):
     """Native lightning-indexer top-k over the union of every segment's visible entries (the indexer query rotated
     per segment) as global ids (segment j's entry w = first[j] + w; `total` where a slot picked nothing)."""
@@ -320,13 +288,6 @@ def _indexer_global_picks(attn, qpos, segments, idx_inputs, first, total, trig=N
     # columns are first[j].. (checked above), so a column's index IS the entry's global id
     s = torch.empty((qpos.shape[0], total), dtype=torch.float32, device=h.device)
     T = qpos.shape[0]
-    if enabled(q) and len(keyed) > 1 and indexer_segments_on():   # one launch, the query turned per segment
-        deltas = [seg.delta for _, seg in keyed]
-        cos, sin = _memo(trig, ("index_angles", T, tuple(deltas)), lambda: [torch.stack(c) for c in zip(
-            *[_angles(attn, qpos, 0, T, d, trig) for d in deltas])])
-        indexer_scores_segments(q, w, qpos, [seg.index_keys for _, seg in keyed], deltas, [first[j] for j, _ in keyed],
-                                cos, sin, s, blocks=trig)
-        keyed = []
     qs = q.clone() if keyed else None        # each segment's turned query, one after the other
     for j, seg in keyed:
         n = seg.index_keys.shape[0]
@@ -918,7 +879,7 @@ class ReuseEngine:
         # others): each part's GEMM writes its own rows' block in place, and hc_post reads W_b's output through
         # `split_pos`, so no part is scattered into the rows' order through HBM; otherwise in the rows' order
         split = (rest is not None and sp.split_pos is not None         # split_pos: both kinds of rows exist
-                 and hn.dtype == attn.wo_a.weight.dtype and split_state())
+                 and hn.dtype == attn.wo_a.weight.dtype)
         P = (hn.new_zeros if sp.rest is not None and fence else hn.new_empty)((M, attn.n_groups * cfg.o_lora_rank))
         if act is not None:                        # every head, native W_a
             with phase("rk.attn.active"):
@@ -1013,7 +974,7 @@ class ReuseEngine:
                                      (h[a:b], qr[a:b]) if h is not None else None, None,
                                      rows.pos_host[a:b], None if own_picks is None else own_picks[a:b],
                                      rows.trig.setdefault(a, {}), None if res is None else res[a:b],
-                                     q_scratch=True)
+                                     q_scratch=True, policy=self.model.policy)
             res = o if res is None else res
             pairs = pairs + p
         return res, pairs

@@ -26,7 +26,6 @@ Arms: `reuse` (this path), `naive` (every document row's K/V from its artifact, 
 computed: what position-independent caches without recomputation do) and the caller's recompute arm."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch

@@ -14,6 +14,7 @@ import runtime.reuse.consumer as consumer_mod
 from runtime.model.checkpoint import random_state
 from runtime.model.config import tiny_reuse
 from runtime.model.deepseek_v4 import Block, Transformer, hc_mix_weights
+from runtime.policy import RuntimePolicy
 from runtime.reuse.consumer import ReuseEngine
 from runtime.reuse.producer import produce
 from runtime.reuse.profile import ReuseProfile
@@ -72,11 +73,20 @@ def fused_launches(monkeypatch) -> list:
     return launched
 
 
-# (fused, picks, frame, sparse_rows): each case is minutes under the interpreter, so they are parametrized over two
+# each case is minutes under the interpreter, so they are parametrized over two
 # files (here and test_interpret_reuse.py), which `make test` runs on two processes
-REUSE_CASES = [("1", "online", "query", "0"), ("1", "artifact", "query", "0"), ("0", "online", "query", "0"),
-               ("auto", "artifact", "query", "0"), ("1", "online", "key", "0"), ("1", "artifact", "key", "0"),
-               ("0", "artifact", "query", "auto")]
+# (which calls take the fused kernel, the CSA picks, which fused picks calls take the key frame): "every" / "none"
+# set the policy's threshold to 1 / past any head count, "auto" to this model's 8 heads (as 16 is to Flash's 64
+# active-row heads and 8 Global heads: the fused kernel for calls of every head, the stacked parts for the Global's)
+REUSE_CASES = [("every", "online", "query"), ("every", "artifact", "query"), ("none", "online", "query"),
+               ("auto", "artifact", "query"), ("every", "online", "key"), ("every", "artifact", "key"),
+               ("none", "artifact", "query")]
+NEVER = 1 << 30
+
+
+def case_policy(fused: str, frame: str) -> RuntimePolicy:
+    return RuntimePolicy(fused_min_heads={"every": 1, "none": NEVER, "auto": CFG.n_heads}[fused],
+                         key_frame_min_heads=1 if frame == "key" else NEVER)
 
 
 def reuse_profile(picks: str) -> ReuseProfile:
@@ -138,23 +148,25 @@ def test_producer_through_the_kernels_equals_the_reference(model, request_tokens
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("fused,picks,frame,sparse_rows", REUSE_CASES[:3])
+@pytest.mark.parametrize("fused,picks,frame", REUSE_CASES[:3])
 def test_reuse_prefill_and_decode_through_the_kernels(model, request_tokens, kernels_on, monkeypatch, fused, picks,
-                                                      frame, sparse_rows):
-    errs = reuse_case(model, request_tokens, kernels_on, monkeypatch, fused, picks, frame, sparse_rows)
+                                                      frame):
+    errs = reuse_case(model, request_tokens, kernels_on, monkeypatch, fused, picks, frame)
     assert max(errs) <= TOL, errs
 
 
-def reuse_case(model, request_tokens, kernels_on, monkeypatch, fused, picks, frame, sparse_rows) -> list[float]:
+def reuse_case(model, request_tokens, kernels_on, monkeypatch, fused, picks, frame) -> list[float]:
     """Reuse prefill at a 25% budget plus 2 greedy decode steps, every kernel on (fences and recompute included),
-    through the fused multi-segment kernel, the per-segment kernel + stacked merge, or both ("auto": the fused
-    kernel for calls of every head, the stacked parts for the Global heads' calls; the threshold set to this
-    model's 8 heads, as 16 is to Flash's 64 and 8), equals the reference path on the same rows to 1e-5 (float32).
-    frame "key": every fused call through the key-frame kernel (REDKNOT_MULTISEG_FRAME=key). sparse_rows "auto": the
-    stacked parts of the Global heads' window and causal calls with several query rows per program
-    (REDKNOT_SPARSE_ROWS=auto, `_sparse_mqa_rows_kernel`), which must have run."""
-    monkeypatch.setenv("REDKNOT_MULTISEG_FRAME", frame)
-    monkeypatch.setenv("REDKNOT_SPARSE_ROWS", sparse_rows)
+    through the fused multi-segment kernel, the per-segment kernel + stacked merge, or both (`REUSE_CASES`, the
+    model's policy set for the case), equals the reference path on the same rows to 1e-5 (float32). frame "key":
+    the fused picks calls through the key-frame kernel, which must have run. The stacked parts' window and causal
+    calls (at most 8 heads here) take several query rows per program (`_sparse_mqa_rows_kernel`), which must have
+    run (the fence and recompute layers' sparse calls take it in every case)."""
+    with model.policy_as(case_policy(fused, frame)):
+        return _reuse_case(model, request_tokens, kernels_on, monkeypatch, fused, picks, frame)
+
+
+def _reuse_case(model, request_tokens, kernels_on, monkeypatch, fused, picks, frame) -> list[float]:
     import runtime.kernels.sparse_attention as sa
     packed = []
     real_rows = sa._sparse_mqa_rows_kernel
@@ -162,8 +174,6 @@ def reuse_case(model, request_tokens, kernels_on, monkeypatch, fused, picks, fra
                                                                           packed.append(grid) or real_rows[grid]})())
     launched = fused_launches(monkeypatch)
     docs, question = request_tokens
-    if fused == "auto":
-        monkeypatch.setattr(consumer_mod, "FUSED_MIN_HEADS", CFG.n_heads)
     prof = reuse_profile(picks)
     arts = reference_artifacts(model, docs, picks)
     eng = ReuseEngine(model, prof)
@@ -171,7 +181,6 @@ def reuse_case(model, request_tokens, kernels_on, monkeypatch, fused, picks, fra
     ref = eng.prefill(arts, question)
     want, st = [ref.logits], ref.state
     monkeypatch.setenv("REDKNOT_KERNELS", "1")
-    monkeypatch.setenv("REDKNOT_FUSED_SEGMENTS", fused)
     rows = torch.zeros(sum(a.n for a in arts[1:]), dtype=torch.bool)
     rows[ref.active_rows - arts[0].n] = True
     eng._choose_active = lambda *a: rows                   # the reference's rows (near-ties may differ)
@@ -187,11 +196,10 @@ def reuse_case(model, request_tokens, kernels_on, monkeypatch, fused, picks, fra
     if fused == "auto":
         assert kernels_on["fused"] > 0 and kernels_on["sparse"] > 0, kernels_on
     else:
-        used, unused = ("fused", "sparse") if fused == "1" else ("sparse", "fused")
+        used, unused = ("fused", "sparse") if fused == "every" else ("sparse", "fused")
         assert kernels_on[used] > 0 and kernels_on[unused] == 0, kernels_on
-    if frame == "key":
-        assert launched and set(launched) == {"_multiseg_keyframe_kernel"}, sorted(set(launched))
-    assert bool(packed) == (sparse_rows == "auto"), len(packed)
+    assert ("_multiseg_keyframe_kernel" in launched) == (frame == "key"), sorted(set(launched))
+    assert packed, len(packed)
     return [rel_err(a, b) for a, b in zip(got, want)]      # the prefill's and each decode step's error
 
 
@@ -271,12 +279,12 @@ def test_fused_kernel_rows_per_program_equal_the_reference(kind, H, rows_per_pro
     joins, it equals the stacked reference path (per-segment torch attention, rotation, merge with the sink) to
     1e-5 in float32. Head counts 8 (2 rows per program; also 4) and 3 (padded to 4 heads, 4 rows); and the one-row
     kernel, which serves calls of 16 heads or more (Flash's 64 active-row heads) and 8 heads with ROWS = 1. (The
-    tiny model's 8- and 4-head calls all take the packed kernel under REDKNOT_FUSED_SEGMENTS=1.) frame "key": the
-    one-row calls through the key-frame kernel (REDKNOT_MULTISEG_FRAME=key: each key tile's rope pairs turned by
-    its segment's Delta, one loop over the row's keys across segments), which must be the kernel that ran."""
+    tiny model's 8- and 4-head calls all take the packed kernel under fused_min_heads=1.) frame "key": the one-row
+    calls through the key-frame kernel (key_frame=True: each key tile's rope pairs turned by its segment's Delta,
+    one loop over the row's keys across segments), "auto" the consumer's default rule (the key frame for picks
+    calls of 16 heads or more), which must be the kernel that ran."""
     import types
     from runtime.kernels.multiseg import multi_segment_attention
-    monkeypatch.setenv("REDKNOT_MULTISEG_FRAME", frame)
     launched = fused_launches(monkeypatch)
     from runtime.model.config import CSA, HCA, WINDOW
     from runtime.model.deepseek_v4 import Rotary
@@ -311,13 +319,13 @@ def test_fused_kernel_rows_per_program_equal_the_reference(kind, H, rows_per_pro
         gp = torch.where(torch.rand(ids.shape, generator=g) < 0.2, total, ids)
         picks, bounds = consumer_mod.pick_runs(torch.where(vis[:, None] > 0, gp, total), first, total)
         per_seg = consumer_mod.split_picks(picks, first, total)
+    keyed = frame == "key" or (frame == "auto" and mode == "picks" and H >= RuntimePolicy().key_frame_min_heads)
     out = multi_segment_attention(q, rows, segs, sink, W, mode, ratio or 1, attn.scale, rot.inv_freq, picks, first,
-                                  bounds, config=None if rows_per_program is None else {"ROWS": rows_per_program})
+                                  bounds, config=None if rows_per_program is None else {"ROWS": rows_per_program},
+                                  key_frame=keyed)
     ref, _ = consumer_mod.segment_attention(attn, q, rows, segs, sink, picks=per_seg, qpos_host=rows.numpy())
     assert rel_err(out, ref) <= TOL
     one_row = H >= 16 or rows_per_program == 1
-    # "auto" (the default): the key frame for picks calls of 16 heads or more, the query frame otherwise
-    keyed = frame == "key" or (frame == "auto" and mode == "picks" and H >= 16)
     assert launched == ["_multiseg_packed_kernel" if not one_row else
                         "_multiseg_keyframe_kernel" if keyed else "_multiseg_kernel"]
 
@@ -352,7 +360,6 @@ def test_stacked_path_with_the_query_as_scratch_equals_the_clone(kind, kernels_o
     import types
     from runtime.model.config import CSA, HCA
     from runtime.model.deepseek_v4 import Rotary
-    monkeypatch.setenv("REDKNOT_FUSED_SEGMENTS", "0")
     g = torch.Generator().manual_seed(5)
     D, W, H, ratio = 32, 8, 4, {"hca": 8, "csa-own": 4}[kind]
     lens = [24, 40, 32, 9]
@@ -381,60 +388,13 @@ def test_stacked_path_with_the_query_as_scratch_equals_the_clone(kind, kernels_o
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("ID,rd", [(16, 16), (32, 16)])
-def test_indexer_scores_of_every_segment_in_one_launch(ID, rd, kernels_on):
-    """indexer_scores_segments (the query turned to each segment's frame on load, one launch for all segments)
-    writes bit for bit what rope_ + indexer_scores write segment by segment, into the segments' columns; columns
-    past a segment's causal limit are -inf; the column-block table is kept in `blocks` for the next call."""
-    from runtime.kernels.indexer import indexer_scores, indexer_scores_segments
-    from runtime.model.deepseek_v4 import Rotary, yarn_inv_freq
-    g = torch.Generator().manual_seed(11)
-    T, IH = 20, 4
-    rot = Rotary(yarn_inv_freq(rd, 160000.0, 16.0, 64, 32.0, 1.0))
-    qpos = torch.arange(300, 300 + T)
-    deltas, sizes = [0, 40, 200, 260], [10, 40, 15, 30]    # the last segment: its rows see 10-15 of its 30 entries
-    keys = [torch.randn(n, ID, generator=g) for n in sizes]
-    cols = [sum(sizes[:j]) for j in range(len(sizes))]
-    q = torch.randn(T, IH, ID, generator=g)
-    w = torch.rand(T, IH, generator=g)
-    want = torch.full((T, sum(sizes)), 7.0)
-    for k, d, c in zip(keys, deltas, cols):
-        qs = q.clone()
-        K.rope_(qs, *rot.cos_sin(qpos - d), src=q)
-        indexer_scores(qs, k, w, qpos - d, out=want[:, c:c + k.shape[0]], config=dict(BLOCK_T=8, BLOCK_N=16))
-    cs = [torch.stack(t) for t in zip(*[rot.cos_sin(qpos - d) for d in deltas])]
-    got, blocks = torch.full_like(want, 7.0), {}
-    indexer_scores_segments(q, w, qpos, keys, deltas, cols, *cs, got, blocks=blocks,
-                            config=dict(BLOCK_T=8, BLOCK_N=16))
-    assert torch.equal(got, want)
-    assert torch.isinf(got).any() and torch.isfinite(got).any()
-    assert len(blocks) == 1 and next(iter(blocks.values())).shape == (sum(-(-n // 16) for n in sizes), 2)
-    from runtime.reuse.consumer import indexer_segments_on
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("REDKNOT_INDEXER_SEGMENTS", raising=False)
-        assert not indexer_segments_on()                # opt-in: slower than segment by segment on an H200
-        mp.setenv("REDKNOT_INDEXER_SEGMENTS", "1")
-        assert indexer_segments_on()
-        mp.setenv("REDKNOT_INDEXER_SEGMENTS", "0")
-        assert not indexer_segments_on()
-        mp.setenv("REDKNOT_INDEXER_SEGMENTS", "yes")
-        with pytest.raises(ValueError, match="REDKNOT_INDEXER_SEGMENTS must be 0 or 1"):
-            indexer_segments_on()
-    again = torch.zeros_like(want)
-    indexer_scores_segments(q, w, qpos, keys, deltas, cols, *cs, again, blocks=blocks,
-                            config=dict(BLOCK_T=8, BLOCK_N=16))
-    assert torch.equal(again, want) and len(blocks) == 1
-
-
-@torch.no_grad()
 @pytest.mark.parametrize("mode", ["none", "causal"])
 @pytest.mark.parametrize("H", [1, 3, 8])
 def test_sparse_packed_rows_equal_the_reference(mode, H, monkeypatch):
     """`_sparse_mqa_rows_kernel` (several query rows per program for calls of few heads: the reuse consumer's Global
     heads; ROWS x heads = 64 rows of the MMA tile, at most 16 rows) equals the torch reference to 1e-5 in float32,
-    and the one-row kernel (REDKNOT_SPARSE_ROWS=0): positions with gaps, unsorted, before 0 and past the keys, a
-    last program with rows past T, entries visible from a shifted position. The packed kernel is what ran
-    (REDKNOT_SPARSE_ROWS=auto, the default; 0 keeps one row per program)."""
+    and the one-row kernel (config ROWS=1): positions with gaps, unsorted, before 0 and past the keys, a last
+    program with rows past T, entries visible from a shifted position. The packed kernel is what ran by default."""
     import runtime.kernels.sparse_attention as sa
     from runtime.kernels.reference import sparse_mqa_reference
     launched = []
@@ -451,7 +411,6 @@ def test_sparse_packed_rows_equal_the_reference(mode, H, monkeypatch):
     q = torch.randn(T, H, D, generator=g)
     keys = torch.randn(n, D, generator=g)
     ent = torch.randn(N, D, generator=g) if mode == "causal" else None
-    monkeypatch.delenv("REDKNOT_SPARSE_ROWS", raising=False)        # the default: auto
     rows = sa.packed_rows(H, mode)
     assert rows == min(16, 64 // sa.triton.next_power_of_2(H)) and T % rows
     o, lse = sa.sparse_mqa_attention(q, keys, cpos, W, ent, mode, ratio, pos_shift=3)
@@ -461,12 +420,9 @@ def test_sparse_packed_rows_equal_the_reference(mode, H, monkeypatch):
     assert torch.equal(torch.isinf(lse), torch.isinf(rl)) and torch.isinf(rl).any() and torch.isfinite(rl).any()
     fin = torch.isfinite(rl)
     assert (lse[fin] - rl[fin]).abs().max() <= TOL
-    monkeypatch.setenv("REDKNOT_SPARSE_ROWS", "0")
-    o1, _ = sa.sparse_mqa_attention(q, keys, cpos, W, ent, mode, ratio, pos_shift=3)
+    o1, _ = sa.sparse_mqa_attention(q, keys, cpos, W, ent, mode, ratio, pos_shift=3, config={"ROWS": 1})
     assert launched[-1] == "_sparse_mqa_kernel" and rel_err(o1, o) <= TOL
-    monkeypatch.setenv("REDKNOT_SPARSE_ROWS", "8")
-    with pytest.raises(ValueError, match="REDKNOT_SPARSE_ROWS"):
-        sa.packed_rows(H, mode)
+    assert sa.packed_rows(H, "picks") == 1 and sa.packed_rows(16, mode) == 1
 
 
 def gather_dequant_case(device, dtype, monkeypatch, seed: int = 0):

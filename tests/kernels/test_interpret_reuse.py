@@ -7,8 +7,8 @@ from .test_interpret import TOL, REUSE_CASES, kernels_on, model, pytestmark, req
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("fused,picks,frame,sparse_rows", REUSE_CASES[3:])
+@pytest.mark.parametrize("fused,picks,frame", REUSE_CASES[3:])
 def test_reuse_prefill_and_decode_through_the_kernels(model, request_tokens, kernels_on, monkeypatch, fused, picks,  # noqa: F811
-                                                      frame, sparse_rows):
-    errs = reuse_case(model, request_tokens, kernels_on, monkeypatch, fused, picks, frame, sparse_rows)
+                                                      frame):
+    errs = reuse_case(model, request_tokens, kernels_on, monkeypatch, fused, picks, frame)
     assert max(errs) <= TOL, errs

@@ -5,12 +5,12 @@ Skipped where Triton or CUDA is missing (CPU CI). Tolerance per the device tool'
 poisoned (NaN-filled allocator blocks) before each run so an unwritten element fails. LSEs must agree on which
 rows are empty (-inf) and be within 1e-2 elsewhere.
 """
-import math
 
 import pytest
 import torch
 
 from runtime.kernels import available
+from runtime.policy import RuntimePolicy
 
 pytestmark = pytest.mark.skipif(not available(), reason="needs Triton and a CUDA device")
 
@@ -119,9 +119,6 @@ def test_sparse_packed_rows_few_heads(mode, N, ratio, H, monkeypatch):
     = 64 rows of the MMA tile: 8 rows of the Global heads' 8, 16 rows of 3 heads padded to 4): equal to the
     reference at real dims on gapped positions, with positions unsorted and rows past T in the last program."""
     from runtime.kernels.sparse_attention import packed_rows
-    monkeypatch.setenv("REDKNOT_SPARSE_ROWS", "0")
-    assert packed_rows(H, mode) == 1                                   # 0: one row per program
-    monkeypatch.delenv("REDKNOT_SPARSE_ROWS")                          # the default: auto
     assert packed_rows(H, mode) == (8 if H == 8 else 16) and packed_rows(H, "picks") == 1
     n = 131072 if mode == "causal" and ratio == 128 else 8192
     run_case(4099, H, 512, 128, n, mode, N=N, ratio=ratio, seed=20 + H, cpos=_gapped_positions(4099, n, H))
@@ -130,17 +127,16 @@ def test_sparse_packed_rows_few_heads(mode, N, ratio, H, monkeypatch):
 
 
 def test_sparse_packed_rows_equal_one_row_per_program(monkeypatch):
-    """REDKNOT_SPARSE_ROWS=auto (packed) and 0 (one row per program): within bf16 rounding of each other on 8 heads."""
+    """Packed rows (the default for 8 heads) and one row per program (config ROWS=1): within bf16 rounding of each
+    other on 8 heads."""
     g = torch.Generator(device=DEV).manual_seed(9)
     T, H, D, n, N = 2000, 8, 512, 8192, 64
     q = torch.randn(T, H, D, device=DEV, generator=g).to(DT)
     keys = torch.randn(n, D, device=DEV, generator=g).to(DT)
     ent = torch.randn(N, D, device=DEV, generator=g).to(DT)
     cpos = _gapped_positions(T, n, 3)
-    monkeypatch.setenv("REDKNOT_SPARSE_ROWS", "auto")
     a = sparse_mqa_attention(q, keys, cpos, 128, ent, "causal", 128)
-    monkeypatch.setenv("REDKNOT_SPARSE_ROWS", "0")
-    b = sparse_mqa_attention(q, keys, cpos, 128, ent, "causal", 128)
+    b = sparse_mqa_attention(q, keys, cpos, 128, ent, "causal", 128, config={"ROWS": 1})
     assert rel_err(a[0], b[0]) < 1e-3
     check_lse(a[1], b[1])
 
@@ -257,31 +253,6 @@ def test_indexer_scores(T, N, IH, ID):
     assert torch.equal(torch.isinf(s), torch.isinf(ref))
     fin = torch.isfinite(ref)
     assert rel_err(s[fin], ref[fin]) < TOL
-
-
-@pytest.mark.parametrize("T,IH,ID", [(300, 16, 32), (4096, 64, 128)])
-def test_indexer_scores_of_every_segment_in_one_launch(T, IH, ID):
-    """indexer_scores_segments (bf16, compiled) against rope_ + indexer_scores segment by segment: the same -inf
-    pattern and the scores to bf16 rounding of the turned query (the two kernels' dots are the same)."""
-    from runtime.kernels import indexer_scores_segments, rope_
-    from runtime.model.deepseek_v4 import Rotary, yarn_inv_freq
-    g = torch.Generator(device=DEV).manual_seed(T)
-    rot = Rotary(yarn_inv_freq(64 if ID >= 64 else ID, 160000.0, 16.0, 65536, 32.0, 1.0))
-    sizes, deltas = [256, 1024, 300, 64], [0, 1024, 5120, 6400]
-    keys = [torch.randn(n, ID, device=DEV, generator=g).to(DT) for n in sizes]
-    cols = [sum(sizes[:j]) for j in range(len(sizes))]
-    q = torch.randn(T, IH, ID, device=DEV, generator=g).to(DT)
-    w = torch.randn(T, IH, device=DEV, generator=g) * IH ** -0.5
-    qpos = torch.arange(6500 - T // 2, 6500 - T // 2 + T, device=DEV)
-    want = torch.empty((T, sum(sizes)), device=DEV)
-    for k, d, c in zip(keys, deltas, cols):
-        qs = rope_(q.clone(), *rot.cos_sin(qpos - d), src=q)
-        indexer_scores(qs, k, w, qpos - d, out=want[:, c:c + k.shape[0]])
-    cs = [torch.stack(t) for t in zip(*[rot.cos_sin(qpos - d) for d in deltas])]
-    got = indexer_scores_segments(q, w, qpos, keys, deltas, cols, *cs, torch.empty_like(want), blocks={})
-    assert torch.equal(torch.isinf(got), torch.isinf(want)) and torch.isinf(want).any()
-    fin = torch.isfinite(want)
-    assert rel_err(got[fin], want[fin]) < 1e-3
 
 
 @pytest.mark.parametrize("T,N,k,offset", [(4096, 1024, 512, 0), (8192, 4096, 512, None), (1000, 300, 512, 0)])
@@ -462,9 +433,9 @@ def test_fused_multi_segment_equals_reference(kind, H, monkeypatch):
         counted["fused"] += 1
         return real(*a, **kw)
     monkeypatch.setattr(C, "multi_segment_attention", count)
-    monkeypatch.setenv("REDKNOT_FUSED_SEGMENTS", "1")
     poison()
-    out, pairs = C.segment_attention(attn, q, rows, segs, sink, qpos_host=hostpos, own_picks=own)
+    out, pairs = C.segment_attention(attn, q, rows, segs, sink, qpos_host=hostpos, own_picks=own,
+                                     policy=RuntimePolicy(fused_min_heads=1))
     assert counted["fused"] == 1 and out.dtype == DT
     monkeypatch.setenv("REDKNOT_KERNELS", "0")
     up = [C.SegmentKeys(s.delta, s.latent.float(), None if s.entries is None else s.entries.float()) for s in segs]

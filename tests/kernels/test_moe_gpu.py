@@ -1,4 +1,4 @@
-"""MoE.routed on CUDA, opted in (REDKNOT_MOE_GROUPED=1), takes the grouped form (torch._grouped_mm, no host read);
+"""MoE.routed on CUDA, for a call within the policy's moe_grouped_slots, takes the grouped form (torch._grouped_mm, no host read);
 against the per-expert loop run in float32 on the upcast weights and inputs, within the bf16 tolerance of METHOD.md
 (1e-2 relative, NaN never passes), with dropped slots and expert runs split across slot chunks. Skipped without CUDA
 (CPU CI runs tests/runtime/test_moe_grouped.py, the same comparison in float32)."""
@@ -17,7 +17,6 @@ TOL = 1e-2
 @pytest.mark.parametrize("chunk", [1000, 32768])
 @pytest.mark.parametrize("drop", [0.0, 0.4])
 def test_grouped_moe_matches_the_float32_loop(chunk, drop, monkeypatch):
-    monkeypatch.setenv("REDKNOT_MOE_GROUPED", "1")
     from runtime.model.config import FLASH
     from runtime.model.deepseek_v4 import MoE, Parallel
     cfg = FLASH.replace(dim=1024, moe_inter_dim=512, n_routed_experts=16)

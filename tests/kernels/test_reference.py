@@ -111,21 +111,3 @@ def test_merge_stacked_reference_equals_merge_with_sink():
     for rg in (ranges, None):
         got = merge_stacked_reference(o, lse, sink, torch.float64, rg)
         assert not torch.isnan(got).any() and torch.allclose(got, want.double())
-
-
-def test_fused_segments_switch(monkeypatch):
-    """REDKNOT_FUSED_SEGMENTS picks the consumer's segment path per call: auto (the default) sends calls of at
-    least FUSED_MIN_HEADS heads (Flash's 64 active-row heads) to the fused kernel and the 8 Global heads' calls to
-    the stacked parts; 1 every call; 0 none; anything else is refused."""
-    import pytest
-    from runtime.reuse.consumer import FUSED_MIN_HEADS, fused_segments
-    monkeypatch.delenv("REDKNOT_FUSED_SEGMENTS", raising=False)
-    assert FUSED_MIN_HEADS == 16
-    assert fused_segments(64) and fused_segments(16) and not fused_segments(8)
-    monkeypatch.setenv("REDKNOT_FUSED_SEGMENTS", "1")
-    assert fused_segments(8) and fused_segments(64)
-    monkeypatch.setenv("REDKNOT_FUSED_SEGMENTS", "0")
-    assert not fused_segments(64)
-    monkeypatch.setenv("REDKNOT_FUSED_SEGMENTS", "yes")
-    with pytest.raises(ValueError, match="0, 1 or auto"):
-        fused_segments(64)

@@ -23,6 +23,7 @@ import runtime.reuse.consumer as consumer_mod
 from runtime.model.checkpoint import random_state
 from runtime.model.config import tiny_reuse
 from runtime.model.deepseek_v4 import Transformer
+from runtime.policy import RuntimePolicy
 from runtime.reuse.consumer import ReuseEngine
 from runtime.reuse.producer import produce
 from runtime.reuse.profile import ReuseProfile, degenerate
@@ -30,6 +31,12 @@ from runtime.reuse.profile import ReuseProfile, degenerate
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and K.available()), reason="needs CUDA and Triton")
 
 CFG = tiny_reuse()
+
+
+def fused_policy(fused: str) -> RuntimePolicy:
+    """"1": every segment call through the fused kernel, "0": none, "auto": calls of this model's 8 heads (as 16 is
+    to Flash's 64 active-row heads and 8 Global heads)."""
+    return RuntimePolicy(fused_min_heads={"1": 1, "0": 1 << 30, "auto": CFG.n_heads}[fused])
 BASE = dict(first_fences=2, last_fences=2, align=16)
 F32 = 1e-3
 
@@ -127,9 +134,8 @@ def test_kernel_path_equals_reference_float32(state, tokens, counted, monkeypatc
     prof = PROFILES[name]
     ref_full, ref = both_arms(build(state, "cpu", torch.float32), docs, question, prof)
     monkeypatch.setenv("REDKNOT_KERNELS", "1")
-    monkeypatch.setenv("REDKNOT_FUSED_SEGMENTS", fused)
-    monkeypatch.setattr(consumer_mod, "FUSED_MIN_HEADS", CFG.n_heads)     # this model's 8 heads, as 16 is Flash's
     model = build(state, "cuda", torch.float32)
+    model.set_policy(fused_policy(fused))
     fresh(counted)
     full, res = both_arms(model, docs, question, prof)
     assert counted["attention"] > 0, counted
@@ -171,7 +177,7 @@ def test_bf16_kernel_path_is_as_close_to_exact_as_the_bf16_reference(state, toke
     ref_full, ref = both_arms(model, docs, question, prof, force=exact.chosen)     # the exact run's rows
     assert counted["attention"] == 0
     monkeypatch.setenv("REDKNOT_KERNELS", "1")
-    monkeypatch.setenv("REDKNOT_FUSED_SEGMENTS", fused)
+    model.set_policy(fused_policy(fused))
     fresh(counted)
     full, res = both_arms(model, docs, question, prof, force=exact.chosen)
     assert counted["attention"] > 0
@@ -224,8 +230,8 @@ def test_decode_after_reuse_prefill_with_fused_kernel_equals_reference(state, to
     ref_res = ref_eng.prefill(arts, question)
     ref_logits, state_ref = [ref_res.logits], ref_res.state
     monkeypatch.setenv("REDKNOT_KERNELS", "1")
-    monkeypatch.setenv("REDKNOT_FUSED_SEGMENTS", "1")
     model = build(state, "cuda", torch.float32)
+    model.set_policy(fused_policy("1"))
     fresh(counted)
     g_arts = [produce(model, d, prof) for d in docs]
     eng = ReuseEngine(model, prof)

@@ -12,7 +12,7 @@ def test_ttft_cpu_smoke_run_with_a_second_budget_and_the_cold_arm(tmp_path):
     out = tmp_path / "ttft.json"
     r = subprocess.run([sys.executable, "bench/ttft.py", "--small", "--device", "cpu", "--layers", "8", "--experts", "8",
                     "--lengths", "1024", "--cold-at", "1024", "--reps", "1", "--warmup", "2", "--extra-budgets", "0.1",
-                    "--fused-too", "--moe-too", "grouped", "--frame-too", "key", "--split-too", "0", "--rows-too", "0", "--all-rows-too",
+                    "--policy", "fused_min_heads=4", "--policy", "moe_grouped_slots=0",
                     "--hostprof-at", "1024", "--json",
                     str(out)], cwd=ROOT, check=True, capture_output=True, text=True, timeout=600)
     run = json.loads(out.read_text())
@@ -26,14 +26,8 @@ def test_ttft_cpu_smoke_run_with_a_second_budget_and_the_cold_arm(tmp_path):
     (extra,) = row["extra"]
     assert extra["budget"] == 0.1 and 0 < extra["active"] < row["active"] < row["relocated"]
     assert extra["flop_ratio"] > row["flop_ratio"] > 1          # a smaller budget skips more work
-    assert len(row["reuse_all"]) == len(extra["reuse_all"]) == len(row["fused_all"]) == 1 and row["fused_s"] > 0
-    assert len(row["moe_all"]) == 1 and row["moe_s"] > 0 and row["moe_form"] == "grouped"
-    assert len(row["frame_all"]) == 1 and row["frame_s"] > 0 and row["frame"] == "key"
-    assert len(row["split_all"]) == 1 and row["split_s"] > 0 and row["split_state"] == "0"
-    assert len(row["rows_all"]) == 1 and row["rows_s"] > 0 and row["sparse_rows"] == "0"
-    # the last layer on every row (both arms) beside the default's last row only: more work, a lower FLOP ratio
-    assert len(row["all_rows_recompute_all"]) == len(row["all_rows_reuse_all"]) == 1 and row["all_rows_reuse_s"] > 0
-    assert 1 < row["all_rows_flop_ratio"] < row["flop_ratio"]
+    assert len(row["reuse_all"]) == len(extra["reuse_all"]) == len(row["policy_all"]) == 1 and row["policy_s"] > 0
+    assert row["policy"] == {"fused_min_heads": 4, "moe_grouped_slots": 0}     # the fields the other arm changed
     # --warmup 2: two untimed runs of each arm, each one's time kept
     assert [len(row["warmup_s"][a]) for a in ("recompute", "reuse")] == [2, 2] and min(row["warmup_s"]["reuse"]) > 0
     assert "warm-up runs: recompute" in r.stdout
@@ -76,3 +70,9 @@ def test_ttft_refuses_a_length_shorter_than_one_block_per_document():
     r = subprocess.run([sys.executable, "bench/ttft.py", "--small", "--device", "cpu", "--lengths", "512",
                         "--cold-at", "0"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and "length 512 leaves 8 documents under 128 tokens each" in r.stderr, r.stderr[-500:]
+
+
+def test_ttft_refuses_an_unknown_policy_field_before_any_work():
+    r = subprocess.run([sys.executable, "bench/ttft.py", "--small", "--device", "cpu", "--policy", "fused=1"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "policy item 'fused=1' must be key=value with key one of" in r.stderr, r.stderr

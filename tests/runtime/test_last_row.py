@@ -1,12 +1,13 @@
 """The last layer of a prefill computes the last row's output only (Block.forward(out_rows=1)): the next token's
 logits and every layer's cache equal a full pass's, decoding continues the same, and the FLOP model counts what
-runs. REDKNOT_LAST_LAYER=all restores the full last layer."""
+runs. The full last layer they are compared with: `all_logits=True` (every row's logits), or the rule
+`prefill_out_rows` replaced where the ledger and the reuse engine read it."""
 import pytest
 import torch
 
 from runtime.model.checkpoint import random_state
 from runtime.model.config import tiny_reuse
-from runtime.model.deepseek_v4 import Transformer, last_row_only
+from runtime.model.deepseek_v4 import Transformer, prefill_out_rows
 from runtime.model.flops import layer_flops
 from runtime.reuse.consumer import ReuseEngine
 from runtime.reuse.ledger import Ledger
@@ -65,11 +66,8 @@ def test_last_layer_on_the_last_row_keeps_logits_and_every_cache(model, monkeypa
     model = _on(device) or model
     toks = _tokens(150).to(device)
     full_cache, trim_cache = model.new_cache(), model.new_cache()
-    monkeypatch.setenv("REDKNOT_LAST_LAYER", "all")
-    assert not last_row_only()
-    full = model(toks, full_cache)
-    monkeypatch.setenv("REDKNOT_LAST_LAYER", "last")
-    assert last_row_only()
+    full = model(toks, full_cache, all_logits=True)[-1]            # every row through the last layer
+    assert prefill_out_rows(CFG, CFG.n_layers - 1) == 1 and prefill_out_rows(CFG, 0) is None
     calls = []
     last = model.layers[-1]
     real = type(last).forward
@@ -99,7 +97,7 @@ def test_all_logits_and_a_capturing_producer_keep_every_row(model):
     assert _rel(model(toks), every[-1]) <= TOL
     cache = model.new_cache()
     cache.layers[-1].capture = {}
-    assert not last_row_only(cache.layers[-1])
+    assert prefill_out_rows(CFG, CFG.n_layers - 1, cache.layers[-1]) is None
     model(toks, cache)
     assert cache.layers[-1].capture["o"].shape[0] == 80           # the producer saw every row's output
 
@@ -126,12 +124,6 @@ def test_block_out_rows_bounds(model):
         assert none.shape == (0, *x.shape[1:])
 
 
-def test_bad_setting_is_a_clear_error(monkeypatch):
-    monkeypatch.setenv("REDKNOT_LAST_LAYER", "some")
-    with pytest.raises(ValueError, match="REDKNOT_LAST_LAYER"):
-        last_row_only()
-
-
 def test_flops_of_the_trimmed_layer():
     last = CFG.n_layers - 1
     T = 4096
@@ -152,7 +144,8 @@ def test_flops_of_the_trimmed_layer():
 def test_the_ledgers_recompute_arm_counts_the_trimmed_last_layer(monkeypatch):
     led = Ledger.start(CFG, ReuseProfile(first_fences=2, last_fences=2, align=16), n_prefix=64, n_reloc=256, n_new=16)
     trimmed = sum(led.recompute_flops().values())
-    monkeypatch.setenv("REDKNOT_LAST_LAYER", "all")
+    import runtime.reuse.ledger as ledger_mod
+    monkeypatch.setattr(ledger_mod, "prefill_out_rows", lambda *a: None)     # every row through the last layer
     full = sum(led.recompute_flops().values())
     T, last = 64 + 256 + 16, CFG.n_layers - 1
     assert full - trimmed == pytest.approx(layer_flops(CFG, last, T).total - layer_flops(CFG, last, T, out_rows=1).total)
@@ -164,9 +157,10 @@ def test_reuse_arm_trims_its_last_fence_and_keeps_its_caches(model, monkeypatch)
     docs = [produce(model, torch.randint(2, CFG.vocab_size, (n,), generator=g).tolist(), prof) for n in (64, 96, 80)]
     question = torch.randint(2, CFG.vocab_size, (12,), generator=g).tolist()
     eng = ReuseEngine(model, prof)
-    monkeypatch.setenv("REDKNOT_LAST_LAYER", "all")
-    a = eng.prefill(docs, question)
-    monkeypatch.setenv("REDKNOT_LAST_LAYER", "last")
+    import runtime.reuse.consumer as consumer_mod
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(consumer_mod, "prefill_out_rows", lambda *a: None)        # every row through the last fence
+        a = eng.prefill(docs, question)
     b = eng.prefill(docs, question)
     assert _rel(b.logits, a.logits) <= TOL
     last = CFG.n_layers - 1

@@ -105,17 +105,24 @@ def test_routed_takes_the_loop_on_cpu():
     assert torch.equal(moe.routed(x, w, idx), moe.routed_loop(x, w, idx))
 
 
-def test_grouped_slots_per_env(monkeypatch):
-    """REDKNOT_MOE_GROUPED: auto (default) up to GROUPED_AUTO_SLOTS pairs a call, 1 up to GROUPED_MAX_SLOTS, 0 never;
-    anything else is refused before any work."""
-    from runtime.model.deepseek_v4 import MoE
-    monkeypatch.delenv("REDKNOT_MOE_GROUPED", raising=False)
-    assert MoE.grouped_slots() == MoE.GROUPED_AUTO_SLOTS == 1 << 15
-    for mode, want in (("auto", MoE.GROUPED_AUTO_SLOTS), ("1", MoE.GROUPED_MAX_SLOTS), ("0", -1)):
-        monkeypatch.setenv("REDKNOT_MOE_GROUPED", mode)
-        assert MoE.grouped_slots() == want
-    monkeypatch.setenv("REDKNOT_MOE_GROUPED", "yes")
-    moe = layer(tiny(n_layers=2, n_hash_layers=1))
+def test_grouped_form_per_policy(monkeypatch):
+    """The routed MoE takes the grouped form for calls of at most the policy's moe_grouped_slots (row, slot) pairs
+    (the default 1 << 15) where it can run, the loop above; the model's set_policy reaches every MoE layer and
+    policy_as restores the policy before."""
+    from runtime.policy import RuntimePolicy
+    cfg = tiny(n_layers=2, n_hash_layers=1)
+    model = Transformer(cfg)
+    moe = model.layers[1].ffn
+    assert moe.policy.moe_grouped_slots == 1 << 15
     x, w, idx = routing(moe, 8, 0.0)
-    with pytest.raises(ValueError, match="REDKNOT_MOE_GROUPED must be 0, 1 or auto"):
+    took, real_loop = [], moe.routed_loop
+    monkeypatch.setattr(moe, "grouped_ok", lambda x: True)
+    monkeypatch.setattr(moe, "routed_grouped", lambda *a: took.append("grouped") or real_loop(*a))
+    monkeypatch.setattr(moe, "routed_loop", lambda *a: took.append("loop") or real_loop(*a))
+    moe.routed(x, w, idx)
+    with model.policy_as(RuntimePolicy(moe_grouped_slots=idx.numel() - 1)):
+        assert all(m.ffn.policy.moe_grouped_slots == idx.numel() - 1 for m in model.layers)
         moe.routed(x, w, idx)
+    with model.policy_as(RuntimePolicy(moe_grouped_slots=idx.numel())):
+        moe.routed(x, w, idx)
+    assert took == ["grouped", "loop", "grouped"] and moe.policy == RuntimePolicy() == model.policy

@@ -1,0 +1,66 @@
+"""RuntimePolicy: the measured-best rules the fast path follows, as one frozen value.
+
+The process edge (the `redknot` command, a service's settings, a benchmark's `--policy key=value`) builds one and
+hands it to the model (`Transformer(..., policy=)` or `Transformer.set_policy`); the model's modules and the reuse
+engine read it from there. Nothing below the process edge reads the environment for these rules: the one switch
+that stays is REDKNOT_KERNELS (the torch reference path against the GPU kernels, `runtime.kernels.enabled`).
+
+Every field is a threshold in a shape the hardware decides (heads against the MMA tile's 16 rows, routed slots
+against a GEMM's size); the defaults are the values measured best on an H200 with DeepSeek-V4-Flash's shapes (64
+query heads on the active rows, 8 Global heads, 16 experts of 2048 per token slot). A model of other shapes (the
+tests' tiny configs) sets them to its own head counts to take the same kernels."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RuntimePolicy:
+    # a segment-attention call of at least this many heads on CUDA takes the fused multi-segment kernel (one launch
+    # over every segment); fewer heads (Flash's 8 Global heads) take the stacked per-segment parts and one merge,
+    # where the fused kernel leaves most of its 16-row tile idle and measured 1.3-3.6x slower
+    fused_min_heads: int = 16
+    # a fused call in "picks" mode (CSA) of at least this many heads turns the keys to the query's frame, one loop
+    # over the row's picks across segments; other calls turn the query per segment (faster for HCA's long causal
+    # runs)
+    key_frame_min_heads: int = 16
+    # the routed MoE takes one grouped GEMM per weight (no host read) for calls of at most this many (row, slot)
+    # pairs; above, the per-expert loop, whose GEMMs are then large enough that its one host read costs little
+    # (0: always the loop)
+    moe_grouped_slots: int = 1 << 15
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"RuntimePolicy.{f.name} must be a non-negative int, got {v!r}")
+
+    def replace(self, **changes) -> "RuntimePolicy":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def parse(cls, items: list[str] | tuple[str, ...] = ()) -> "RuntimePolicy":
+        """The default policy with `key=value` items applied (a benchmark's or the command's `--policy`); an unknown
+        key or a value that is not an int is a ValueError naming the fields."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        changes = {}
+        for item in items:
+            key, sep, value = item.partition("=")
+            key = key.strip()
+            if not sep or key not in names:
+                raise ValueError(f"policy item {item!r} must be key=value with key one of {sorted(names)}")
+            try:
+                changes[key] = int(value.strip(), 0)
+            except ValueError:
+                raise ValueError(f"policy item {item!r}: {key} takes an int") from None
+        return cls(**changes)
+
+    def diff(self) -> dict[str, int]:
+        """The fields that differ from the default, for a benchmark's record."""
+        base = RuntimePolicy()
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) != getattr(base, f.name)}
+
+
+DEFAULT_POLICY = RuntimePolicy()

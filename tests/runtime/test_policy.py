@@ -1,0 +1,56 @@
+"""RuntimePolicy (runtime/policy.py): the fast path's rules as one frozen value built at the process edge. Its
+defaults are the measured-best values, `parse` takes a benchmark's `key=value` items and refuses anything else
+before any work, and nothing below the process edge reads the environment except REDKNOT_KERNELS."""
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from runtime.policy import DEFAULT_POLICY, RuntimePolicy
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_defaults_parse_and_diff():
+    p = RuntimePolicy()
+    assert p == DEFAULT_POLICY and (p.fused_min_heads, p.key_frame_min_heads, p.moe_grouped_slots) == (16, 16, 1 << 15)
+    q = RuntimePolicy.parse(["fused_min_heads=8", " moe_grouped_slots = 0x100 "])
+    assert q == p.replace(fused_min_heads=8, moe_grouped_slots=256) and q.diff() == {"fused_min_heads": 8,
+                                                                                      "moe_grouped_slots": 256}
+    assert RuntimePolicy.parse([]) == p and p.diff() == {}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.fused_min_heads = 1
+
+
+@pytest.mark.parametrize("items,match", [(["fused=1"], "must be key=value with key one of"),
+                                         (["fused_min_heads"], "must be key=value"),
+                                         (["fused_min_heads=many"], "fused_min_heads takes an int"),
+                                         (["moe_grouped_slots=-1"], "must be a non-negative int")])
+def test_bad_items_are_refused(items, match):
+    with pytest.raises(ValueError, match=match):
+        RuntimePolicy.parse(items)
+
+
+def test_set_policy_refuses_what_is_not_a_policy():
+    from runtime.model.config import tiny
+    from runtime.model.deepseek_v4 import Transformer
+    m = Transformer(tiny(n_layers=2, n_hash_layers=1), policy=RuntimePolicy(moe_grouped_slots=7))
+    assert m.policy.moe_grouped_slots == 7 and m.layers[0].ffn.policy.moe_grouped_slots == 7
+    with pytest.raises(TypeError, match="must be a RuntimePolicy"):
+        m.set_policy({"moe_grouped_slots": 1})
+    assert m.policy.moe_grouped_slots == 7
+
+
+def test_no_environment_read_below_the_process_edge():
+    """runtime/ reads no environment variable but REDKNOT_KERNELS (the reference-vs-kernels switch) and Triton's
+    own TRITON_INTERPRET."""
+    allowed = {"runtime/kernels/__init__.py": "REDKNOT_KERNELS", "runtime/kernels/_triton.py": "TRITON_INTERPRET"}
+    reads = []
+    for f in sorted((ROOT / "runtime").rglob("*.py")):
+        rel = f.relative_to(ROOT).as_posix()
+        for n, line in enumerate(f.read_text().splitlines(), 1):
+            if re.search(r"os\.environ|os\.getenv|getenv\(", line) and not line.lstrip().startswith("#"):
+                if rel not in allowed or allowed[rel] not in line:
+                    reads.append(f"{rel}:{n}: {line.strip()}")
+    assert not reads, reads
