@@ -42,6 +42,9 @@ class RankGroup:
     # control-plane collectives between layers (per-layer-group agreements): gloo, so that on GPUs they never
     # queue behind the model's NCCL kernels on the compute stream
     control: Parallel = Parallel()
+    # the worker's shard exchange (services/worker/exchange.py): a gloo group of its own, driven by one thread per
+    # rank, so that its all-gathers never interleave with the model's or the control plane's collectives
+    exchange: object | None = None
 
     @property
     def leader(self) -> bool:
@@ -80,7 +83,8 @@ def _entry(rank: int, target, size: int, port: int, device: str, args: tuple) ->
                             rank=rank, world_size=size, timeout=timedelta(hours=1))
     try:
         control = Parallel(rank, size, dist.new_group(backend="gloo")) if dev.type == "cuda" else Parallel(rank, size)
-        target(RankGroup(rank, size, dev, Parallel(rank, size), control), *args)
+        exchange = dist.new_group(backend="gloo")
+        target(RankGroup(rank, size, dev, Parallel(rank, size), control, exchange), *args)
         dist.barrier()                      # no rank tears the group down while another still talks to it
     finally:
         dist.destroy_process_group()

@@ -30,6 +30,8 @@ class WorkerMetrics:
                                  ["reason"], registry=r)
         self.fetch_bytes = Counter("redknot_artifact_fetch_bytes", "Bytes fetched from the store by every rank",
                                    registry=r)
+        self.exchange_bytes = Counter("redknot_artifact_exchange_bytes", "Shared shard bytes a rank received from "
+                                      "the other ranks of its TP group instead of the store", registry=r)
         self.fetch_seconds = Histogram("redknot_artifact_fetch_seconds", "Store fetch latency per document and rank",
                                        buckets=FETCH_BUCKETS, registry=r)
         self.tier = Counter("redknot_cache_tier_requests", "Pinned host tier look-ups by result and, for a miss, why "

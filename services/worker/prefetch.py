@@ -9,7 +9,11 @@ fetched whole is verified (every shard against its certificate), parsed and pinn
 request's stager: `StagedSource.read`) and published into the tier.
 Rank 0 broadcasts the documents of the requests queued behind the current one; every rank starts fetching those
 in the background while the current request runs (`warm`), and a request joins a fetch already in flight
-instead of starting another."""
+instead of starting another.
+Under TP the ranks first agree (one control-group all-gather per call) which documents none of them holds or is
+fetching: those are fetched shared (services/worker/exchange.py: each rank fetches the latent shards of the layers
+it owns plus its own LOCAL shards, and the group all-gathers the latent shards); a document some rank already
+holds is fetched whole, alone, by each rank that lacks it (no collective, so no rank waits on another's tier)."""
 from __future__ import annotations
 
 import logging
@@ -20,12 +24,14 @@ from dataclasses import dataclass, field
 
 from runtime.reuse.certificate import FallbackReason, Verdict
 from runtime.reuse.prefetch import HotSource, SourceError, StagedSource, Trace
-from runtime.reuse.store import CERTIFICATE_FILE, MANIFEST_FILE, VerifiedFiles, read_head
+from runtime.model.parallel import Parallel
+from runtime.reuse.store import CERTIFICATE_FILE, MANIFEST_FILE, VerifiedFiles, read_head, shard_file
 from services.common.tenants import Tenants
 from services.store.client import StoreClient, fallback_reason
 from services.store.errors import StoreError
 from services.store.keys import DocumentKey, Range
 
+from .exchange import ShardExchange
 from .tier import PinnedTier, TierKey
 
 log = logging.getLogger("redknot.worker")
@@ -34,8 +40,9 @@ HEAD_FILES = (CERTIFICATE_FILE, MANIFEST_FILE)
 
 @dataclass
 class FetchStats:
-    bytes: int = 0
+    bytes: int = 0                                           # from the store
     seconds: list[float] = field(default_factory=list)      # one per document fetched
+    exchanged: int = 0                                       # from the other ranks of the TP group (shared shards)
 
 
 @dataclass(frozen=True)
@@ -49,8 +56,12 @@ class Opened:
 
 class Prefetcher:
     def __init__(self, tier: PinnedTier, tenants: Tenants, store: str, rank: int, channels: tuple[int, int],
-                 n_layers: int, layer_group: int, threads: int, trace: Trace | None = None, local_socket: str = ""):
+                 n_layers: int, layer_group: int, threads: int, trace: Trace | None = None, local_socket: str = "",
+                 exchange: ShardExchange | None = None, control: Parallel | None = None):
         self.tier, self.tenants, self.store, self.rank, self.trace = tier, tenants, store, rank, trace
+        if exchange is not None and (control is None or control.size != exchange.size):
+            raise ValueError("a shard exchange needs the TP group's control collectives (control.size == TP)")
+        self.exchange, self.control = exchange, control
         self.local_socket = local_socket or None
         self.channels = Range(*channels)
         self.groups = [Range(a, min(a + layer_group, n_layers)) for a in range(0, n_layers, layer_group)]
@@ -73,25 +84,49 @@ class Prefetcher:
             self.trace.add(event, group)
 
     # ------------------------------------------------------------------------------------------- the store
-    def _stream(self, tenant: str, key: DocumentKey, generation: int, group: int | None) -> dict[str, bytes]:
-        """One stream of shards (the head when `group` is None); a store error becomes the SourceError that
-        names this rank's fallback reason."""
+    def _stream(self, tenant: str, key: DocumentKey, generation: int, group: int | None,
+                names: list[str] | None = None) -> dict[str, bytes]:
+        """One stream of shards (the head when `group` is None; with `names`, only those of the group); a store
+        error becomes the SourceError that names this rank's fallback reason."""
         self._note("fetch_start", -1 if group is None else group)
         sel = dict(names=list(HEAD_FILES)) if group is None else dict(layers=self.groups[group], channels=self.channels)
+        if names is not None:
+            if not names:                                   # nothing of this group is this rank's to fetch
+                self._note("fetch_done", group)
+                return VerifiedFiles()
+            sel["names"] = names
         try:
             shards = list(self._client(tenant).fetch(key, self.rank, generation=generation, **sel))
         except StoreError as e:
             raise SourceError(FallbackReason(fallback_reason(e).value),
                               f"{key.doc_id} generation {generation}: {type(e).__name__}: {e}") from None
         self._note("fetch_done", -1 if group is None else group)
+        with self._lock:
+            self.stats.bytes += sum(len(s.data) for s in shards)
         # the client checked every shard against the store's digest (gRPC: verify on; the local socket: always), so
         # read_layers compares digests with the certificate's instead of hashing each byte again
         return VerifiedFiles({s.spec.name: s.data for s in shards}, {s.spec.name: s.spec.digest for s in shards})
 
-    def _fetch(self, tenant: str, key: DocumentKey, generation: int) -> StagedSource:
+    def _own_share(self, tenant: str, key: DocumentKey, generation: int, group: int, head: Future) -> dict:
+        """This rank's part of a shared fetch of one layer group: its LOCAL shards and the latent shards of the
+        layers it owns, named by its manifest (the head, verified first)."""
+        head_art, v = read_head(head.result(), None)
+        if not v.ok:
+            raise SourceError(v.reason, v.detail)
+        layers = range(self.groups[group].lo, self.groups[group].hi)
+        skip = self.exchange.shared_files(layers) - self.exchange.owned_files(layers)
+        names = sorted({shard_file(e["name"]) for e in head_art.manifest["shards"] if e["layer"] in layers} - skip)
+        return self._stream(tenant, key, generation, group, names)
+
+    def _fetch(self, tenant: str, key: DocumentKey, generation: int, shared: bool) -> StagedSource:
         head = self._streams.submit(self._stream, tenant, key, generation, None)
-        groups = tuple((range(g.lo, g.hi), self._streams.submit(self._stream, tenant, key, generation, i))
-                       for i, g in enumerate(self.groups))
+        if shared:              # every rank runs this, in the same order: the exchange jobs line up
+            groups = tuple((range(g.lo, g.hi), self.exchange.submit(
+                self._streams.submit(self._own_share, tenant, key, generation, i, head), range(g.lo, g.hi)))
+                for i, g in enumerate(self.groups))
+        else:
+            groups = tuple((range(g.lo, g.hi), self._streams.submit(self._stream, tenant, key, generation, i))
+                           for i, g in enumerate(self.groups))
         return StagedSource(head, groups)
 
     def _publish_when_done(self, tkey: TierKey, src: StagedSource, t0: float) -> None:
@@ -102,7 +137,6 @@ class Prefetcher:
             head_files = src.head.result()
             nbytes = sum(len(d) for files in (head_files, *(g.result() for _, g in src.groups)) for d in files.values())
             with self._lock:
-                self.stats.bytes += nbytes
                 self.stats.seconds.append(time.perf_counter() - t0)
             if self.tier.capacity == 0:                 # the tier is off: nothing is kept, nothing to prepare
                 return
@@ -127,34 +161,55 @@ class Prefetcher:
             with self._lock:
                 self._inflight.pop(tkey, None)
 
-    def _start(self, tenant: str, key: DocumentKey, generation: int) -> tuple[StagedSource, Future]:
+    def _start(self, tenant: str, key: DocumentKey, generation: int, shared: bool = False
+               ) -> tuple[StagedSource, Future]:
         tkey = (tenant, key.doc_id, generation)
         with self._lock:
             if tkey not in self._inflight:
-                src = self._fetch(tenant, key, generation)
+                src = self._fetch(tenant, key, generation, shared)
                 self._inflight[tkey] = src, self._publish.submit(self._publish_when_done, tkey, src,
                                                                  time.perf_counter())
             return self._inflight[tkey]
 
     # ------------------------------------------------------------------------------------------- requests
+    def _lacks(self, tkey: TierKey) -> bool:
+        """Neither in the tier nor in flight on this rank."""
+        if self.tier.lookup(tkey, count=False) is not None:
+            self.tier.release(tkey)
+            return False
+        with self._lock:
+            return tkey not in self._inflight
+
+    def _shared(self, lacks: list[bool]) -> list[bool]:
+        """Per document: whether every rank of the group lacks it (then it is fetched shared). A collective on the
+        control group: called on every rank, in the same order (the request path and its warm-up hints)."""
+        if self.exchange is None or not lacks:
+            return [False] * len(lacks)
+        every = self.control.all_gather_object(lacks)
+        return [all(col) for col in zip(*every)]
+
     def warm(self, docs: list[tuple[str, DocumentKey, int]]) -> None:
         """Start fetching what the tier lacks of (tenant, key, generation); never waits, never raises (a failed
-        warm-up is fetched again, and then counted, by the request that needs it)."""
-        for tenant, key, gen in docs:
-            if gen > 0 and self.tier.lookup((tenant, key.doc_id, gen), count=False) is None:
-                self._start(tenant, key, gen)
-            elif gen > 0:
-                self.tier.release((tenant, key.doc_id, gen))
+        warm-up is fetched again, and then counted, by the request that needs it). Under TP a collective: every
+        rank calls it with the same documents."""
+        docs = [d for d in docs if d[2] > 0]
+        lacks = [self._lacks((tenant, key.doc_id, gen)) for tenant, key, gen in docs]
+        for (tenant, key, gen), lack, shared in zip(docs, lacks, self._shared(lacks)):
+            if lack:
+                self._start(tenant, key, gen, shared)
 
     def open(self, tenant: str, key: DocumentKey, generation: int) -> Opened:
         """The document's source: its tier entry (pinned: `tier.release(opened.pinned)` when done) or a fetch
         from the store (joined when already in flight). Never waits and never raises: failures arrive through
-        the source's futures."""
+        the source's futures. Under TP a collective: every rank opens the same documents in the same order."""
         tkey = (tenant, key.doc_id, generation)
         entry = self.tier.lookup(tkey)
+        with self._lock:
+            lack = entry is None and tkey not in self._inflight
+        shared = self._shared([lack])[0]
         if entry is not None:
             return Opened(HotSource(entry.head, entry.doc), tkey)
-        src, published = self._start(tenant, key, generation)
+        src, published = self._start(tenant, key, generation, shared)
         return Opened(src, None, published)
 
     def open_older(self, tenant: str, key: DocumentKey) -> Opened | None:
@@ -172,9 +227,13 @@ class Prefetcher:
     def take_stats(self) -> FetchStats:
         with self._lock:
             out, self.stats = self.stats, FetchStats()
-            return out
+        if self.exchange is not None:
+            out.exchanged = self.exchange.take_received()
+        return out
 
     def close(self) -> None:
+        if self.exchange is not None:
+            self.exchange.close()
         self._publish.shutdown(wait=False, cancel_futures=True)
         self._streams.shutdown(wait=False, cancel_futures=True)
         for c in self._clients.values():

@@ -26,6 +26,7 @@ from services.common.tp import STOP, RankGroup, launch
 
 from .engine import Job, RankEngine, RankReport
 from .metrics import WorkerMetrics
+from .exchange import ShardExchange
 from .prefetch import Prefetcher
 from .protocol import WorkerRequest, WorkerResponse
 from .settings import WorkerSettings
@@ -132,6 +133,7 @@ def record(metrics: WorkerMetrics, resp: WorkerResponse, reports: list[RankRepor
         metrics.fallbacks.labels(resp.fallback.reason).inc()
     for r in reports:
         metrics.fetch_bytes.inc(r.fetch.bytes)
+        metrics.exchange_bytes.inc(r.fetch.exchanged)
         for sec in r.fetch.seconds:
             metrics.fetch_seconds.observe(sec)
         metrics.observe_tier(r.rank, r.tier, r.tier_bytes)
@@ -158,6 +160,7 @@ def rank_main(group: RankGroup, s: WorkerSettings) -> None:
     profile = load_profile(s.profile)
     ident = group.broadcast(checkpoint_identity(s.model, s.fingerprint) if group.leader else None)
     model = load_model(s.model, par=group.par, dtype=serving_dtype(s.dtype, group.device), device=group.device)
+    model.set_policy(s.runtime_policy())
     cfg = model.cfg
     profile.check(cfg)
     with torch.inference_mode():            # warm-up: first-call costs stay out of the first request's TTFT
@@ -165,7 +168,9 @@ def rank_main(group: RankGroup, s: WorkerSettings) -> None:
     tier = PinnedTier(int(s.tier_gib * 2**30))
     prefetcher = Prefetcher(tier, Tenants.load(s.tokens, s.tokens_file), s.store, group.rank,
                             channel_range(cfg, group.rank, group.size), cfg.n_layers, s.layer_group,
-                            s.fetch_threads, local_socket=s.store_local_socket)
+                            s.fetch_threads, local_socket=s.store_local_socket,
+                            exchange=ShardExchange(group.rank, group.size, group.exchange) if group.size > 1 else None,
+                            control=group.control)
     engine = RankEngine(group, model, Binding(ident, profile, group.size, cfg.eos_token_id), prefetcher,
                         Failpoints(s.failpoints))
     try:

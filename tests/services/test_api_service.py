@@ -173,6 +173,8 @@ def test_upload_build_generate_with_reuse(stack, built):
     assert m['redknot_tier_bytes{rank="0"}'] > 0 and m['redknot_tier_bytes{rank="1"}'] > 0
     assert m['redknot_tier_evictions_total{rank="0"}'] == 0
     assert m["redknot_artifact_fetch_bytes_total"] > 0
+    # tp 2: each rank fetched the latent shards of half the layers; the other half came from the other rank
+    assert m["redknot_artifact_exchange_bytes_total"] > 0
     assert m['redknot_ttft_seconds_count{arm="reuse"}'] >= 2
 
 
@@ -199,7 +201,10 @@ def test_corrupted_shard_is_a_counted_fallback_with_the_recompute_answer(stack, 
         rec = generate(c, ids, "recompute")
     assert out["arm"] == "recompute" and out["ledger"] is None
     assert out["fallback"]["reason"] == "digest_mismatch"
+    # rank 0 lacks the shared shards rank 1 fetches for both (the same stream failed): it follows rank 1, which names
+    # the cause
     assert out["fallback"]["ranks"] == ["rank_disagreement", "digest_mismatch"]
+    assert out["fallback"]["detail"].startswith("rank 1: "), out["fallback"]
     assert out["tokens"] == rec["tokens"] and out["answer"] == rec["answer"]
     after = fallbacks(stack)
     assert after["digest_mismatch"] == before["digest_mismatch"] + 1
