@@ -27,6 +27,7 @@ def rank_main(group: RankGroup, s: BuilderSettings) -> None:
     profile = load_profile(s.profile)
     ident = group.broadcast(checkpoint_identity(s.model, s.fingerprint) if group.leader else None)
     model = load_model(s.model, par=group.par, dtype=serving_dtype(s.dtype, group.device), device=group.device)
+    model.set_policy(s.runtime_policy())
     profile.check(model.cfg)
     if not group.leader:
         follow(group, model, profile, ident)

@@ -6,7 +6,9 @@ import argparse
 import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from runtime.policy import RuntimePolicy
 
 
 def setting(default: Any, env: str, help: str):
@@ -65,3 +67,20 @@ class CommonSettings(Settings):
     store: str = setting("127.0.0.1:50051", "REDKNOT_STORE_TARGET", "host:port of the artifact store")
     fingerprint: str = setting("", "REDKNOT_CHECKPOINT_FINGERPRINT",
                                "checkpoint fingerprint to use instead of hashing the checkpoint's bytes at start")
+    policy: str = setting("", "REDKNOT_POLICY", "runtime policy: key=value,... over RuntimePolicy's measured defaults "
+                                                "(runtime/policy.py: fused_min_heads, key_frame_min_heads, "
+                                                "moe_grouped_slots; empty: the defaults)")
+
+    @field_validator("policy")
+    @classmethod
+    def _policy_parses(cls, v: str) -> str:
+        _runtime_policy(v)                                  # a bad item is an error naming the setting, at start
+        return v
+
+    def runtime_policy(self) -> RuntimePolicy:
+        """The policy the model runs under (`Transformer.set_policy`), built once here at the process edge."""
+        return _runtime_policy(self.policy)
+
+
+def _runtime_policy(v: str) -> RuntimePolicy:
+    return RuntimePolicy.parse([item for item in v.split(",") if item.strip()])

@@ -54,3 +54,18 @@ def test_no_environment_read_below_the_process_edge():
                 if rel not in allowed or allowed[rel] not in line:
                     reads.append(f"{rel}:{n}: {line.strip()}")
     assert not reads, reads
+
+
+def test_the_services_build_the_policy_at_their_edge():
+    """The builder's and the workers' `policy` setting (REDKNOT_POLICY) is parsed once at start into the policy their
+    model runs under; a bad item stops the start with an error that names the setting and the item."""
+    import pydantic
+
+    from services.builder.settings import BuilderSettings
+    from services.worker.settings import WorkerSettings
+    for cls in (BuilderSettings, WorkerSettings):
+        assert cls.from_args(None, env={}).runtime_policy() == DEFAULT_POLICY
+        s = cls.from_args(None, env={"REDKNOT_POLICY": "fused_min_heads=4, moe_grouped_slots=0"})
+        assert s.runtime_policy() == RuntimePolicy(fused_min_heads=4, moe_grouped_slots=0)
+        with pytest.raises(pydantic.ValidationError, match=r"policy[\s\S]*'frame=1' must be key=value"):
+            cls.from_args(None, env={"REDKNOT_POLICY": "fused_min_heads=4,frame=1"})

@@ -103,6 +103,10 @@ app.kubernetes.io/component: {{ index . 1 }}
 - name: REDKNOT_CHECKPOINT_FINGERPRINT
   value: {{ . | quote }}
 {{- end }}
+{{- with .Values.model.policy }}
+- name: REDKNOT_POLICY
+  value: {{ . | quote }}
+{{- end }}
 - name: HOME
   value: /tmp
 {{- with .Values.extraEnv }}
