@@ -24,6 +24,7 @@ from runtime.eval.harness import _greedy, _kl, layout, stop_tokens  # noqa: E402
 from runtime.eval.metrics import answers_agree  # noqa: E402
 from runtime.llama.loader import load_llama  # noqa: E402
 from runtime.llama.tokenizer import ChatTokenizer  # noqa: E402
+from bench.report import write_json  # noqa: E402
 
 
 def main() -> int:
@@ -85,9 +86,7 @@ def main() -> int:
                   f"{summary['against'][arm]['where_bf16_agrees']:.3f} on the {len(a_kept)} where bf16 kept the answer")
         same = [r["gpu_fp32_same"] for r in rows if "gpu_fp32_same" in r]
         print(f"  float32 here vs float32 on the GPU run: {sum(same)}/{len(same)} answers equal")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(summary, fh, indent=1)
+    write_json(args.json, summary, args)
     return 0
 
 

@@ -12,7 +12,6 @@ Not a test: run it through the device tool. `--small` runs tiny shapes on CPU th
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -22,6 +21,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from runtime.kernels import f32linear  # noqa: E402
 from bench.timing import median_time  # noqa: E402
+from bench.report import header, write_json  # noqa: E402
 
 SHAPES = {"csa": (1024, 1024), "hca": (512, 512), "indexer": (256, 256)}
 
@@ -47,10 +47,9 @@ def main() -> int:
     cuda = torch.cuda.is_available() and not args.small
     dev = torch.device("cuda" if cuda else "cpu")
     shapes = {k: (v[0] // 16, v[1] // 16) for k, v in SHAPES.items()} if args.small else SHAPES
-    name = torch.cuda.get_device_name() if cuda else "cpu"
-    print(f"# {name} | torch {torch.__version__} | dim {args.dim}, bf16 rows, float32 weights", flush=True)
+    header(f"dim {args.dim}, bf16 rows, float32 weights", dev)
     g = torch.Generator(device=dev).manual_seed(0)
-    out = dict(device=name, torch=torch.__version__, dim=args.dim, rows=[])
+    out = dict(dim=args.dim, rows=[])
     with torch.inference_mode():
         for kind, widths in shapes.items():
             ws = [torch.randn(n, args.dim, device=dev, generator=g) * args.dim ** -0.5 for n in widths]
@@ -74,9 +73,7 @@ def main() -> int:
                 out["rows"].append(row)
                 print(msg, flush=True)
                 del x, refs, ref32
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(out, fh, indent=1)
+    write_json(args.json, out, args)
     return 0
 
 

@@ -18,7 +18,6 @@ A random-init checkpoint: the deviations are a measure of the rounding, not of a
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -29,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.ttft import add_model_args, flash_model, model_config, request  # noqa: E402
 from runtime.reuse.consumer import ReuseEngine  # noqa: E402
 from runtime.reuse.producer import produce  # noqa: E402
+from bench.report import header, write_json  # noqa: E402
 
 FIELDS = ("latent", "entries", "index_keys", "comp_prev", "index_prev", "picks", "local_p", "local_s")
 PER_RANK = ("local_p", "local_s")          # this rank's channel range only
@@ -77,11 +77,10 @@ def main() -> int:
         prof = prof.replace(first_fences=2, last_fences=2)
     model = flash_model(cfg, device, args.q_chunk)
     dtype = model.dtype
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    print(f"# {name} | torch {torch.__version__} | Flash dims x {cfg.n_layers} layers{' (small)' if args.small else ''}"
-          f", {dtype}, routed experts {cfg.n_routed_experts} | profile {prof.first_fences}F-"
-          f"{len(prof.reusable_layers(cfg))}R-{prof.last_fences}F budget {prof.budget:.0%} picks {prof.global_picks}"
-          f" | {args.docs} documents, {args.questions} questions of {args.question} tokens", flush=True)
+    header(f"Flash dims x {cfg.n_layers} layers{' (small)' if args.small else ''}"
+           f", {dtype}, routed experts {cfg.n_routed_experts} | profile {prof.first_fences}F-"
+           f"{len(prof.reusable_layers(cfg))}R-{prof.last_fences}F budget {prof.budget:.0%} picks {prof.global_picks}"
+           f" | {args.docs} documents, {args.questions} questions of {args.question} tokens", device)
     rows = []
     for L in [int(v) for v in args.lengths.split(",") if v.strip()]:
         docs, _ = request(cfg, L, args.docs, args.question, seed=L)
@@ -126,10 +125,8 @@ def main() -> int:
             for d in (last["bytes_tp1"][fmt], last["bytes_tp8_rank"][fmt]):
                 vals.append(sum(d.values()) if f == "total" else d[f])
         print(f"| {f} | " + " | ".join(f"{v:,.0f} B ({v / 1024:.2f} KiB)" for v in vals) + " |")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(dict(device=name, torch=torch.__version__, small=args.small, profile=prof.to_dict(),
-                           layers=cfg.n_layers, experts=cfg.n_routed_experts, rows=rows), fh, indent=1)
+    write_json(args.json, dict(small=args.small, profile=prof.to_dict(), layers=cfg.n_layers,
+                               experts=cfg.n_routed_experts, rows=rows), args, device)
     return 0
 
 

@@ -17,7 +17,6 @@ device tool. `--smoke` runs tiny shapes (works on CPU under TRITON_INTERPRET=1, 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -30,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from runtime.kernels import indexer_scores, indexer_topk, merge_lse, sparse_mqa_attention  # noqa: E402
 from runtime.kernels.reference import indexer_topk_reference, sparse_mqa_reference  # noqa: E402
 from runtime.model.deepseek_v4 import merge_with_sink  # noqa: E402
+from bench.report import write_json  # noqa: E402
 
 PEAK_TFLOPS = 790.0       # bf16 dense matrix rate measured on this GPU type (KINDS.md)
 PEAK_GBS = 4200.0         # device-to-device copy, bytes read + written (KINDS.md)
@@ -285,9 +285,7 @@ def main() -> int:
         err = f"{r['rel_err']:.1e}" if r["rel_err"] is not None else "-"
         print(f"| {r['kernel']} | {r['T']} | {r['ms']:.2f} | {r['tflops']:.1f} ({r['pct_flops']:.0f}%) | "
               f"{r['gbs']:.0f} ({r['pct_bw']:.0f}%) | {r['bound']} | {r['floor_ms']:.2f} | {ref} | {sp} | {err} |")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(dict(info=info, rows=rows, best=best_cfg_holder), fh, indent=1, default=str)
+    write_json(args.json, dict(info=info, rows=rows, best=best_cfg_holder), args, dev)
     return 0
 
 

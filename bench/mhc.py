@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import statistics
 import sys
@@ -24,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from runtime.kernels import mhc  # noqa: E402
-from runtime.kernels._triton import triton  # noqa: E402
+from bench.report import header, write_json  # noqa: E402
 
 HC, D, MIX = 4, 4096, 24
 
@@ -67,9 +66,8 @@ def main() -> int:
     copy_s = cuda_time(lambda i=0: dst.copy_(buf), args.reps)
     copy_bw = 2 * buf.numel() / copy_s
     del buf, dst
-    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
-          f"copy ceiling {copy_bw / 1e12:.2f} TB/s (1 GiB device-to-device, read + write)", flush=True)
-    out = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_tb_s=copy_bw / 1e12, rows=[])
+    header(f"copy ceiling {copy_bw / 1e12:.2f} TB/s (1 GiB device-to-device, read + write)", dev)
+    out = dict(copy_tb_s=copy_bw / 1e12, rows=[])
     for T in (int(v) for v in args.rows.split(",")):
         xs = [torch.randn(T, HC, D, device=dev, generator=g).to(torch.bfloat16) for _ in range(3)]
         ys = [torch.randn(T, D, device=dev, generator=g).to(torch.bfloat16) for _ in range(3)]
@@ -124,9 +122,7 @@ def main() -> int:
         out["rows"].append(row)
         del xs, ys
         torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(out, fh, indent=1)
+    write_json(args.json, out, args)
     return 0
 
 

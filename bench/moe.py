@@ -15,7 +15,6 @@ tiny dims on CPU (a smoke run, not a measurement).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -28,6 +27,7 @@ from runtime.model.config import FLASH  # noqa: E402
 from runtime.model.deepseek_v4 import MoE, Parallel  # noqa: E402
 from runtime.reuse.consumer import adaptive_fanout  # noqa: E402
 from runtime.reuse.profile import ReuseProfile  # noqa: E402
+from bench.report import header, write_json  # noqa: E402
 
 
 def timed(fn, reps: int, cuda: bool):
@@ -74,10 +74,9 @@ def main() -> int:
     for p in moe.parameters():
         p.data.normal_(0, p.shape[-1] ** -0.5 if p.dim() == 2 else 0.1, generator=g)
     prof = ReuseProfile()                                      # the fanout's defaults (tau 0.9, at least 3)
-    name = torch.cuda.get_device_name() if cuda else "cpu"
-    print(f"# {name} | torch {torch.__version__} | dim {cfg.dim}, inner {cfg.moe_inter_dim}, top-"
-          f"{cfg.n_activated_experts} of {args.experts} routed experts, {dt}, fanout {args.fanout}", flush=True)
-    out = dict(device=name, torch=torch.__version__, experts=args.experts, fanout=args.fanout, rows=[])
+    header(f"dim {cfg.dim}, inner {cfg.moe_inter_dim}, top-"
+           f"{cfg.n_activated_experts} of {args.experts} routed experts, {dt}, fanout {args.fanout}", dev)
+    out = dict(experts=args.experts, fanout=args.fanout, rows=[])
     with torch.inference_mode():
         for T in rows:
             x = torch.randn(T, cfg.dim, device=dev, generator=g).to(dt)
@@ -98,9 +97,7 @@ def main() -> int:
                   f"(host {h_loop * 1e3:7.2f} ms, {flops / t_loop / 1e12:6.1f} TFLOP/s)  grouped {t_grp * 1e3:8.2f} ms "
                   f"(host {h_grp * 1e3:7.2f} ms, {flops / t_grp / 1e12:6.1f} TFLOP/s)  x{t_loop / t_grp:.2f}  "
                   f"diff {err:.1e}", flush=True)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(out, fh, indent=1)
+    write_json(args.json, out, args)
     return 0
 
 

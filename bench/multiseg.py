@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import sys
 import types
@@ -33,6 +32,7 @@ import runtime.reuse.consumer as C  # noqa: E402
 from runtime.model.config import CSA, HCA, WINDOW  # noqa: E402
 from runtime.model.deepseek_v4 import Rotary  # noqa: E402
 from runtime.policy import RuntimePolicy  # noqa: E402
+from bench.report import header, write_json  # noqa: E402
 
 STACKED = RuntimePolicy(fused_min_heads=1 << 30)     # every call through the stacked parts
 
@@ -192,16 +192,12 @@ def main() -> int:
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     g = torch.Generator(device=dev).manual_seed(0)
     lens, deltas, lat, rows = request(args, dev, g)
-    print(f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}  torch {torch.__version__}  length {args.length}  docs {args.docs}  "
-          f"budget {args.budget}", flush=True)
+    header(f"length {args.length}, docs {args.docs}, budget {args.budget}", dev)
     out = [case(args, kind, which, lens, deltas, lat, rows, dev, g)
            for kind in args.kinds.split(",") for which in args.rows.split(",")]
     tot_s, tot_f = sum(r["stacked_s"] for r in out), sum(r["fused_s"] for r in out)
     print(f"all cases: stacked {tot_s * 1e3:.1f} ms, fused {tot_f * 1e3:.1f} ms (x{tot_s / tot_f:.2f})")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(args=vars(args), device=str(dev) if dev.type == 'cpu' else torch.cuda.get_device_name(), torch=torch.__version__,
-                           cases=out), f, indent=1)
+    write_json(args.json, dict(cases=out), args, dev)
     return 0
 
 

@@ -8,7 +8,6 @@ achieved TFLOP/s per layer kind. Not a test: run it through the device tool.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -21,6 +20,7 @@ from runtime.model.config import FLASH  # noqa: E402
 from runtime.model.deepseek_v4 import Block, LayerCache  # noqa: E402
 from runtime.model.flops import layer_flops  # noqa: E402
 from runtime.model.parallel import Parallel  # noqa: E402
+from bench.report import header, write_json  # noqa: E402
 
 LAYERS = {"window": 1, "csa": 2, "hca": 3}     # Flash: L0-1 window, then CSA (even) / HCA (odd)
 
@@ -70,8 +70,8 @@ def main() -> int:
     assert torch.cuda.is_available(), "this benchmark needs a GPU"
     device = torch.device("cuda")
     cfg = FLASH.replace(n_routed_experts=args.experts)
-    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | Flash dims, bf16, "
-          f"routed experts {args.experts} of 256 (top-{cfg.n_activated_experts} + shared kept)", flush=True)
+    header(f"Flash dims, bf16, "
+           f"routed experts {args.experts} of 256 (top-{cfg.n_activated_experts} + shared kept)", device)
     gen = torch.Generator(device=device).manual_seed(0)
     rows = []
     for kind, layer in LAYERS.items():
@@ -93,10 +93,7 @@ def main() -> int:
                   f"moe {row['moe_tflop']:.1f}; peak {row['peak_gib']:.0f} GiB)", flush=True)
             torch.cuda.reset_peak_memory_stats()
         del block
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, experts=args.experts,
-                           rows=rows, when=time.strftime("%Y-%m-%d %H:%M:%S")), fh, indent=1)
+    write_json(args.json, dict(experts=args.experts, rows=rows, when=time.strftime("%Y-%m-%d %H:%M:%S")), args)
     return 0
 
 

@@ -13,7 +13,6 @@ CUDA events, median of --reps after a warm-up. Not a test: run it through the de
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -23,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from runtime.model.deepseek_v4 import grouped_projection  # noqa: E402
 from runtime.reuse.consumer import gather_rows  # noqa: E402
 from bench.timing import median_time  # noqa: E402
+from bench.report import header, write_json  # noqa: E402
 
 
 def einsum_form(o, w):
@@ -47,9 +47,8 @@ def main() -> int:
         ap.error("needs a CUDA device (or --small for a CPU smoke run)")
     dev = "cuda" if cuda else "cpu"
     G, R, hpg, D = (8, 1024, 8, 512) if not args.small else (2, 16, 4, 8)
-    name = torch.cuda.get_device_name() if cuda else "cpu"
-    print(f"# {name} | torch {torch.__version__} | bf16, {G} groups x {R}, {G * hpg} heads of {D}", flush=True)
-    out = dict(device=name, torch=torch.__version__, groups=G, rank=R, heads=G * hpg, head_dim=D, rows=[])
+    header(f"bf16, {G} groups x {R}, {G * hpg} heads of {D}", dev)
+    out = dict(groups=G, rank=R, heads=G * hpg, head_dim=D, rows=[])
     gen = torch.Generator(device="cpu").manual_seed(0)
     w_full = (torch.randn(G, R, hpg * D, generator=gen) * (hpg * D) ** -0.5).bfloat16().to(dev)
     for T in (int(v) for v in args.rows.split(",")):
@@ -95,9 +94,7 @@ def main() -> int:
               f"x{t_before / t_after:.2f}  (max error vs float64, of max |P|: before {err_before:.2e}, "
               f"now {err_after:.2e})", flush=True)
         del og, locals_, parts
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(out, fh, indent=1)
+    write_json(args.json, out, args)
     return 0
 
 

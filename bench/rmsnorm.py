@@ -10,7 +10,6 @@ CUDA events, median of --reps after a warm-up. Not a test: run it through the de
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -19,6 +18,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from runtime.kernels.rmsnorm import rms_norm, rms_norm_reference  # noqa: E402
 from bench.timing import median_time  # noqa: E402
+from bench.report import header, write_json  # noqa: E402
 
 
 def main() -> int:
@@ -34,9 +34,8 @@ def main() -> int:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
-    name = torch.cuda.get_device_name()
-    print(f"# {name} | torch {torch.__version__} | bf16 rows, float32 weight (or none)", flush=True)
-    out = dict(device=name, torch=torch.__version__, rows=[])
+    header("bf16 rows, float32 weight (or none)", "cuda")
+    out = dict(rows=[])
     cases = [(T, dim, True) for dim in (int(v) for v in args.dims.split(","))
              for T in (int(v) for v in args.rows.split(","))]
     cases += [(int(t) * int(h), 512, False) for t, h in (c.split("x") for c in args.head_rows.split(",") if c)]
@@ -54,9 +53,7 @@ def main() -> int:
         print(f"{'weighted' if weighted else 'unweighted'} dim {dim:5d} T={T:8d}: torch form {t_ref * 1e3:7.3f} ms | "
               f"kernel {t_k * 1e3:7.3f} ms ({nbytes / t_k / 1e12:.2f} TB/s, {t_copy / t_k:.0%} of the copy's "
               f"{nbytes / t_copy / 1e12:.2f} TB/s)  x{t_ref / t_k:.1f}  equal elements {same:.4%}", flush=True)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(out, fh, indent=1)
+    write_json(args.json, out, args)
     return 0
 
 

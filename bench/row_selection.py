@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 import statistics
 import sys
@@ -36,6 +35,7 @@ from runtime.eval.harness import _kl, eval_profile, layout, stop_tokens         
 from runtime.eval.metrics import answers_agree                                        # noqa: E402
 from runtime.reuse.controller import choose_top                                       # noqa: E402
 from runtime.reuse.llama_engine import LlamaReuseEngine, _rel_dev, produce_llama_packed, relocate  # noqa: E402
+from bench.report import write_json  # noqa: E402
 
 RULES = ("mixed", "deviation", "attention")
 ORACLES = ("oracle-attention", "oracle-deviation", "random")
@@ -135,10 +135,8 @@ def main(argv=None) -> int:
         print(f"{ex.id}: {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
     out = table(rows)
     print(out)
-    if a.json:
-        Path(a.json).write_text(json.dumps({"task": a.task, "offset": a.offset, "budget": a.budget,
-                                            "max_new_tokens": a.max_new_tokens, "rows": rows, "table": out},
-                                           indent=1))
+    write_json(a.json, {"task": a.task, "offset": a.offset, "budget": a.budget,
+                        "max_new_tokens": a.max_new_tokens, "rows": rows, "table": out}, a)
     return 0
 
 

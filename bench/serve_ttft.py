@@ -44,6 +44,7 @@ from bench.ttft import add_model_args, model_config, request  # noqa: E402
 from runtime.model.checkpoint import build_demo_tokenizer, load_tokenizer  # noqa: E402
 from runtime.model.random_init import write_random_checkpoint  # noqa: E402
 from services.common.stack import LocalStack, StackConfig  # noqa: E402
+from bench.report import header, write_json  # noqa: E402
 
 TENANT, TOKEN = "bench", "bench-token-0123456789abcdef0123"
 QUESTION = ("Question: across every document above, which passage names the generation that becomes visible "
@@ -134,12 +135,10 @@ def main() -> int:
     ckpt = write_random_checkpoint(work / "checkpoint", cfg, seed=0, device="cuda" if args.device == "cuda" else "cpu",
                                    tokenizer_json=tok)
     n_q = len(load_tokenizer(tok).encode(QUESTION).ids)
-    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    print(f"# {name} | torch {torch.__version__} | Flash dims x {cfg.n_layers} layers{' (small)' if args.small else ''}"
-          f", routed experts {cfg.n_routed_experts} | profile {prof.first_fences}F-{prof.last_fences}F budget "
-          f"{prof.budget} picks {prof.global_picks} Local {prof.local_format}"
-          f" | {args.docs} documents + a {n_q}-token question | served: API -> worker -> store",
-          flush=True)
+    header(f"Flash dims x {cfg.n_layers} layers{' (small)' if args.small else ''}"
+           f", routed experts {cfg.n_routed_experts} | profile {prof.first_fences}F-{prof.last_fences}F budget "
+           f"{prof.budget} picks {prof.global_picks} Local {prof.local_format}"
+           f" | {args.docs} documents + a {n_q}-token question | served: API -> worker -> store", args.device)
     stack = LocalStack(StackConfig(
         workdir=work / "stack", model=ckpt, tp=1, profile=json.dumps(prof.to_dict()), device=args.device,
         tenants={TENANT: TOKEN}, tier_gib=args.tier_gib,
@@ -222,15 +221,12 @@ def main() -> int:
               f"{r['hot']['server_ttft_s']:.3f} |")
     print(f"# tier bytes while hot: {tier_bytes / 2**30:.2f} GiB; fallbacks counted after the restart: {fallbacks:.0f};"
           f" service exit codes {codes}")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        for r in rows.values():
-            r.pop("ids", None)
-        Path(args.json).write_text(json.dumps(dict(
-            device=name, torch=torch.__version__, small=args.small, layers=cfg.n_layers,
-            experts=cfg.n_routed_experts, budget=prof.budget, profile=prof.to_dict(), question_tokens=n_q,
-            tier_bytes=tier_bytes,
-            first_length_store_bytes=row0["store_bytes"], rows=list(rows.values()), exit_codes=codes), indent=1))
+    for r in rows.values():
+        r.pop("ids", None)
+    write_json(args.json, dict(small=args.small, layers=cfg.n_layers, experts=cfg.n_routed_experts,
+                               budget=prof.budget, profile=prof.to_dict(), question_tokens=n_q, tier_bytes=tier_bytes,
+                               first_length_store_bytes=row0["store_bytes"], rows=list(rows.values()),
+                               exit_codes=codes), args, args.device)
     return 0 if all(v == 0 for v in codes.values()) and fallbacks == 0 else 1
 
 

@@ -18,7 +18,6 @@ Everything runs on this machine; the table goes to stdout (and JSON with --json)
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -39,6 +38,7 @@ from services.store.client import StoreClient  # noqa: E402
 from services.store.local_client import LocalStoreClient  # noqa: E402
 from services.store.keys import DocumentKey, Range, ShardKind, ShardSpec, digest_bytes  # noqa: E402
 from services.store.memory import tune_malloc  # noqa: E402
+from bench.report import write_json  # noqa: E402
 
 TOKEN = "bench-token-0123456789abcdef"
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
@@ -234,9 +234,8 @@ def main(argv=None) -> int:
     print("| ---: " * (len(names) + 1) + "|")
     for w in rows:
         print(f"| {w['shard_mib']} MiB | " + " | ".join(f"{w['local_variants_gbps'][n]:.2f}" for n in names) + " |")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"machine": platform.platform(), "cpus": os.cpu_count(),
-                                               "python": platform.python_version(), "rows": rows}, indent=1))
+    write_json(args.json, {"platform": platform.platform(), "cpus": os.cpu_count(),
+                           "python": platform.python_version(), "rows": rows}, args, "cpu")
     return 0
 
 

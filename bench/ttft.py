@@ -47,6 +47,7 @@ from runtime.reuse.consumer import ReuseEngine  # noqa: E402
 from runtime.reuse.prefetch import LayerPrefetcher, pin  # noqa: E402
 from runtime.reuse.producer import produce  # noqa: E402
 from runtime.reuse.profile import FLASH_PROFILE  # noqa: E402
+from bench.report import header, write_json  # noqa: E402
 
 
 def _at_least_one(v: str) -> int:
@@ -295,10 +296,10 @@ def main() -> int:
     model = flash_model(cfg, device, args.q_chunk)
     dtype = model.dtype
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    print(f"# {name} | torch {torch.__version__} | Flash dims x {cfg.n_layers} layers, {dtype}, routed experts "
-          f"{args.experts} of 256 (top-6 + shared kept) | profile {prof.first_fences}F-"
-          f"{len(prof.reusable_layers(cfg))}R-{prof.last_fences}F, budget {prof.budget:.0%}, "
-          f"global_picks={prof.global_picks} | {args.docs} documents + {args.question}-token question", flush=True)
+    header(f"Flash dims x {cfg.n_layers} layers, {dtype}, routed experts "
+           f"{args.experts} of 256 (top-6 + shared kept) | profile {prof.first_fences}F-"
+           f"{len(prof.reusable_layers(cfg))}R-{prof.last_fences}F, budget {prof.budget:.0%}, "
+           f"global_picks={prof.global_picks} | {args.docs} documents + {args.question}-token question", device)
     rows = []
     lengths = [int(v) for v in args.lengths.split(",")]
     elem = torch.empty((), dtype=dtype).element_size()
@@ -465,10 +466,8 @@ def main() -> int:
             torch.cuda.empty_cache()
             print(f"## {L} tokens: peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB", flush=True)
             torch.cuda.reset_peak_memory_stats()
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(dict(device=name, torch=torch.__version__, experts=args.experts, layers=cfg.n_layers,
-                           profile=prof.to_dict(), rows=rows), fh, indent=1)
+    write_json(args.json, dict(experts=args.experts, layers=cfg.n_layers, profile=prof.to_dict(), rows=rows), args,
+               device)
     if args.plot:
         plot(rows, name, args.plot)
     return 0

@@ -15,7 +15,6 @@ untimed runs, the slowest rank's CUDA-event time, median of --reps, both arms in
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import secrets
 import shutil
@@ -39,6 +38,7 @@ from runtime.reuse.certificate import token_hash  # noqa: E402
 from runtime.reuse.producer import PRODUCER_VERSION, pad_document  # noqa: E402
 from runtime.reuse.roles import channel_range  # noqa: E402
 from runtime.reuse.store import load_artifact  # noqa: E402
+from bench.report import header, write_json  # noqa: E402
 
 IDENT = ServingIdentity("f" * 64, "bench-tokenizer")
 TENANT = "bench"
@@ -93,13 +93,12 @@ def rank_main(group, args, store_target: str, token: str, workdir: str) -> None:
     model.eval()
     lead = group.rank == 0
     if lead:
-        name = f"{torch.cuda.get_device_name()} | NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}" \
+        name = f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}" \
             if dev.type == "cuda" else "cpu (gloo)"
-        print(f"# {group.size} x {name} | torch {torch.__version__} | Flash dims x {cfg.n_layers} layers, {dtype}, routed "
-              f"experts {args.experts} of 256 ({args.experts // group.size} per rank) | profile "
-              f"{prof.first_fences}F-{len(prof.reusable_layers(cfg))}R-{prof.last_fences}F, budget "
-              f"{prof.budget:.0%} | store: {'gRPC ' + store_target if store_target else 'none (rank dirs)'}",
-              flush=True)
+        header(f"TP {group.size} ({name}) | Flash dims x {cfg.n_layers} layers, {dtype}, routed "
+               f"experts {args.experts} of 256 ({args.experts // group.size} per rank) | profile "
+               f"{prof.first_fences}F-{len(prof.reusable_layers(cfg))}R-{prof.last_fences}F, budget "
+               f"{prof.budget:.0%} | store: {'gRPC ' + store_target if store_target else 'none (rank dirs)'}", dev)
     rows = []
     root = Path(workdir)
     client = StoreClient(store_target, token, timeout_s=600) if store_target else None
@@ -181,11 +180,9 @@ def rank_main(group, args, store_target: str, token: str, workdir: str) -> None:
             shutil.rmtree(root / f"L{L}", ignore_errors=True)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    if lead and args.json:
-        with open(args.json, "w") as fh:
-            json.dump(dict(device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", tp=group.size,
-                           torch=torch.__version__, experts=args.experts, layers=cfg.n_layers, profile=prof.to_dict(),
-                           store=bool(store_target), rows=rows), fh, indent=1)
+    if lead:
+        write_json(args.json, dict(tp=group.size, experts=args.experts, layers=cfg.n_layers, profile=prof.to_dict(),
+                                   store=bool(store_target), rows=rows), args, dev)
 
 
 def main() -> int:
