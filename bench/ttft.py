@@ -295,11 +295,10 @@ def main() -> int:
     cfg, prof = model_config(args)
     model = flash_model(cfg, device, args.q_chunk)
     dtype = model.dtype
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    header(f"Flash dims x {cfg.n_layers} layers, {dtype}, routed experts "
-           f"{args.experts} of 256 (top-6 + shared kept) | profile {prof.first_fences}F-"
-           f"{len(prof.reusable_layers(cfg))}R-{prof.last_fences}F, budget {prof.budget:.0%}, "
-           f"global_picks={prof.global_picks} | {args.docs} documents + {args.question}-token question", device)
+    name = header(f"Flash dims x {cfg.n_layers} layers, {dtype}, routed experts {args.experts} of 256 (top-6 + shared "
+                  f"kept) | profile {prof.first_fences}F-{len(prof.reusable_layers(cfg))}R-{prof.last_fences}F, budget "
+                  f"{prof.budget:.0%}, global_picks={prof.global_picks} | {args.docs} documents + {args.question}-token "
+                  f"question", device)["device"]
     rows = []
     lengths = [int(v) for v in args.lengths.split(",")]
     elem = torch.empty((), dtype=dtype).element_size()

@@ -18,8 +18,8 @@ time; each key tile is loaded once and used by all BLOCK_H heads for both produc
 [D, BLOCK_N], then O += P K on [BLOCK_H, BLOCK_N] x [BLOCK_N, D]), which is the MQA sharing that makes the
 work matrix-shaped (M = heads). Scores are scaled into the log2 domain and the softmax runs in float32.
 
-Calls of few heads (8 or fewer: the reuse consumer's Global heads) in modes "none" and "causal" take `_sparse_mqa_rows_kernel` (`packed_rows`): ROWS query rows x the heads per program,
-ROWS x heads = 64, so the MMA tile's rows are filled and each key tile serves ROWS rows (their windows overlap,
+Calls of few heads (8 or fewer: the reuse consumer's Global heads) in modes "none" and "causal" take
+`_sparse_mqa_rows_kernel` (`packed_rows`): ROWS query rows x the heads per program, ROWS x heads = 64, so the MMA tile's rows are filled and each key tile serves ROWS rows (their windows overlap,
 their causal entries are shared), each score masked to the rows that see its key. Per-row picks share nothing,
 so "picks" keeps one row per program.
 

@@ -127,8 +127,8 @@ def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: l
     rotation). One pass then merges every row's parts with the sink once. `own_picks` [T, k]: each row's entry
     picks in its own segment (the artifact's, global_picks="artifact"); else CSA picks are the native indexer's
     top-k over the union of all segments' visible entries. On CUDA, a call of at least `policy.fused_min_heads`
-    heads does all of this in one launch of the fused multi-segment kernel instead (`_fused_segment_attention`). `out`: a contiguous
-    [T,H,D] tensor of q_raw's dtype the merged output is written into (a caller's row slice), else a new one.
+    heads does all of this in one launch of the fused multi-segment kernel instead (`_fused_segment_attention`).
+    `out`: a contiguous [T,H,D] tensor of q_raw's dtype the merged output is written into (a caller's row slice), else a new one.
     `q_scratch`: the caller no longer needs q_raw, so the per-segment rotations are written into it in place (from
     a compact copy of its rope channels, `rope_source`) instead of into a clone of it."""
     T, H, D = q_raw.shape
@@ -204,8 +204,8 @@ def _count_pairs(attn, host: np.ndarray, segments: list[SegmentKeys], causal: bo
 
 def _fused_segment_attention(attn, q_raw, qpos, segments, sink, idx_inputs, host, own_picks, trig, out=None,
                              policy: RuntimePolicy = DEFAULT_POLICY):
-    """`segment_attention` on CUDA for calls of at least `policy.fused_min_heads` heads: one launch of the fused multi-segment kernel
-    (runtime/kernels/multiseg.py) over every segment each row reaches; no per-segment part goes through HBM.
+    """`segment_attention` on CUDA for calls of at least `policy.fused_min_heads` heads: one launch of the fused
+    multi-segment kernel (runtime/kernels/multiseg.py) over every segment each row reaches; no per-segment part goes through HBM.
     CSA picks (the native indexer's top-k over the union of all segments, or each row's own document's offline
     picks) go to it as one sorted list of global entry ids per row."""
     mode = {HCA: "causal", CSA: "picks"}.get(attn.kind, "none")

@@ -83,7 +83,7 @@ def _entry(rank: int, target, size: int, port: int, device: str, args: tuple) ->
                             rank=rank, world_size=size, timeout=timedelta(hours=1))
     try:
         control = Parallel(rank, size, dist.new_group(backend="gloo")) if dev.type == "cuda" else Parallel(rank, size)
-        exchange = dist.new_group(backend="gloo")
+        exchange = dist.new_group(backend="gloo") if size > 1 else None      # nothing to exchange alone
         target(RankGroup(rank, size, dev, Parallel(rank, size), control, exchange), *args)
         dist.barrier()                      # no rank tears the group down while another still talks to it
     finally:

@@ -8,8 +8,9 @@ group of its own (gloo: the shards are host bytes, and the model's collectives n
 Jobs are submitted only from the lockstep path (a request's documents and the warm-up hints, in the same order on
 every rank), so every rank's thread runs the same sequence of collectives. A rank whose own fetch failed still
 takes part: it sends its failure (its own reason), and every other rank fails that layer group as following it
-(rank_disagreement, the detail naming the owner and its reason). Received bytes carry no digest of their own (`VerifiedFiles` lists only what this rank's client checked),
-so `read_layers` hashes them against this rank's certificate like any unverified bytes."""
+(rank_disagreement, the detail naming the owner and its reason). Received bytes carry no digest of their own
+(`VerifiedFiles` lists only what this rank's client checked), so `read_layers` hashes them against this rank's
+certificate like any unverified bytes."""
 from __future__ import annotations
 
 import logging

@@ -1,5 +1,5 @@
-"""MoE.routed on CUDA, for a call within the policy's moe_grouped_slots, takes the grouped form (torch._grouped_mm, no host read);
-against the per-expert loop run in float32 on the upcast weights and inputs, within the bf16 tolerance of METHOD.md
+"""MoE.routed on CUDA, for a call within the policy's moe_grouped_slots, takes the grouped form (torch._grouped_mm, no
+host read); against the per-expert loop run in float32 on the upcast weights and inputs, within the bf16 tolerance of METHOD.md
 (1e-2 relative, NaN never passes), with dropped slots and expert runs split across slot chunks. Skipped without CUDA
 (CPU CI runs tests/runtime/test_moe_grouped.py, the same comparison in float32)."""
 import copy
