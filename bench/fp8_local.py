@@ -83,7 +83,7 @@ def main() -> int:
            f" | {args.docs} documents, {args.questions} questions of {args.question} tokens", device)
     rows = []
     for L in [int(v) for v in args.lengths.split(",") if v.strip()]:
-        docs, _ = request(cfg, L, args.docs, args.question, seed=L)
+        docs, _ = request(cfg, L, args.docs, args.question, seed=L, spread=args.doc_lengths)
         arts = {fmt: [produce(model, d, prof.replace(local_format=fmt)) for d in docs] for fmt in ("native", "fp8")}
         engines = {fmt: ReuseEngine(model, prof.replace(local_format=fmt)) for fmt in arts}
         full_prefix = [t for a in arts["native"] for t in a.tokens]

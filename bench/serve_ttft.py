@@ -155,7 +155,7 @@ def main() -> int:
             # GPUs of their own. The cold case needs both at once: the worker starts before it, the builder stays.
             stack.services["worker"].stop()
             for L in lengths:
-                docs, _ = request(cfg, L, args.docs, 1, seed=L)
+                docs, _ = request(cfg, L, args.docs, 1, seed=L, spread=args.doc_lengths)
                 row = rows[L] = dict(length=L, tokens=sum(map(len, docs)) + n_q, docs=args.docs)
                 row["ids"] = upload(c, docs)
                 wait_ready(c, row["ids"])
@@ -167,7 +167,7 @@ def main() -> int:
             stack.restart("worker")
             generate(c, rows[lengths[0]]["ids"], "reuse")   # compiles the worker's kernels, fills the tier
             for L in cold:
-                fresh, _ = request(cfg, L, args.docs, 1, seed=L + 1)
+                fresh, _ = request(cfg, L, args.docs, 1, seed=L + 1, spread=args.doc_lengths)
                 t0 = time.perf_counter()
                 cids = upload(c, fresh)
                 wait_ready(c, cids)

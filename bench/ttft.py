@@ -9,6 +9,10 @@ namespaces and the analytic FLOP ratio. Also the cold arm (artifact construction
     python bench/ttft.py --lengths 131072 --cold-at 0 --extra-budgets 0.1 --json a.json   # one length per call
     python bench/ttft.py --plot-from a.json b.json --plot ttft.png                         # plot earlier runs
     python bench/ttft.py --plot-from a.json --cold-from c.json --plot ttft.png              # cold arm from run c
+    python bench/ttft.py --lengths 65536 --docs 8,16,32,64 --doc-lengths loguniform:256:8192 --budget 0.1 --cold-at 0
+
+`--docs` takes a list of document counts (every length is measured at every count); `--doc-lengths` draws uneven
+document lengths (log-uniform on [LO, HI], scaled to fill the length exactly) from the length's seed.
 
 Wall time on one H200 (2026-11-30): 16K + 32K with a second budget ~3 min, 64K with the cold arm ~4.5 min, 128K
 ~6.5 min (per length: artifact build and pinning, a warm-up and --reps interleaved runs of every arm; the recompute
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import itertools
 import json
 import os
 import statistics
@@ -61,12 +66,42 @@ def _at_least_one(v: str) -> int:
     return n
 
 
-def add_model_args(ap: argparse.ArgumentParser, lengths: str) -> None:
-    """The flags bench/ttft.py and bench/ttft_tp.py share: the request, the model's size, the profile, reps."""
+def _counts(v: str) -> list[int]:
+    """An argparse type: a comma-separated list of ints >= 1 (`8,16,32,64`)."""
+    try:
+        out = [int(x) for x in v.split(",")]
+    except ValueError:
+        out = []
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"must be comma-separated integers >= 1, got {v!r}")
+    return out
+
+
+def _doc_lengths(v: str) -> tuple[int, int] | None:
+    """An argparse type: `even` (None: every document the same length) or `loguniform:LO:HI` (each document's length
+    drawn log-uniformly in [LO, HI] tokens, then all scaled together to fill the request)."""
+    if v == "even":
+        return None
+    kind, _, rest = v.partition(":")
+    lo, _, hi = rest.partition(":")
+    if kind != "loguniform" or not (lo.isdigit() and hi.isdigit()) or not 128 <= int(lo) <= int(hi):
+        raise argparse.ArgumentTypeError(f"must be 'even' or 'loguniform:LO:HI' with 128 <= LO <= HI, got {v!r}")
+    return int(lo), int(hi)
+
+
+def add_model_args(ap: argparse.ArgumentParser, lengths: str, many_docs: bool = False) -> None:
+    """The flags bench/ttft.py and bench/ttft_tp.py share: the request, the model's size, the profile, reps.
+    With `many_docs`, --docs takes a list of document counts (each length is measured at each count)."""
     ap.add_argument("--lengths", default=lengths)
     ap.add_argument("--experts", type=int, default=16, help="routed experts kept (Flash has 256)")
     ap.add_argument("--layers", type=int, default=43)
-    ap.add_argument("--docs", type=int, default=8)
+    if many_docs:
+        ap.add_argument("--docs", type=_counts, default=[8], help="document counts, e.g. 8,16,32,64")
+    else:
+        ap.add_argument("--docs", type=int, default=8)
+    ap.add_argument("--doc-lengths", type=_doc_lengths, default=None, metavar="even|loguniform:LO:HI",
+                    help="the documents' lengths: all the same (even, the default) or drawn per document from a "
+                         "log-uniform distribution on [LO, HI] tokens and scaled together to fill the length")
     ap.add_argument("--question", type=int, default=64)
     ap.add_argument("--budget", type=float, default=0.25)
     ap.add_argument("--global-picks", default="artifact", choices=["online", "artifact"])
@@ -116,33 +151,52 @@ def timed(fn, device) -> tuple[float, object]:
     return time.perf_counter() - t, out
 
 
-def request(cfg, L: int, n_docs: int, n_q: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    per = (L // n_docs) // 128 * 128                      # documents fill L; the question comes on top
-    if per == 0:
+def doc_lengths(L: int, n_docs: int, spread: tuple[int, int] | None, seed: int) -> list[int]:
+    """Each document's length in whole 128-token blocks, together at most L: all the same (`spread` None), or drawn
+    log-uniformly on `spread` = (LO, HI) from `seed` and scaled together to fill L (so the shape of the draw, not
+    its sum, is what varies; every document keeps at least one block)."""
+    blocks = L // 128
+    if blocks < n_docs:
         raise SystemExit(f"length {L} leaves {n_docs} documents under 128 tokens each (documents are whole "
                          f"128-token blocks): use a length of at least {128 * n_docs} or fewer --docs")
-    docs = [torch.randint(2, cfg.vocab_size, (per,), generator=g).tolist() for _ in range(n_docs)]
+    if spread is None:
+        return [blocks // n_docs * 128] * n_docs
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = spread
+    draw = torch.exp(torch.empty(n_docs, dtype=torch.float64).uniform_(float(torch.tensor(lo).log()),
+                                                                         float(torch.tensor(hi).log()), generator=g))
+    x = draw / draw.sum() * (blocks - n_docs)            # >= 1 block each, then the rest by largest remainder
+    share = x.floor().long() + 1
+    share[torch.argsort(x - x.floor(), descending=True)[:blocks - int(share.sum())]] += 1
+    return [int(n) * 128 for n in share]
+
+
+def request(cfg, L: int, n_docs: int, n_q: int, seed: int, spread: tuple[int, int] | None = None):
+    """Documents of random token ids filling L (the question comes on top), and the question."""
+    g = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(2, cfg.vocab_size, (n,), generator=g).tolist()
+            for n in doc_lengths(L, n_docs, spread, seed)]
     return docs, torch.randint(2, cfg.vocab_size, (n_q,), generator=g).tolist()
 
 
-def artifact_bytes(cfg, prof, n_docs: int, per_doc: int, elem: int) -> dict[str, int]:
-    """Bytes of the hot artifacts of one request, by kind, as the producer writes them (the prefix document's Local
-    contribution and picks are dropped: its rows are never computed)."""
+def artifact_bytes(cfg, prof, lengths: list[int], elem: int) -> dict[str, int]:
+    """Bytes of the hot artifacts of one request (documents of `lengths` tokens), by kind, as the producer writes
+    them (the prefix document's Local contribution and picks are dropped: its rows are never computed)."""
     b = dict(latent=0, entries=0, index_keys=0, picks=0, local=0)
+    C = cfg.o_groups * cfg.o_lora_rank
+    row = C + -(-C // FP8_ROW_BLOCK) if prof.local_format == "fp8" else C * elem
     for i in range(cfg.n_layers):
         r, kind, reusable = cfg.compress_ratios[i], cfg.layer_kind(i), not prof.is_fence(cfg, i)
-        b["latent"] += n_docs * per_doc * cfg.head_dim * elem
-        if r:
-            b["entries"] += n_docs * (per_doc // r) * cfg.head_dim * elem
-        if kind == CSA:
-            b["index_keys"] += n_docs * (per_doc // 4) * cfg.index_head_dim * elem
-            if reusable and prof.global_picks == "artifact":
-                b["picks"] += (n_docs - 1) * per_doc * min(cfg.index_topk, per_doc // 4) * 4
-        if reusable:   # W_a,L O_L: o_groups x o_lora_rank per row (FP8: a byte each and a scale per 128)
-            C = cfg.o_groups * cfg.o_lora_rank
-            row = C + -(-C // FP8_ROW_BLOCK) if prof.local_format == "fp8" else C * elem
-            b["local"] += (n_docs - 1) * per_doc * row
+        for j, n in enumerate(lengths):
+            b["latent"] += n * cfg.head_dim * elem
+            if r:
+                b["entries"] += (n // r) * cfg.head_dim * elem
+            if kind == CSA:
+                b["index_keys"] += (n // 4) * cfg.index_head_dim * elem
+                if reusable and prof.global_picks == "artifact" and j:
+                    b["picks"] += n * min(cfg.index_topk, n // 4) * 4
+            if reusable and j:   # W_a,L O_L: o_groups x o_lora_rank per row (FP8: a byte each and a scale per 128)
+                b["local"] += n * row
     return b
 
 
@@ -257,7 +311,7 @@ def main() -> int:
         return tp_main()
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=1, help="> 1: one process per GPU over NCCL (bench/ttft_tp.py)")
-    add_model_args(ap, lengths="16384,32768,65536,131072")
+    add_model_args(ap, lengths="16384,32768,65536,131072", many_docs=True)
     ap.add_argument("--cold-at", type=int, default=65536)
     ap.add_argument("--profile-at", type=int, default=0, help="print a torch.profiler table of both arms at this length")
     ap.add_argument("--profile-stack", action="store_true",
@@ -297,18 +351,20 @@ def main() -> int:
     dtype = model.dtype
     name = header(f"Flash dims x {cfg.n_layers} layers, {dtype}, routed experts {args.experts} of 256 (top-6 + shared "
                   f"kept) | profile {prof.first_fences}F-{len(prof.reusable_layers(cfg))}R-{prof.last_fences}F, budget "
-                  f"{prof.budget:.0%}, global_picks={prof.global_picks} | {args.docs} documents + {args.question}-token "
-                  f"question", device)["device"]
+                  f"{prof.budget:.0%}, global_picks={prof.global_picks} | {','.join(map(str, args.docs))} documents ("
+                  f"{'even lengths' if args.doc_lengths is None else 'lengths log-uniform on %d..%d' % args.doc_lengths}"
+                  f") + {args.question}-token question", device)["device"]
     rows = []
     lengths = [int(v) for v in args.lengths.split(",")]
     elem = torch.empty((), dtype=dtype).element_size()
-    for L in lengths:
-        docs, question = request(cfg, L, args.docs, args.question, seed=L)
-        need = artifact_bytes(cfg, prof, args.docs, len(docs[0]), elem)
+    for L, n_docs in itertools.product(lengths, args.docs):
+        docs, question = request(cfg, L, n_docs, args.question, seed=L, spread=args.doc_lengths)
+        per_doc = [len(d) for d in docs]
+        need = artifact_bytes(cfg, prof, per_doc, elem)
         total = sum(need.values())
         copies = 2 if L == args.cold_at else 1         # the cold arm builds a second copy beside the hot one
         n_r = max(1, len(prof.reusable_layers(cfg)))
-        print(f"## {L} tokens: hot artifacts {total / 2**30:.1f} GiB in pinned host memory ("
+        print(f"## {L} tokens, {n_docs} documents of {min(per_doc)}..{max(per_doc)} tokens: hot artifacts {total / 2**30:.1f} GiB in pinned host memory ("
               + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in need.items())
               + f" GiB; Local W_a,L O_L = {cfg.o_groups} x {cfg.o_lora_rank} x "
               + ("1 B + a scale per 128" if prof.local_format == "fp8" else f"{elem} B") + " per relocated row and "
@@ -380,7 +436,7 @@ def main() -> int:
         # the reuse arm really reused: rows were restored and heads skipped, no silent recomputation
         assert 0 < led["rows"]["active"] < led["rows"]["relocated"] and led["head_row_saving"] > 0, led
         rec, reu = statistics.median(rec_t), statistics.median(reu_t)
-        row = dict(tokens=int(full.numel()), budget=prof.budget, recompute_s=rec, reuse_s=reu, speedup=rec / reu,
+        row = dict(tokens=int(full.numel()), docs=n_docs, doc_lengths=per_doc, budget=prof.budget, recompute_s=rec, reuse_s=reu, speedup=rec / reu,
                    flop_ratio=led["flop_saving"]["ratio"], head_row_saving=led["head_row_saving"],
                    structural_ceiling=led["structural_ceiling"], token_row_saving=led["token_row_saving"],
                    flop_saving=led["flop_saving"], build_s=t_build, active=led["rows"]["active"],
@@ -448,14 +504,14 @@ def main() -> int:
                 return engine.prefill(LayerPrefetcher(fresh, device).documents(), question)
             row["cold_s"] = timed(cold, device)[0]
         rows.append(row)
-        print(f"T={row['tokens']:7d}  recompute {rec:7.3f} s  reuse {reu:7.3f} s  speedup {rec / reu:5.2f}x  "
+        print(f"T={row['tokens']:7d} x {n_docs:2d} docs  recompute {rec:7.3f} s  reuse {reu:7.3f} s  speedup {rec / reu:5.2f}x  "
               f"(analytic FLOP ratio {row['flop_ratio']:.2f}x; head-row {row['head_row_saving']:.1%} of ceiling "
               f"{row['structural_ceiling']:.1%}; token-row {row['token_row_saving']:.1%}; active "
               f"{row['active']}/{row['relocated']})" + (f"  cold {row['cold_s']:.3f} s" if "cold_s" in row else "")
               + (f"  policy {' '.join(args.policy)}: reuse {row['policy_s']:.3f} s" if "policy_s" in row else ""),
               flush=True)
         for e in row["extra"]:
-            print(f"T={row['tokens']:7d}  budget {e['budget']:.0%}: reuse {e['reuse_s']:7.3f} s  speedup "
+            print(f"T={row['tokens']:7d} x {n_docs:2d} docs  budget {e['budget']:.0%}: reuse {e['reuse_s']:7.3f} s  speedup "
                   f"{e['speedup']:5.2f}x  (analytic FLOP ratio {e['flop_ratio']:.2f}x; head-row "
                   f"{e['head_row_saving']:.1%}; token-row {e['token_row_saving']:.1%}; active "
                   f"{e['active']}/{e['relocated']})", flush=True)

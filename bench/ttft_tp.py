@@ -103,7 +103,7 @@ def rank_main(group, args, store_target: str, token: str, workdir: str) -> None:
     root = Path(workdir)
     client = StoreClient(store_target, token, timeout_s=600) if store_target else None
     for L in [int(v) for v in args.lengths.split(",")]:
-        docs, question = request(cfg, L, args.docs, args.question, seed=L)
+        docs, question = request(cfg, L, args.docs, args.question, seed=L, spread=args.doc_lengths)
         t0 = time.perf_counter()
         with torch.inference_mode():
             built = [build(model, d, prof, IDENT, root / f"L{L}" / f"doc{i}" / f"rank{group.rank}")
