@@ -17,7 +17,7 @@ import torch
 
 from runtime.model.deepseek_v4 import Transformer
 from .certificate import Certificate, FallbackCounter, Verdict, agree, digest_bytes, token_hash
-from .consumer import ReuseEngine
+from .engine import ReuseEngine
 from runtime.model.parallel import Parallel
 from .ledger import Ledger
 from .prefetch import GroupStager, HotSource, LayerPrefetcher, StagedSource, StagingRejected, Trace, source_verdict

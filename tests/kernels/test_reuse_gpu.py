@@ -19,12 +19,12 @@ import pytest
 import torch
 
 import runtime.kernels as K
-import runtime.reuse.consumer as consumer_mod
+import runtime.reuse.segments as segments_mod
 from runtime.model.checkpoint import random_state
 from runtime.model.config import tiny_reuse
 from runtime.model.deepseek_v4 import Transformer
 from runtime.policy import RuntimePolicy
-from runtime.reuse.consumer import ReuseEngine
+from runtime.reuse.engine import ReuseEngine
 from runtime.reuse.producer import produce
 from runtime.reuse.profile import ReuseProfile, degenerate
 
@@ -76,9 +76,9 @@ def counted(monkeypatch):
             return fn(*a, **kw)
         return inner
     monkeypatch.setattr(K, "sparse_mqa_attention", wrap(K.sparse_mqa_attention, "attention"))
-    monkeypatch.setattr(consumer_mod, "sparse_mqa_attention", wrap(consumer_mod.sparse_mqa_attention, "attention"))
-    monkeypatch.setattr(consumer_mod, "merge_stacked", wrap(consumer_mod.merge_stacked, "merge"))
-    monkeypatch.setattr(consumer_mod, "multi_segment_attention", wrap(consumer_mod.multi_segment_attention, "fused"))
+    monkeypatch.setattr(segments_mod, "sparse_mqa_attention", wrap(segments_mod.sparse_mqa_attention, "attention"))
+    monkeypatch.setattr(segments_mod, "merge_stacked", wrap(segments_mod.merge_stacked, "merge"))
+    monkeypatch.setattr(segments_mod, "multi_segment_attention", wrap(segments_mod.multi_segment_attention, "fused"))
     return calls
 
 

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 import runtime.kernels.fp8_rows as fp8_rows
-import runtime.reuse.consumer as consumer
+import runtime.reuse.engine as engine
 from runtime.model.config import tiny_reuse
 from runtime.model.quant import FP8_MAX, FP8_ROW_BLOCK, dequant_fp8_rows, e8m0_to_float, quant_fp8_rows
 from runtime.reuse.artifact import DocumentArtifact
-from runtime.reuse.consumer import ReuseEngine
+from runtime.reuse.engine import ReuseEngine
 from runtime.reuse.prefetch import _map, owned_copies
 from runtime.reuse.producer import produce
 from runtime.reuse.profile import FLASH_PROFILE, PRO_PROFILE, ProfileError, ReuseProfile
@@ -86,7 +86,7 @@ def test_reuse_over_fp8_equals_reuse_over_the_dequantized_values(model, request_
     prof = ReuseProfile(**BASE, local_format="fp8")
     calls = []
     real = fp8_rows.gather_dequant_rows
-    monkeypatch.setattr(consumer, "gather_dequant_rows", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    monkeypatch.setattr(engine, "gather_dequant_rows", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     want = ReuseEngine(model, prof).prefill([dequantized(a) for a in artifacts["fp8"]], question)
     assert not calls
     got = ReuseEngine(model, prof).prefill(artifacts["fp8"], question)
