@@ -13,7 +13,7 @@ re-pool, RoPE angles) is built once per request (rows.py), so a reusable layer m
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -57,7 +57,33 @@ class RequestState:
     pos: int
 
 
+@dataclass
+class _Call:
+    """One call's own state (a prefill, or one decode step), made by the call and passed down explicitly: the
+    engine keeps nothing per request, so one engine serves several requests at once. `docs`: the request's
+    documents (None in a decode step); `ledger`: where the call's counts go (None: not counted), those that are
+    device tensors deferred to `flush`, once at the end of the request (no per-layer sync)."""
+    docs: list[DocumentArtifact] | None
+    ledger: Ledger | None
+    deferred: list = field(default_factory=list)
+
+    def defer(self, method: str, *args) -> None:
+        if self.ledger is not None:
+            self.deferred.append((getattr(self.ledger, method), args))
+
+    def flush(self) -> None:
+        calls, self.deferred = self.deferred, []
+        tensors = [a for _, args in calls for a in args if isinstance(a, torch.Tensor)]
+        vals = iter(torch.stack([t.double() for t in tensors]).tolist()) if tensors else iter(())
+        for fn, args in calls:
+            fn(*[next(vals) if isinstance(a, torch.Tensor) else a for a in args])
+
+
 class ReuseEngine:
+    """The reuse path over one model and profile. It holds only what every request shares (the model, the
+    profile, the Global heads); each call's state is its own (`_Call`, `RequestState`), so concurrent requests
+    may share one engine."""
+
     def __init__(self, model: Transformer, profile: ReuseProfile):
         profile.check(model.cfg)
         self.model, self.profile, self.cfg = model, profile, model.cfg
@@ -79,7 +105,6 @@ class ReuseEngine:
         m, cfg, prof = self.model, self.cfg, self.profile
         dev = m.embed.weight.device
         prefix, reloc = docs[0], docs[1:]
-        self._docs, self._deferred = docs, []
         deltas, pos = [], 0
         for d in docs:
             assert d.n % prof.align == 0, "artifacts are padded to the profile's alignment"
@@ -90,6 +115,7 @@ class ReuseEngine:
         positions = shared_arange(prefix.n, q_start + len(question), device=dev)
         n_reloc = q_start - prefix.n
         ledger = Ledger.start(cfg, prof, n_prefix=prefix.n, n_reloc=n_reloc, n_new=len(question))
+        call = _Call(docs, ledger)
 
         state = RequestState({}, {}, {}, {}, {}, q_start, q_start + len(question))
         x = m.embed_streams(tokens)
@@ -120,9 +146,8 @@ class ReuseEngine:
                     active = self._choose_active(deviation, idx_score, reloc, deltas[1:], q_start, len(question))
                     split = split_rows(active, positions, reloc, len(question), self._geometries())
                 ledger.set_active(split.act_reloc.shape[0])
-            x = self._reusable_layer(i, block, x, tokens, positions, docs, deltas, split, state, ledger,
-                                     fence=artifact_fence)
-        self._flush(ledger)
+            x = self._reusable_layer(call, i, block, x, tokens, deltas, split, state, fence=artifact_fence)
+        call.flush()
         logits = m.logits(x[-1:])[0]
         act_pos = positions[:n_reloc][active] if active is not None else positions[:0]
         return ReuseResult(logits, ledger, act_pos, state)
@@ -182,34 +207,22 @@ class ReuseEngine:
                     out.append((comp.ratio, comp.overlap))
         return out
 
-    def _defer(self, ledger, method: str, *args) -> None:
-        """Ledger counts that are device tensors are settled once at the end of the request (no per-layer sync)."""
-        if ledger is not None:
-            self._deferred.append((getattr(ledger, method), args))
-
-    def _flush(self, ledger) -> None:
-        calls, self._deferred = self._deferred, []
-        tensors = [a for _, args in calls for a in args if isinstance(a, torch.Tensor)]
-        vals = iter(torch.stack([t.double() for t in tensors]).tolist()) if tensors else iter(())
-        for fn, args in calls:
-            fn(*[next(vals) if isinstance(a, torch.Tensor) else a for a in args])
-
-    def _reusable_layer(self, i, block, x, tokens, positions, docs, deltas, split, state, ledger, fence=False):
+    def _reusable_layer(self, call: _Call, i, block, x, tokens, deltas, split, state, fence=False):
         """Prefill of one reusable layer (or, with `fence`, a last fence taking non-active rows' KV from the
         artifact): build the relocated segments' keys, then one pass over the rows."""
-        attn = block.attn
+        attn, docs = block.attn, call.docs
         n_reloc = sum(n for _, n in split.seg_ranges)
         with phase("rk.hc"):
             h, post, comb = block.hc_pre(x, "attn")
             hn = block.attn_norm(h)
         with phase("rk.keys"):
-            segs, comp_state, idx_state = self._relocated_keys(i, attn, hn, docs, deltas, split, ledger)
+            segs, comp_state, idx_state = self._relocated_keys(call, i, attn, hn, deltas, split)
             if any(is_private(d, i) for d in docs):
                 keep_apart(segs, [comp_state, idx_state], docs, i)
         state.seg_keys[i] = segs
         state.new_comp[i], state.new_index[i] = comp_state, idx_state
         state.new_latent[i] = hn.new_zeros((0, self.cfg.head_dim))
-        return self._rows(i, block, x, hn, post, comb, tokens, split, n_reloc, state, ledger,
+        return self._rows(call, i, block, x, hn, post, comb, tokens, split, n_reloc, state,
                           docs if n_reloc and not fence else None, fence)
 
     @torch.inference_mode()
@@ -236,21 +249,23 @@ class ReuseEngine:
         positions = torch.tensor([state.pos], device=dev)
         x = m.embed_streams(tokens)
         one = Split(Rows(None, positions, np.array([state.pos])), None)
+        call = _Call(None, None)
         for i, block in enumerate(m.layers):
             if i in state.fence_caches:
                 x = block(x, tokens, positions, state.fence_caches[i], m.q_chunk)
                 continue
             h, post, comb = block.hc_pre(x, "attn")
-            x = self._rows(i, block, x, block.attn_norm(h), post, comb, tokens, one, 0, state, None, None,
+            x = self._rows(call, i, block, x, block.attn_norm(h), post, comb, tokens, one, 0, state, None,
                            self.profile.is_fence(self.cfg, i))
         state.pos += 1
         return m.logits(x)[0]
 
-    def _relocated_keys(self, i, attn, hn, docs, deltas, sp: Split, ledger):
+    def _relocated_keys(self, call: _Call, i, attn, hn, deltas, sp: Split):
         """Keys of the prefix (its artifact) and of every relocated segment (artifact, with the active rows'
         recomputed latent and their blocks' re-pooled entries overlaid on copies, or in place on the request's own
         staged copies: `_writable`); returns the compressor states carried to the new rows' segment. The active
         rows of all documents go through one projection."""
+        docs = call.docs
         arts0 = docs[0].layers[i]
         segs = [SegmentKeys(0, arts0.latent, arts0.entries, arts0.index_keys)]
         latents = {j: docs[j].layers[i].latent for j in range(1, len(docs))}
@@ -261,7 +276,7 @@ class ReuseEngine:
                 for j, ids, off in sp.act_local:
                     latents[j] = self._writable(docs, j, i, latents[j]).index_copy_(
                         0, ids, fresh[off:off + ids.numel()].to(latents[j].dtype))
-            self._defer(ledger, "latent_rows", sp.act_reloc.shape[0])
+            call.defer("latent_rows", sp.act_reloc.shape[0])
         entries = {j: docs[j].layers[i].entries for j in range(1, len(docs))}
         index_keys = {j: docs[j].layers[i].index_keys for j in range(1, len(docs))}
         comp_state, idx_state = CompressorState(), CompressorState()
@@ -332,7 +347,7 @@ class ReuseEngine:
             carried.prev_kv, carried.prev_gate = ck[plan.carry, :, :D].clone(), cg[plan.carry, :, :D].clone()
         return carried
 
-    def _rows(self, i, block, x, hn, post, comb, tokens, sp: Split, n_reloc, state, ledger, docs, fence):
+    def _rows(self, call: _Call, i, block, x, hn, post, comb, tokens, sp: Split, n_reloc, state, docs, fence):
         """One layer over the rows of this call: rows [0, n_reloc) are relocated rows (active or not), the rest
         new rows, whose latent and compressor state extend the request's own segment. Active rows: every head,
         MoE (adaptive fanout, or native top-k in a fence); other rows: Global heads + restored W_a,L O_L, FFN per
@@ -386,7 +401,7 @@ class ReuseEngine:
                                         cfg.norm_eps)
                 own = None
                 if attn.kind == CSA and prof.global_picks == "artifact" and docs is not None:
-                    own = self._own_picks(i, sp)
+                    own = self._own_picks(call, i, sp)
                 o, p = self._attend(attn, q, rest, all_segs, attn.attn_sink.index_select(0, gm),
                                     rest.take(hn) if attn.indexer and own is None else None, qg, own)
                 # + W_a,G O_G in the same GEMM (onto the restored rows), or written into the split layout's rows
@@ -395,7 +410,7 @@ class ReuseEngine:
                 P = rest.put_(P, pg)
             pairs = pairs + p * Hg
         par = self.model.par.size                  # every rank holds its own heads
-        self._defer(ledger, "reusable_layer", i, act.n if act else 0, 0 if fence or not sp.rest else sp.rest.n,
+        call.defer("reusable_layer", i, act.n if act else 0, 0 if fence or not sp.rest else sp.rest.n,
                     (0 if fence else int(self.gmask.sum())) * par, pairs * par,
                     (act.n if act else 0) if (fence or prof.global_picks == "artifact") else M)
         with phase("rk.output"):
@@ -414,9 +429,9 @@ class ReuseEngine:
                 if fence:
                     w, idx = block.ffn.gate(hn2, ta)
                     y = block.ffn.routed(hn2, w, idx) + block.ffn.shared_experts(hn2).float()
-                    self._defer(ledger, "moe_rows", act.n, cfg.n_activated_experts)
+                    call.defer("moe_rows", act.n, cfg.n_activated_experts)
                 else:
-                    y = self._moe_adaptive(block, hn2, ta, ledger)
+                    y = self._moe_adaptive(call, block, hn2, ta)
                 y = block.ffn.par.all_reduce(y).to(x.dtype)
                 if keep is x or act.idx is None:
                     mixed = block.hc_post(y, xa, post2, comb2)
@@ -427,15 +442,15 @@ class ReuseEngine:
         hn2 = block.ffn_norm(h2)
         y = torch.zeros_like(hn2, dtype=torch.float32)
         if act is not None:
-            y = act.put_(y, self._moe_adaptive(block, act.take(hn2), act.take(tokens), ledger))
+            y = act.put_(y, self._moe_adaptive(call, block, act.take(hn2), act.take(tokens)))
         if rest is not None:
             hr, tr = rest.take(hn2), rest.take(tokens)
             if prof.ffn_mode == "native":
                 yr = block.ffn.routed(hr, *block.ffn.gate(hr, tr)) + block.ffn.shared_experts(hr).float()
-                self._defer(ledger, "moe_rows", rest.n, cfg.n_activated_experts)
+                call.defer("moe_rows", rest.n, cfg.n_activated_experts)
             else:
                 yr = block.ffn.shared_experts(hr).float()
-                self._defer(ledger, "moe_rows", rest.n, 0)
+                call.defer("moe_rows", rest.n, 0)
             y = rest.put_(y, yr)
         y = block.ffn.par.all_reduce(y).to(x.dtype)
         return block.hc_post(y, x_attn, post2, comb2)
@@ -459,10 +474,10 @@ class ReuseEngine:
             pairs = pairs + p
         return res, pairs
 
-    def _own_picks(self, i, sp: Split) -> torch.Tensor:
+    def _own_picks(self, call: _Call, i, sp: Split) -> torch.Tensor:
         """[n_rest, k] entry ids: each non-active relocated row's own document's offline picks, in its own segment
         (its window still crosses the joins). Only relocated rows are non-active, in document order."""
-        picks = [self._docs[j].layers[i].picks for j, _, _ in sp.rest_local]
+        picks = [call.docs[j].layers[i].picks for j, _, _ in sp.rest_local]
         view = rows_view(picks)
         if view is not None:                 # every document's picks in one buffer, all of one width: one gather
             rows, firsts = view
@@ -533,10 +548,10 @@ class ReuseEngine:
             gather_dequant_rows(c, s, ids, ids, out[off:off + ids.numel()])
         return out
 
-    def _moe_adaptive(self, block, h, tokens, ledger) -> torch.Tensor:
+    def _moe_adaptive(self, call: _Call, block, h, tokens) -> torch.Tensor:
         """Top-6 by the router, then k = smallest k >= min_experts whose normalized cumulative weight reaches
         tau; the k experts run with their original weights; the shared expert always runs."""
         prof = self.profile
         w, idx, k = adaptive_fanout(*block.ffn.gate(h, tokens), prof.tau, prof.min_experts)
-        self._defer(ledger, "moe_rows", h.shape[0], k.float().mean())
+        call.defer("moe_rows", h.shape[0], k.float().mean())
         return block.ffn.routed(h, w, idx) + block.ffn.shared_experts(h).float()
