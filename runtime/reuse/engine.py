@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from runtime.model.config import CSA
-from runtime.model.deepseek_v4 import (NEG_INF, Block, CompressorState, LayerCache, Rotary, Transformer,
+from runtime.model.deepseek_v4 import (NEG_INF, Block, CompressorState, LayerCache, Transformer,
                                        grouped_projection, phase, prefill_out_rows, shared_angles, shared_arange,
                                        unweighted_rms_norm)
 from runtime.kernels.f32linear import kept_on_weights
@@ -33,6 +33,7 @@ from .profile import ReuseProfile
 from .roles import global_mask
 from .rows import Rows, Split, block_plan, split_rows
 from .segments import segment_attention
+from .signals import deviation as fence_deviation, indexer_rows
 from .views import gather_rows, keep_apart, rows_out, rows_view, view_rows
 
 
@@ -77,6 +78,28 @@ class _Call:
         vals = iter(torch.stack([t.double() for t in tensors]).tolist()) if tensors else iter(())
         for fn, args in calls:
             fn(*[next(vals) if isinstance(a, torch.Tensor) else a for a in args])
+
+
+@dataclass(frozen=True)
+class _LayerRows:
+    """What one layer's pass over a call's rows takes (`ReuseEngine._rows`): the layer, the rows' streams and
+    attention input, the call's row plan, and where the other rows' Local contribution comes from."""
+    i: int
+    block: Block
+    x: torch.Tensor                 # [M, hc, D] the rows' residual streams
+    hn: torch.Tensor                # [M, D] their normed attention input
+    post: torch.Tensor              # hc_pre's weights, for hc_post
+    comb: torch.Tensor
+    tokens: torch.Tensor
+    sp: Split
+    n_reloc: int                    # rows [0, n_reloc) are relocated rows, the rest new rows
+    restore: bool                   # the other rows' W_a,L O_L restored from the call's documents
+    fence: bool
+
+    @property
+    def rest(self) -> Rows | None:
+        """The other rows, where this layer computes them (an artifact-KV fence does not)."""
+        return None if self.fence else self.sp.rest
 
 
 class ReuseEngine:
@@ -136,10 +159,10 @@ class ReuseEngine:
                 state.fence_caches[i] = lc
                 ledger.fence_layer(i, rows=len(tokens), total_rows=q_start + len(question), out_rows=out_rows)
                 if i < prof.first_fences and n_reloc:
-                    deviation += self._deviation(block, cap["latent"][:n_reloc], reloc, deltas[1:], i)
+                    deviation += fence_deviation(block, cap["latent"][:n_reloc], reloc, deltas[1:], i)
                     if block.attn.kind == CSA and cap["topk"] is not None:
-                        idx_score = torch.maximum(idx_score, self._indexer_rows(cap["topk"], n_reloc, prefix.n,
-                                                                                len(question), block))
+                        idx_score = torch.maximum(idx_score, indexer_rows(cap["topk"], n_reloc, prefix.n,
+                                                                          len(question), block))
                 continue
             if active is None:
                 with phase("rk.select"):
@@ -166,32 +189,6 @@ class ReuseEngine:
                                          prev_kv=art.index_prev[0] if art.index_prev else None,
                                          prev_gate=art.index_prev[1] if art.index_prev else None)
         return lc
-
-    def _deviation(self, block, latent_req, reloc, deltas, layer) -> torch.Tensor:
-        """CacheBlend's signal for free: the request-context latent of the first fences against the artifact's
-        latent of the same layer (moved to the request frame), relative per row."""
-        outs = []
-        a = 0
-        for d, delta in zip(reloc, deltas):
-            art = d.layers[layer].latent
-            moved = Rotary.apply(art, *block.attn.rotary.cos_sin(torch.full((d.n,), delta, device=art.device)))
-            got = latent_req[a:a + d.n]
-            outs.append((got.float() - moved.float()).norm(dim=-1) / moved.float().norm(dim=-1).clamp_min(1e-12))
-            a += d.n
-        return torch.cat(outs)
-
-    def _indexer_rows(self, topk, n_reloc, prefix_n, n_q, block) -> torch.Tensor:
-        """Rows of the compressed blocks that the native indexer picks for the question rows, scored by how many
-        question rows pick them."""
-        score = torch.zeros(n_reloc, device=topk.device)
-        picks = topk[-n_q:].flatten()
-        picks = picks[picks >= 0]
-        if picks.numel() == 0:
-            return score
-        rows = (picks[:, None] * 4 + torch.arange(4, device=picks.device)).flatten() - prefix_n
-        rows = rows[(rows >= 0) & (rows < n_reloc)]
-        score.index_add_(0, rows, torch.ones_like(rows, dtype=score.dtype))
-        return score
 
     def _choose_active(self, deviation, idx_score, reloc, deltas, q_start, n_q) -> torch.Tensor:
         return choose_active(self.profile, deviation, idx_score, [d.n for d in reloc], deltas, q_start, n_q)
@@ -222,8 +219,8 @@ class ReuseEngine:
         state.seg_keys[i] = segs
         state.new_comp[i], state.new_index[i] = comp_state, idx_state
         state.new_latent[i] = hn.new_zeros((0, self.cfg.head_dim))
-        return self._rows(call, i, block, x, hn, post, comb, tokens, split, n_reloc, state,
-                          docs if n_reloc and not fence else None, fence)
+        return self._rows(call, _LayerRows(i, block, x, hn, post, comb, tokens, split, n_reloc,
+                                           bool(n_reloc) and not fence, fence), state)
 
     @torch.inference_mode()
     def generate(self, docs: list[DocumentArtifact], question: list[int], max_new_tokens: int,
@@ -255,8 +252,8 @@ class ReuseEngine:
                 x = block(x, tokens, positions, state.fence_caches[i], m.q_chunk)
                 continue
             h, post, comb = block.hc_pre(x, "attn")
-            x = self._rows(call, i, block, x, block.attn_norm(h), post, comb, tokens, one, 0, state, None,
-                           self.profile.is_fence(self.cfg, i))
+            x = self._rows(call, _LayerRows(i, block, x, block.attn_norm(h), post, comb, tokens, one, 0, False,
+                                            self.profile.is_fence(self.cfg, i)), state)
         state.pos += 1
         return m.logits(x)[0]
 
@@ -347,97 +344,124 @@ class ReuseEngine:
             carried.prev_kv, carried.prev_gate = ck[plan.carry, :, :D].clone(), cg[plan.carry, :, :D].clone()
         return carried
 
-    def _rows(self, call: _Call, i, block, x, hn, post, comb, tokens, sp: Split, n_reloc, state, docs, fence):
+    def _rows(self, call: _Call, lr: _LayerRows, state: RequestState) -> torch.Tensor:
         """One layer over the rows of this call: rows [0, n_reloc) are relocated rows (active or not), the rest
         new rows, whose latent and compressor state extend the request's own segment. Active rows: every head,
         MoE (adaptive fanout, or native top-k in a fence); other rows: Global heads + restored W_a,L O_L, FFN per
         ffn_mode; in an artifact-KV fence, other rows are not computed at all."""
-        cfg, prof, attn = self.cfg, self.profile, block.attn
-        M = x.shape[0]
-        nrows = slice(n_reloc, M)
-        with phase("rk.new_keys"):
-            base = state.new_latent[i].shape[0]
-            ncpos = shared_arange(base, base + M - n_reloc, device=x.device)
-            state.new_latent[i] = torch.cat([state.new_latent[i], attn.latent(hn[nrows], ncpos).to(hn.dtype)])
-            new_seg = SegmentKeys(state.new_delta, state.new_latent[i])
-            if attn.compressor is not None:
-                new_seg.entries = attn.compressor(hn[nrows], state.new_comp[i])
-            if attn.indexer is not None:
-                new_seg.index_keys = attn.indexer.compressor(hn[nrows], state.new_index[i])
-            all_segs = state.seg_keys[i] + [new_seg]
-
+        sp, attn = lr.sp, lr.block.attn
+        segs = self._new_keys(lr, state)
         with phase("rk.wq_a"):
-            qr = attn.q_norm(attn.wq_a(hn))
-        act, rest = sp.act, (None if fence else sp.rest)
-        pairs = 0
+            qr = attn.q_norm(attn.wq_a(lr.hn))
         # with both kinds of rows, the projected state is laid out in the split order (active rows, then the
         # others): each part's GEMM writes its own rows' block in place, and hc_post reads W_b's output through
         # `split_pos`, so no part is scattered into the rows' order through HBM; otherwise in the rows' order
-        split = (rest is not None and sp.split_pos is not None         # split_pos: both kinds of rows exist
-                 and hn.dtype == attn.wo_a.weight.dtype)
-        P = (hn.new_zeros if sp.rest is not None and fence else hn.new_empty)((M, attn.n_groups * cfg.o_lora_rank))
-        if act is not None:                        # every head, native W_a
-            with phase("rk.attn.active"):
-                qa = act.take(qr)
-                q = unweighted_rms_norm(attn.wq_b(qa).view(-1, attn.n_heads, cfg.head_dim), cfg.norm_eps)
-                o, p = self._attend(attn, q, act, all_segs, attn.attn_sink, act.take(hn) if attn.indexer else None,
-                                    qa)
-                if split:
-                    attn.project_relative(o.to(hn.dtype), P[:act.n])
-                else:
-                    P = act.put_(P, attn.project_relative(o.to(hn.dtype)))
-                pairs = pairs + p * attn.n_heads
-        if rest is not None:                       # Global heads only, their slice of wq_b and of W_a
-            pg = P[M - rest.n:] if split else None
-            if docs is not None:                   # W_a,L O_L of these rows from their documents, in the rows' order
-                with phase("rk.restore"):
-                    pg = self._restored_local(i, sp, docs, rest.n, attn, pg)
-            with phase("rk.attn.global"):
-                gm = self._global_heads(x.device)
-                Hg = gm.numel()
-                wq = self._global_wq(attn, gm)
-                qg = rest.take(qr)
-                q = unweighted_rms_norm(torch.nn.functional.linear(qg.to(wq.dtype), wq).view(-1, Hg, cfg.head_dim),
-                                        cfg.norm_eps)
-                own = None
-                if attn.kind == CSA and prof.global_picks == "artifact" and docs is not None:
-                    own = self._own_picks(call, i, sp)
-                o, p = self._attend(attn, q, rest, all_segs, attn.attn_sink.index_select(0, gm),
-                                    rest.take(hn) if attn.indexer and own is None else None, qg, own)
-                # + W_a,G O_G in the same GEMM (onto the restored rows), or written into the split layout's rows
-                pg = self._project_global(attn, o.to(hn.dtype), pg, add=docs is not None)
-            if not split:
-                P = rest.put_(P, pg)
-            pairs = pairs + p * Hg
+        split = (lr.rest is not None and sp.split_pos is not None         # split_pos: both kinds of rows exist
+                 and lr.hn.dtype == attn.wo_a.weight.dtype)
+        M = lr.x.shape[0]
+        new = lr.hn.new_zeros if sp.rest is not None and lr.fence else lr.hn.new_empty
+        P = new((M, attn.n_groups * self.cfg.o_lora_rank))
+        P, pairs_a = self._active_attention(lr, segs, qr, P, split)
+        P, pairs_g = self._global_attention(call, lr, segs, qr, P, split)
         par = self.model.par.size                  # every rank holds its own heads
-        call.defer("reusable_layer", i, act.n if act else 0, 0 if fence or not sp.rest else sp.rest.n,
-                    (0 if fence else int(self.gmask.sum())) * par, pairs * par,
-                    (act.n if act else 0) if (fence or prof.global_picks == "artifact") else M)
+        act, rest_n = sp.act.n if sp.act else 0, 0 if lr.fence or not sp.rest else sp.rest.n
+        call.defer("reusable_layer", lr.i, act, rest_n, (0 if lr.fence else int(self.gmask.sum())) * par,
+                   (pairs_a + pairs_g) * par, act if (lr.fence or self.profile.global_picks == "artifact") else M)
         with phase("rk.output"):
-            x_attn = block.hc_post(attn.output(P), x, post, comb, sp.split_pos if split else None)
+            x_attn = lr.block.hc_post(attn.output(P), lr.x, lr.post, lr.comb, sp.split_pos if split else None)
+        if lr.fence or self.profile.ffn_mode == "skip":
+            return self._active_ffn(call, lr, x_attn)
+        return self._ffn(call, lr, x_attn)
 
-        if fence or prof.ffn_mode == "skip":
-            # only active rows have an FFN: the others keep the attention sub-block's output (residual identity),
-            # or, in an artifact-KV fence, are not computed at all (their streams are left as they were)
-            keep = x if fence and sp.rest is not None else x_attn
-            if act is None:
-                return keep
-            with phase("rk.ffn"):
-                xa = act.take(x_attn)
-                h2, post2, comb2 = block.hc_pre(xa, "ffn")
-                hn2, ta = block.ffn_norm(h2), act.take(tokens)
-                if fence:
-                    w, idx = block.ffn.gate(hn2, ta)
-                    y = block.ffn.routed(hn2, w, idx) + block.ffn.shared_experts(hn2).float()
-                    call.defer("moe_rows", act.n, cfg.n_activated_experts)
-                else:
-                    y = self._moe_adaptive(call, block, hn2, ta)
-                y = block.ffn.par.all_reduce(y).to(x.dtype)
-                if keep is x or act.idx is None:
-                    mixed = block.hc_post(y, xa, post2, comb2)
-                    return act.put(keep, mixed) if keep is x else act.put_(keep, mixed)
-                # the active rows' new streams written straight into their rows of this layer's own output
-                return block.hc_post(y, xa, post2, comb2, out=keep, out_rows=act.idx)
+    def _new_keys(self, lr: _LayerRows, state: RequestState) -> list[SegmentKeys]:
+        """The new rows' latent and compressor state appended to the request's own segment; every segment's keys
+        in this layer (prefix, relocated, new)."""
+        attn, i, nrows = lr.block.attn, lr.i, slice(lr.n_reloc, lr.x.shape[0])
+        with phase("rk.new_keys"):
+            base = state.new_latent[i].shape[0]
+            ncpos = shared_arange(base, base + lr.x.shape[0] - lr.n_reloc, device=lr.x.device)
+            state.new_latent[i] = torch.cat([state.new_latent[i], attn.latent(lr.hn[nrows], ncpos).to(lr.hn.dtype)])
+            new_seg = SegmentKeys(state.new_delta, state.new_latent[i])
+            if attn.compressor is not None:
+                new_seg.entries = attn.compressor(lr.hn[nrows], state.new_comp[i])
+            if attn.indexer is not None:
+                new_seg.index_keys = attn.indexer.compressor(lr.hn[nrows], state.new_index[i])
+        return state.seg_keys[i] + [new_seg]
+
+    def _active_attention(self, lr: _LayerRows, segs, qr, P, split: bool):
+        """The active rows' attention, every head, through the native W_a, into their rows of P (its first block
+        in the split layout). Returns P and the (query, key, head) triples attended."""
+        act, attn, cfg = lr.sp.act, lr.block.attn, self.cfg
+        if act is None:
+            return P, 0
+        with phase("rk.attn.active"):
+            qa = act.take(qr)
+            q = unweighted_rms_norm(attn.wq_b(qa).view(-1, attn.n_heads, cfg.head_dim), cfg.norm_eps)
+            o, p = self._attend(attn, q, act, segs, attn.attn_sink, act.take(lr.hn) if attn.indexer else None, qa)
+            if split:
+                attn.project_relative(o.to(lr.hn.dtype), P[:act.n])
+            else:
+                P = act.put_(P, attn.project_relative(o.to(lr.hn.dtype)))
+        return P, p * attn.n_heads
+
+    def _global_attention(self, call: _Call, lr: _LayerRows, segs, qr, P, split: bool):
+        """The other rows' Global heads (their slice of wq_b and of W_a), added onto their restored W_a,L O_L, into
+        their rows of P (its last block in the split layout). Returns P and the triples attended."""
+        rest, attn, cfg = lr.rest, lr.block.attn, self.cfg
+        if rest is None:
+            return P, 0
+        M = lr.x.shape[0]
+        pg = P[M - rest.n:] if split else None
+        if lr.restore:                         # W_a,L O_L of these rows from their documents, in the rows' order
+            with phase("rk.restore"):
+                pg = self._restored_local(lr.i, lr.sp, call.docs, rest.n, attn, pg)
+        with phase("rk.attn.global"):
+            gm = self._global_heads(lr.x.device)
+            Hg = gm.numel()
+            wq = self._global_wq(attn, gm)
+            qg = rest.take(qr)
+            q = unweighted_rms_norm(torch.nn.functional.linear(qg.to(wq.dtype), wq).view(-1, Hg, cfg.head_dim),
+                                    cfg.norm_eps)
+            own = None
+            if attn.kind == CSA and self.profile.global_picks == "artifact" and lr.restore:
+                own = self._own_picks(call, lr.i, lr.sp)
+            o, p = self._attend(attn, q, rest, segs, attn.attn_sink.index_select(0, gm),
+                                rest.take(lr.hn) if attn.indexer and own is None else None, qg, own)
+            # + W_a,G O_G in the same GEMM (onto the restored rows), or written into the split layout's rows
+            pg = self._project_global(attn, o.to(lr.hn.dtype), pg, add=lr.restore)
+        if not split:
+            P = rest.put_(P, pg)
+        return P, p * Hg
+
+    def _active_ffn(self, call: _Call, lr: _LayerRows, x_attn) -> torch.Tensor:
+        """In a fence, or with ffn_mode "skip": only active rows have an FFN; the others keep the attention
+        sub-block's output (residual identity), or, in an artifact-KV fence, are not computed at all (their
+        streams are left as they were)."""
+        act, block, x = lr.sp.act, lr.block, lr.x
+        keep = x if lr.fence and lr.sp.rest is not None else x_attn
+        if act is None:
+            return keep
+        with phase("rk.ffn"):
+            xa = act.take(x_attn)
+            h2, post2, comb2 = block.hc_pre(xa, "ffn")
+            hn2, ta = block.ffn_norm(h2), act.take(lr.tokens)
+            if lr.fence:
+                w, idx = block.ffn.gate(hn2, ta)
+                y = block.ffn.routed(hn2, w, idx) + block.ffn.shared_experts(hn2).float()
+                call.defer("moe_rows", act.n, self.cfg.n_activated_experts)
+            else:
+                y = self._moe_adaptive(call, block, hn2, ta)
+            y = block.ffn.par.all_reduce(y).to(x.dtype)
+            if keep is x or act.idx is None:
+                mixed = block.hc_post(y, xa, post2, comb2)
+                return act.put(keep, mixed) if keep is x else act.put_(keep, mixed)
+            # the active rows' new streams written straight into their rows of this layer's own output
+            return block.hc_post(y, xa, post2, comb2, out=keep, out_rows=act.idx)
+
+    def _ffn(self, call: _Call, lr: _LayerRows, x_attn) -> torch.Tensor:
+        """Every row's FFN: active rows MoE with adaptive fanout; the others per ffn_mode ("native": the full
+        MoE, else the shared expert only)."""
+        act, rest, block, tokens = lr.sp.act, lr.rest, lr.block, lr.tokens
         h2, post2, comb2 = block.hc_pre(x_attn, "ffn")
         hn2 = block.ffn_norm(h2)
         y = torch.zeros_like(hn2, dtype=torch.float32)
@@ -445,14 +469,14 @@ class ReuseEngine:
             y = act.put_(y, self._moe_adaptive(call, block, act.take(hn2), act.take(tokens)))
         if rest is not None:
             hr, tr = rest.take(hn2), rest.take(tokens)
-            if prof.ffn_mode == "native":
+            if self.profile.ffn_mode == "native":
                 yr = block.ffn.routed(hr, *block.ffn.gate(hr, tr)) + block.ffn.shared_experts(hr).float()
-                call.defer("moe_rows", rest.n, cfg.n_activated_experts)
+                call.defer("moe_rows", rest.n, self.cfg.n_activated_experts)
             else:
                 yr = block.ffn.shared_experts(hr).float()
                 call.defer("moe_rows", rest.n, 0)
             y = rest.put_(y, yr)
-        y = block.ffn.par.all_reduce(y).to(x.dtype)
+        y = block.ffn.par.all_reduce(y).to(lr.x.dtype)
         return block.hc_post(y, x_attn, post2, comb2)
 
     def _attend(self, attn, q_raw, rows: Rows, segs, sink, h, qr, own_picks=None):
