@@ -30,7 +30,7 @@ from runtime.model.random_init import init_random  # noqa: E402
 from runtime.model.config import FLASH  # noqa: E402
 from runtime.model.deepseek_v4 import Transformer  # noqa: E402
 from runtime.reuse.engine import ReuseEngine  # noqa: E402
-from runtime.reuse.prefetch import owned_copies  # noqa: E402
+from runtime.reuse.packing import owned_copies  # noqa: E402
 from runtime.reuse.producer import produce  # noqa: E402
 from runtime.reuse.profile import FLASH_PROFILE  # noqa: E402
 

@@ -44,7 +44,8 @@ from runtime.model.random_init import init_random  # noqa: E402
 from runtime.policy import RuntimePolicy  # noqa: E402
 from runtime.reuse.artifact import DocumentArtifact  # noqa: E402
 from runtime.reuse.engine import ReuseEngine  # noqa: E402
-from runtime.reuse.prefetch import LayerPrefetcher, pin  # noqa: E402
+from runtime.reuse.packing import pin  # noqa: E402
+from runtime.reuse.prefetcher import LayerPrefetcher  # noqa: E402
 from runtime.reuse.producer import produce  # noqa: E402
 from runtime.reuse.profile import FLASH_PROFILE  # noqa: E402
 from bench.report import header, write_json  # noqa: E402

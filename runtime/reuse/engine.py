@@ -24,7 +24,7 @@ from runtime.model.deepseek_v4 import (NEG_INF, Block, CompressorState, LayerCac
                                        unweighted_rms_norm)
 from runtime.kernels.f32linear import kept_on_weights
 from runtime.kernels.fp8_rows import gather_dequant_rows
-from .artifact import DocumentArtifact, LayerArtifact, is_private
+from .artifact import DocumentArtifact, LayerArtifact, Owner
 from .controller import choose_active
 from .fanout import adaptive_fanout
 from .keys import SegmentKeys
@@ -214,7 +214,7 @@ class ReuseEngine:
             hn = block.attn_norm(h)
         with phase("rk.keys"):
             segs, comp_state, idx_state = self._relocated_keys(call, i, attn, hn, deltas, split)
-            if any(is_private(d, i) for d in docs):
+            if any(d.layers[i].owner is Owner.REQUEST for d in docs):
                 keep_apart(segs, [comp_state, idx_state], docs, i)
         state.seg_keys[i] = segs
         state.new_comp[i], state.new_index[i] = comp_state, idx_state
@@ -293,7 +293,7 @@ class ReuseEngine:
         index_copy_ where every document's field lies in one `rows_view` and is this request's own copy; False
         (nothing written) otherwise."""
         js = [j for _, j in parts]
-        if not all(is_private(docs[j], i) for j in js):
+        if not all(docs[j].layers[i].owner is Owner.REQUEST for j in js):
             return False
         view = rows_view([fields[j] for j in js])
         if view is None:
@@ -305,9 +305,9 @@ class ReuseEngine:
     @staticmethod
     def _writable(docs, j: int, i: int, t: torch.Tensor) -> torch.Tensor:
         """`t` (a field of document j's layer i) to overlay rows on: itself where the layers are this request's own
-        staged copies (LayerPrefetcher / GroupStager on CUDA, `private`), else a copy, so an artifact the caller
-        keeps is never written."""
-        return t if is_private(docs[j], i) else t.clone()
+        staged copies (`Owner.REQUEST`: LayerPrefetcher / GroupStager on CUDA, `owned_copy`), else a copy, so an
+        artifact the caller keeps is never written."""
+        return t if docs[j].layers[i].owner is Owner.REQUEST else t.clone()
 
     def _overlay_entries(self, comp, hn, sp: Split, entries: dict, prefix_prev, docs, i) -> CompressorState:
         """Re-pool, for every relocated document at once, the compressed entries of blocks holding any active row

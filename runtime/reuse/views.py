@@ -9,7 +9,7 @@ from dataclasses import fields as dataclass_fields
 import torch
 
 from runtime.model.deepseek_v4 import CompressorState
-from .artifact import is_private
+from .artifact import Owner
 from .keys import SegmentKeys, memo
 
 
@@ -46,11 +46,12 @@ def in_larger(t) -> bool:
 
 def keep_apart(segs: list[SegmentKeys], states: list[CompressorState], docs, i: int) -> None:
     """The request keeps every reusable layer's segment keys and carried compressor state to its end (later calls,
-    decode). Where they are views of the request's own staged copy of a layer (`private`: LayerPrefetcher packs a
+    decode). Where they are views of the request's own staged copy of a layer (`Owner.REQUEST`: LayerPrefetcher packs a
     layer's documents into ONE device buffer, W_a,L O_L and picks included), keeping a view would keep the whole
     buffer: they are copied out, one launch per field for all documents, and the buffer is freed with its layer."""
     for name in ("latent", "entries", "index_keys"):
-        own = [s for j, s in enumerate(segs) if is_private(docs[j], i) and in_larger(getattr(s, name))]
+        own = [s for j, s in enumerate(segs)
+               if docs[j].layers[i].owner is Owner.REQUEST and in_larger(getattr(s, name))]
         ts = [getattr(s, name) for s in own]
         if not ts:
             continue

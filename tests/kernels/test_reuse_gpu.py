@@ -24,6 +24,7 @@ from runtime.model.checkpoint import random_state
 from runtime.model.config import tiny_reuse
 from runtime.model.deepseek_v4 import Transformer
 from runtime.policy import RuntimePolicy
+from runtime.reuse.artifact import Owner
 from runtime.reuse.engine import ReuseEngine
 from runtime.reuse.producer import produce
 from runtime.reuse.profile import ReuseProfile, degenerate
@@ -254,7 +255,8 @@ def test_prefetched_artifacts_overlaid_in_place_equal_device_resident_ones(state
     stream; the consumer overlays active rows in place on those private copies) against the same artifacts already
     on the device (not private: the consumer copies before overlaying): the same logits to 1e-5 in float32 (the
     MoE's atomic adds may sum in another order), and the host artifacts unchanged."""
-    from runtime.reuse.prefetch import LayerPrefetcher, pin
+    from runtime.reuse.packing import pin
+    from runtime.reuse.prefetcher import LayerPrefetcher
     monkeypatch.setenv("REDKNOT_KERNELS", "1")
     docs, question = tokens
     prof = PROFILES["budget10-artifact-picks"]
@@ -266,6 +268,7 @@ def test_prefetched_artifacts_overlaid_in_place_equal_device_resident_ones(state
     pf = LayerPrefetcher(hot, "cuda")
     staged = ReuseEngine(model, prof).prefill(pf.documents(), question)
     assert counted["attention"] + counted["fused"] > 0
-    assert pf.bytes_copied > 0 and all(pf.private(len(arts[0].layers) - 1, j) for j in range(len(hot)))
+    assert pf.bytes_copied > 0 and all(d.layers[len(arts[0].layers) - 1].owner is Owner.REQUEST
+                                       for d in pf.documents())
     assert rel_err(staged.logits, resident.logits) <= 1e-5
     assert all(torch.equal(la.latent, b) for a, bs in zip(hot, before) for la, b in zip(a.layers, bs))

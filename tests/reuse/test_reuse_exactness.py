@@ -248,7 +248,7 @@ def test_artifact_picks_for_global_heads_skip_the_online_indexer(model, request_
 def test_overlays_in_place_on_private_copies_equal_the_copying_path(model, request_tokens):
     """Active rows' latent and re-pooled entries overwrite the request's own staged copies instead of clones:
     the same logits bit for bit, the caller's artifacts untouched, and the private copies really written."""
-    from runtime.reuse.prefetch import owned_copy
+    from runtime.reuse.packing import owned_copy
     docs, question = request_tokens
     prof = ReuseProfile(**BASE, budget=0.25, recent_rows=16, join_rows=8)
     arts = [produce(model, t, prof) for t in docs]
@@ -313,7 +313,7 @@ def test_documents_in_one_buffer_take_one_view_overlays_and_gathers(model, reque
     `owned_copies`): the overlays, the Local restore and the own picks take one launch for all documents through
     one view, with the same logits bit for bit as document by document, and the caller's artifacts untouched."""
     import runtime.reuse.engine as engine
-    from runtime.reuse.prefetch import owned_copies, owned_copy
+    from runtime.reuse.packing import owned_copies, owned_copy
     docs, question = request_tokens
     prof = ReuseProfile(**BASE, budget=0.25, recent_rows=16, join_rows=8, global_picks="artifact")
     arts = [produce(model, t, prof) for t in docs]
@@ -332,8 +332,8 @@ def test_documents_in_one_buffer_take_one_view_overlays_and_gathers(model, reque
     # what the request keeps (segment keys, carried compressor state) holds no view of the staged layer buffers,
     # which would keep each whole layer (W_a,L O_L and picks included) alive to the request's end
     from dataclasses import fields as dc_fields
-    from runtime.reuse.prefetch import _tensors
-    staged = {t.untyped_storage().data_ptr() for d in one for la in d.layers for t in _tensors(la)}
+    from runtime.reuse.packing import layer_tensors
+    staged = {t.untyped_storage().data_ptr() for d in one for la in d.layers for t in layer_tensors(la)}
     st = got.state
     kept = [t for segs in st.seg_keys.values() for sk in segs for t in (sk.latent, sk.entries, sk.index_keys)]
     kept += [getattr(c, f.name) for c in [*st.new_comp.values(), *st.new_index.values()] for f in dc_fields(c)]
