@@ -117,14 +117,17 @@ class ReuseEngine:
 
     # ------------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, docs: list[DocumentArtifact], question: list[int]) -> ReuseResult:
+    def prefill(self, docs: list[DocumentArtifact], question: list[int],
+                active: torch.Tensor | None = None) -> ReuseResult:
         """The request's prefill through the reuse path. Its layers rotate the same position sets again and again
         (the active rows' canonical positions, the dirty blocks', the new rows'), so their RoPE angles are
-        computed once for the request (`shared_angles`)."""
+        computed once for the request (`shared_angles`). `active`: a bool mask over the relocated rows to use as
+        the active rows instead of the controller's choice (tests and benchmarks comparing two paths on the same
+        rows); the first fences still run and are counted as always."""
         with shared_angles():
-            return self._prefill(docs, question)
+            return self._prefill(docs, question, active)
 
-    def _prefill(self, docs: list[DocumentArtifact], question: list[int]) -> ReuseResult:
+    def _prefill(self, docs: list[DocumentArtifact], question: list[int], forced=None) -> ReuseResult:
         m, cfg, prof = self.model, self.cfg, self.profile
         dev = m.embed.weight.device
         prefix, reloc = docs[0], docs[1:]
@@ -166,7 +169,8 @@ class ReuseEngine:
                 continue
             if active is None:
                 with phase("rk.select"):
-                    active = self._choose_active(deviation, idx_score, reloc, deltas[1:], q_start, len(question))
+                    active = self._choose_active(deviation, idx_score, reloc, deltas[1:], q_start, len(question)) \
+                        if forced is None else self._forced(forced, n_reloc, dev)
                     split = split_rows(active, positions, reloc, len(question), self._geometries())
                 ledger.set_active(split.act_reloc.shape[0])
             x = self._reusable_layer(call, i, block, x, tokens, deltas, split, state, fence=artifact_fence)
@@ -192,6 +196,14 @@ class ReuseEngine:
 
     def _choose_active(self, deviation, idx_score, reloc, deltas, q_start, n_q) -> torch.Tensor:
         return choose_active(self.profile, deviation, idx_score, [d.n for d in reloc], deltas, q_start, n_q)
+
+    @staticmethod
+    def _forced(active: torch.Tensor, n_reloc: int, device) -> torch.Tensor:
+        """A caller's active-row mask, checked: one bool per relocated row."""
+        if active.dtype != torch.bool or tuple(active.shape) != (n_reloc,):
+            raise ValueError(f"active must be a bool mask of the {n_reloc} relocated rows, got {active.dtype} "
+                             f"{tuple(active.shape)}")
+        return active.to(device)
 
     # ------------------------------------------------------------------------------------------------
     def _geometries(self) -> list[tuple[int, bool]]:

@@ -94,15 +94,10 @@ def both_arms(model, docs, question, prof, force=None):
     arts = [produce(model, d, prof) for d in docs]
     dev = model.embed.weight.device
     full = model(torch.tensor([t for a in arts for t in a.tokens] + question, device=dev))
-    engine = ReuseEngine(model, prof)
-    own, chosen = engine._choose_active, {}
-
-    def choose(*args):
-        chosen["active"] = own(*args) if force is None else force.to(dev)
-        return chosen["active"]
-    engine._choose_active = choose
-    res = engine.prefill(arts, question)
-    res.relocated, res.chosen = sum(a.n for a in arts[1:]), chosen["active"]
+    res = ReuseEngine(model, prof).prefill(arts, question, active=None if force is None else force.to(dev))
+    res.relocated = sum(a.n for a in arts[1:])
+    res.chosen = torch.zeros(res.relocated, dtype=torch.bool, device=dev)
+    res.chosen[res.active_rows - arts[0].n] = True                  # the choice made, as a mask
     return full, res
 
 
@@ -221,14 +216,9 @@ def test_decode_after_reuse_prefill_with_fused_kernel_equals_reference(state, to
     cpu = build(state, "cpu", torch.float32)
     arts = [produce(cpu, d, prof) for d in docs]
     ref_eng = ReuseEngine(cpu, prof)
-    chosen = ref_eng._choose_active
-    rows = {}
-
-    def remember(*a):
-        rows["active"] = chosen(*a)
-        return rows["active"]
-    ref_eng._choose_active = remember
     ref_res = ref_eng.prefill(arts, question)
+    rows = torch.zeros(sum(a.n for a in arts[1:]), dtype=torch.bool)
+    rows[ref_res.active_rows - arts[0].n] = True                    # the reference's active rows
     ref_logits, state_ref = [ref_res.logits], ref_res.state
     monkeypatch.setenv("REDKNOT_KERNELS", "1")
     model = build(state, "cuda", torch.float32)
@@ -236,8 +226,7 @@ def test_decode_after_reuse_prefill_with_fused_kernel_equals_reference(state, to
     fresh(counted)
     g_arts = [produce(model, d, prof) for d in docs]
     eng = ReuseEngine(model, prof)
-    eng._choose_active = lambda *a: rows["active"].cuda()
-    res = eng.prefill(g_arts, question)
+    res = eng.prefill(g_arts, question, active=rows.cuda())
     got = [res.logits]
     path_used(counted, "1")
     for _ in range(6):
