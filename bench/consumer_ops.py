@@ -29,8 +29,8 @@ from bench.ttft import request  # noqa: E402
 from runtime.model.random_init import init_random  # noqa: E402
 from runtime.model.config import FLASH  # noqa: E402
 from runtime.model.deepseek_v4 import Transformer  # noqa: E402
-from runtime.reuse.consumer import ReuseEngine  # noqa: E402
-from runtime.reuse.prefetch import owned_copies  # noqa: E402
+from runtime.reuse.engine import ReuseEngine  # noqa: E402
+from runtime.reuse.packing import owned_copies  # noqa: E402
 from runtime.reuse.producer import produce  # noqa: E402
 from runtime.reuse.profile import FLASH_PROFILE  # noqa: E402
 
@@ -48,7 +48,9 @@ SYNCS = {"aten::_local_scalar_dense", "aten::nonzero"}
 
 def _gpu_path() -> None:
     """Route the consumer through its GPU code path with each kernel counted as one launch."""
-    import runtime.reuse.consumer as consumer
+    import runtime.reuse.engine as engine
+    import runtime.reuse.picks as picks_mod
+    import runtime.reuse.segments as consumer
     from runtime.kernels.reference import sparse_mqa_reference
 
     def one(name, fn):
@@ -77,7 +79,8 @@ def _gpu_path() -> None:
         per_seg = None
         if mode == "picks":
             last = segments[-1].entries
-            per_seg = consumer.split_picks(picks, pick_first, pick_first[-1] + (0 if last is None else last.shape[0]))
+            total = pick_first[-1] + (0 if last is None else last.shape[0])
+            per_seg = picks_mod.split_picks(picks, pick_first, total)
         consumer.enabled = lambda t: False
         try:
             return consumer.segment_attention(attn, q_raw, qpos, segments, sink, picks=per_seg,
@@ -90,7 +93,7 @@ def _gpu_path() -> None:
     if hasattr(consumer, "rope_"):
         from runtime.kernels.merge import merge_stacked_reference
         from runtime.kernels.rope import rope_reference_
-        consumer.rope_ = one("rope", rope_reference_)
+        consumer.rope_ = picks_mod.rope_ = one("rope", rope_reference_)
         def merge(o, lse, sink, out_dtype, ranges=None, out=None):
             got = merge_stacked_reference(o, lse, sink, out_dtype, ranges)
             return got if out is None else out.copy_(got)
@@ -139,12 +142,12 @@ def _gpu_path() -> None:
         MoE.grouped_ok = lambda self, x: True
         torch._grouped_mm = one("grouped_mm", torch._grouped_mm)    # its CPU fallback's host reads are not CUDA's
         RMSNorm._counted = True
-    layer = consumer.ReuseEngine._reusable_layer
+    layer = engine.ReuseEngine._reusable_layer
 
     def counted(self, *a, **kw):
         with torch.profiler.record_function("reusable_layer"):
             return layer(self, *a, **kw)
-    consumer.ReuseEngine._reusable_layer = counted
+    engine.ReuseEngine._reusable_layer = counted
 
 
 def main() -> int:
@@ -219,7 +222,7 @@ def main() -> int:
             phases[ph] += c
             phase_ops[(ph, op)] += c
     print("per reusable layer" if pick is None else f"reusable layer {args.layer}",
-          "by innermost phase label (runtime/reuse/consumer.py):")
+          "by innermost phase label (runtime/reuse/engine.py):")
     for k, v in phases.most_common():
         print(f"  {k:28s} {v / div:6.0f}")
         if args.by_phase:

@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.ttft import add_model_args, flash_model, model_config, request  # noqa: E402
-from runtime.reuse.consumer import ReuseEngine  # noqa: E402
+from runtime.reuse.engine import ReuseEngine  # noqa: E402
 from runtime.reuse.producer import produce  # noqa: E402
 from bench.report import header, write_json  # noqa: E402
 

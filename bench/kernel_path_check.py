@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from runtime.model.checkpoint import random_state  # noqa: E402
 from runtime.model.config import tiny_reuse  # noqa: E402
 from runtime.model.deepseek_v4 import Transformer  # noqa: E402
-from runtime.reuse.consumer import ReuseEngine  # noqa: E402
+from runtime.reuse.engine import ReuseEngine  # noqa: E402
 from runtime.reuse.producer import produce  # noqa: E402
 from runtime.reuse.profile import ReuseProfile  # noqa: E402
 

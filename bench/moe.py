@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from runtime.model.config import FLASH  # noqa: E402
 from runtime.model.deepseek_v4 import MoE, Parallel  # noqa: E402
-from runtime.reuse.consumer import adaptive_fanout  # noqa: E402
+from runtime.reuse.fanout import adaptive_fanout  # noqa: E402
 from runtime.reuse.profile import ReuseProfile  # noqa: E402
 from bench.report import header, write_json  # noqa: E402
 

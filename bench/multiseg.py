@@ -3,13 +3,13 @@
     python3 bench/multiseg.py [--length 32768] [--docs 8] [--budget 0.1] [--sweep] [--json out.json]
 
 A request of --length tokens as --docs documents (the first is the prefix) plus 64 question rows, at real
-dimensions (D = 512, 64 rope channels, window 128, bf16). Two row sets, as runtime/reuse/consumer.py forms them:
+dimensions (D = 512, 64 rope channels, window 128, bf16). Two row sets, as runtime/reuse/engine.py forms them:
 - "active": --budget of the relocated rows plus the question rows, all 64 heads; CSA picks are the online
   indexer's top-512 over the union of every segment's visible entries (random ids here, drawn from the same range);
 - "global": the other relocated rows, the 8 Global heads; CSA picks are each row's own document's 512 (artifact).
 Per row set and layer kind (window, HCA ratio 128, CSA ratio 4): the stacked path (one sparse-attention launch per
 segment part into a float32 [parts, rows, heads, D] buffer, then the N-way merge: a policy whose fused_min_heads
-no call reaches) and the fused multi-segment kernel (runtime/kernels/multiseg.py through consumer.fused_attention,
+no call reaches) and the fused multi-segment kernel (runtime/kernels/multiseg.py through segments.fused_attention,
 the default policy's frame), each timed with CUDA events (median
 of --reps after a warm-up) on rows in chunks of --q-chunk x 64 / heads (as the consumer's `_attend`), plus the
 relative difference of their outputs. `--sweep` also times the fused path under a grid of block sizes (for
@@ -28,7 +28,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.timing import median_time  # noqa: E402
-import runtime.reuse.consumer as C  # noqa: E402
+import runtime.reuse.segments as C  # noqa: E402
+from runtime.reuse.picks import split_picks  # noqa: E402
 from runtime.model.config import CSA, HCA, WINDOW  # noqa: E402
 from runtime.model.deepseek_v4 import Rotary  # noqa: E402
 from runtime.policy import RuntimePolicy  # noqa: E402
@@ -118,9 +119,9 @@ def case(args, kind, which, lens, deltas, lat, rows_all, dev, g):
     mode, gp, first, total = {"window": "none", "hca": "causal"}.get(kind, "picks"), None, None, None
     if online:
         gp, first, total = online_picks(rows, deltas, lens, dev, g)
-        per_seg = C.split_picks(gp, first, total)
+        per_seg = split_picks(gp, first, total)
     elif own is not None:
-        first, total = C._offsets(segs, "entries")
+        first, total = C.offsets(segs, "entries")
 
     def stacked():
         return torch.cat([C.segment_attention(attn, q[c], rows[c], segs, sink, qpos_host=host[c],
@@ -130,7 +131,7 @@ def case(args, kind, which, lens, deltas, lat, rows_all, dev, g):
                           for c in chunks])
 
     def fused(config=None):
-        """The consumer's fused call per chunk (consumer.fused_attention), own picks turned global inside it."""
+        """The consumer's fused call per chunk (segments.fused_attention), own picks turned global inside it."""
         outs = []
         for c in chunks:
             gpc = gp[c] if online else None if own is None else C.own_global_picks(segs, rows[c], own[c], first,

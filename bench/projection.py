@@ -2,7 +2,7 @@
 `grouped_projection` (one batched GEMM over strided views, the result written in place), for the native and active
 rows (every head: o [T, 8, 4096]) and for the reuse consumer's non-active rows (the Global heads' W_a,G O_G plus the
 restored W_a,L O_L): before, an einsum over a copied weight slice, then per document an index_select and an add;
-now the Local rows gathered straight into place (`consumer.gather_rows`) and the Global product added to them in
+now the Local rows gathered straight into place (`views.gather_rows`) and the Global product added to them in
 the same GEMM (beta = 1, one rounding). Flash's dims: 8 groups of 1024, 64 heads of 512, one Global head per group.
 
     python3 bench/projection.py [--rows 16384,131072] [--docs 8] [--rest 0.9] [--reps 10] [--json out.json]
@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from runtime.model.deepseek_v4 import grouped_projection  # noqa: E402
-from runtime.reuse.consumer import gather_rows  # noqa: E402
+from runtime.reuse.views import gather_rows  # noqa: E402
 from bench.timing import median_time  # noqa: E402
 from bench.report import header, write_json  # noqa: E402
 

@@ -48,8 +48,9 @@ from runtime.model.quant import FP8_ROW_BLOCK  # noqa: E402
 from runtime.model.random_init import init_random  # noqa: E402
 from runtime.policy import RuntimePolicy  # noqa: E402
 from runtime.reuse.artifact import DocumentArtifact  # noqa: E402
-from runtime.reuse.consumer import ReuseEngine  # noqa: E402
-from runtime.reuse.prefetch import LayerPrefetcher, pin  # noqa: E402
+from runtime.reuse.engine import ReuseEngine  # noqa: E402
+from runtime.reuse.packing import pin  # noqa: E402
+from runtime.reuse.prefetcher import LayerPrefetcher  # noqa: E402
 from runtime.reuse.producer import produce  # noqa: E402
 from runtime.reuse.profile import FLASH_PROFILE  # noqa: E402
 from bench.report import header, write_json  # noqa: E402
@@ -485,7 +486,7 @@ def main() -> int:
                 avg = prof_.key_averages()
                 print(avg.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=60))
                 dev_t = (lambda e: e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total)
-                print(f"## {arm} arm at {L}: phases (labels in runtime/reuse/consumer.py and Block.forward; nested "
+                print(f"## {arm} arm at {L}: phases (labels in runtime/reuse/engine.py and Block.forward; nested "
                       f"labels count inside their parents), CUDA time of the kernels each launched")
                 for e in sorted((e for e in avg if e.key.startswith(("rk.", "blk."))), key=lambda e: -dev_t(e)):
                     print(f"   {e.key:16s} calls {e.count:6d}  CUDA {dev_t(e) / 1e3:9.1f} ms  "

@@ -31,8 +31,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.ttft import add_model_args, model_config, request, timed  # noqa: E402
 from runtime.model.random_init import init_random  # noqa: E402
 from runtime.model.deepseek_v4 import Transformer  # noqa: E402
-from runtime.reuse.consumer import ReuseEngine  # noqa: E402
-from runtime.reuse.prefetch import LayerPrefetcher, pin  # noqa: E402
+from runtime.reuse.engine import ReuseEngine  # noqa: E402
+from runtime.reuse.packing import pin  # noqa: E402
+from runtime.reuse.prefetcher import LayerPrefetcher  # noqa: E402
 from runtime.reuse.request import ServingIdentity, answer, build  # noqa: E402
 from runtime.reuse.certificate import token_hash  # noqa: E402
 from runtime.reuse.producer import PRODUCER_VERSION, pad_document  # noqa: E402

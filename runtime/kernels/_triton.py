@@ -73,3 +73,11 @@ def dot_precision(dtype: torch.dtype) -> str:
     the float32 path equals the float32 reference to rounding (Triton's default for float32 is TF32, a 10-bit
     mantissa); for bf16/fp16 operands "tf32" is Triton's own default and changes nothing."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def enabled(t: torch.Tensor) -> bool:
+    """The one switch between the fast path and the reference path: Triton kernels for CUDA tensors unless
+    REDKNOT_KERNELS=0 (then, and on CPU, the torch reference path runs). Here, beside the guarded import, so that
+    the kernel modules read it without importing their package (`runtime.kernels` re-exports it); callers read it
+    at call time (`_triton.enabled(x)`, `K.enabled(x)`), which is where the CPU tests patch it."""
+    return t.is_cuda and available() and os.environ.get("REDKNOT_KERNELS", "1") != "0"

@@ -6,7 +6,7 @@ stored in FP8 (`ReuseProfile.local_format = "fp8"`, `runtime.model.quant.quant_f
 codes [R, C] float8_e4m3fn (or its bytes as uint8), scales [R', ceil(C/128)] uint8 E8M0 exponents; out[r] =
 codes[code_ids[r]] x 2^(scales[scale_ids[r]] - 127) per 128 channels, computed in float32 (exact: the scale is a
 power of two) and written in out's dtype. Two row ids because a staged layer's codes and scales are two views of
-one buffer with different row widths (`consumer._rows_view`). On CUDA one Triton program per (row, channel
+one buffer with different row widths (`views.rows_view`). On CUDA one Triton program per (row, channel
 block), decoding e4m3 from its bits; elsewhere the torch reference (`runtime.model.quant.dequant_fp8_rows`).
 """
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from runtime.model.quant import FP8_ROW_BLOCK, dequant_fp8_rows
+from . import _triton                          # `_triton.enabled`: the one switch, read at call time
 from ._triton import HAVE_TRITON, tl, triton
 
 if HAVE_TRITON:
@@ -52,8 +53,7 @@ def gather_dequant_rows(codes: torch.Tensor, scales: torch.Tensor, code_ids: tor
     assert codes.dim() == 2 and codes.shape[1] == C and codes.element_size() == 1, (codes.shape, codes.dtype)
     assert scales.dtype == torch.uint8 and scales.shape[1] == -(-C // FP8_ROW_BLOCK), (scales.shape, C)
     assert code_ids.shape == (n,) and scale_ids.shape == (n,), (code_ids.shape, scale_ids.shape, n)
-    from . import enabled                       # the package's one switch (imported late: it imports this module)
-    if not enabled(out):
+    if not _triton.enabled(out):
         return gather_dequant_reference(codes, scales, code_ids, scale_ids, out)
     assert codes.device == scales.device == code_ids.device == scale_ids.device == out.device
     assert out.stride(1) == 1 and codes.stride(1) == 1 and scales.stride(1) == 1

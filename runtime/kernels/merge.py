@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _triton                          # `_triton.enabled`: the one switch, read at call time
 from ._triton import HAVE_TRITON, check_runnable, tl, triton
 
 if HAVE_TRITON:
@@ -145,8 +146,7 @@ def merge_stacked(o: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor, out_dt
     if out is not None and (out.shape != (T, H, D) or out.dtype != out_dtype or not out.is_contiguous()):
         raise ValueError(f"out must be a contiguous {(T, H, D)} {out_dtype} tensor, got {tuple(out.shape)} "
                          f"{out.dtype}")
-    from . import enabled                       # the package's one switch (imported late: it imports this module)
-    if P == 0 or not enabled(o):
+    if P == 0 or not _triton.enabled(o):
         ref = merge_stacked_reference(o, lse, sink, out_dtype, ranges)       # no parts: only the sink, zeros
         return ref if out is None else out.copy_(ref)
     assert o.stride(-1) == 1 and o[0].is_contiguous() and lse[0].is_contiguous(), "parts must be dense"

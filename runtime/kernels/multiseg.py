@@ -7,7 +7,7 @@ SPEC §5, relocation by query rotation: segment j (its canonical latent [n_j, D]
 Delta_j) is attended with the query's RoPE channels turned to t - Delta_j; its partial output's RoPE channels are
 turned back at that same shifted position; the parts are merged by log-sum-exp and the per-head sink joins the
 denominator once. The stored latents are read in place, never rewritten or concatenated. The torch reference is
-runtime/reuse/consumer.py `segment_attention` on the reference path (one call of the model's attention functions
+runtime/reuse/segments.py `segment_attention` on the reference path (one call of the model's attention functions
 per segment, then `merge_stacked_reference`).
 
 Per program (query row t, block of heads), for each segment it reaches (window rows t-Delta_j-W+1 .. t-Delta_j
@@ -21,7 +21,7 @@ depend on the segment, so the work splits:
   segment; the tile's rope pairs are read again as halves (a cache hit) for the rope part of the score and for a
   per-segment rope value sum, which at the segment's end is turned back at t - Delta_j (the conjugate rotation:
   the per-segment de-rotation of the output, which acts on the rope channels only) and added to the row's.
-Nothing per segment goes to HBM: the stacked path (runtime/reuse/consumer.py) writes one float32 [rows, heads, D]
+Nothing per segment goes to HBM: the stacked path (runtime/reuse/segments.py) writes one float32 [rows, heads, D]
 part per segment and merges them in a second pass.
 
 Where it is used (RuntimePolicy.fused_min_heads): calls of at least 16 heads, i.e. the active rows' 64, where it is

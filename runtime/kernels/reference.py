@@ -76,7 +76,7 @@ def _merge_no_sink(parts: list[Part]) -> Part:
 
 
 def window_part(q: torch.Tensor, keys: torch.Tensor, cpos: torch.Tensor, window: int, scale: float) -> Part:
-    """Window rows cpos-W+1 .. cpos clipped to [0, n): runtime/reuse/consumer.py `_window_part` on roped q
+    """Window rows cpos-W+1 .. cpos clipped to [0, n): runtime/reuse/segments.py `_window_part` on roped q
     (for cpos = n_past + t with n = n_past + T it is `window_attention`)."""
     n = keys.shape[0]
     T, H, D = q.shape

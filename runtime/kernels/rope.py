@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _triton                          # `_triton.enabled`: the one switch, read at call time
 from ._triton import HAVE_TRITON, tl, triton
 
 if HAVE_TRITON:
@@ -67,8 +68,7 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool =
     """Rotate x's trailing rope channels in place (from `src`'s when given); returns x."""
     assert x.dim() == 3 and cos.shape == sin.shape and cos.shape[0] == x.shape[0], (x.shape, cos.shape)
     assert src is None or src.shape == x.shape, (src.shape, x.shape)
-    from . import enabled                       # the package's one switch (imported late: it imports this module)
-    if not enabled(x):
+    if not _triton.enabled(x):
         return rope_reference_(x, cos, sin, inverse, src)
     T, H, D = x.shape
     half = cos.shape[-1]

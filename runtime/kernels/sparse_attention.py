@@ -2,7 +2,7 @@
 (all causally visible ones, HCA; or per-row picks, CSA), with an online softmax in float32.
 
 Reference semantics (runtime/model/deepseek_v4.py `window_attention`, `entry_attention`, `gathered_attention`,
-and runtime/reuse/consumer.py `_window_part`), merged by log-sum-exp WITHOUT the sink:
+and runtime/reuse/segments.py `_window_part`), merged by log-sum-exp WITHOUT the sink:
 
 - window: query t sees key rows cpos[t]-W+1 .. cpos[t], clipped to [0, n);
 - mode "causal": entry w is visible iff w < (cpos[t]+1) // ratio;

@@ -4,9 +4,16 @@ A document is run alone at positions 0..n-1 (n padded up to the profile's alignm
 nothing here depends on where the document lands in a request."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 import torch
+
+
+class Owner(enum.Enum):
+    """Who may write a LayerArtifact's tensors, said by whoever makes it (never guessed from where it came from)."""
+    CALLER = "caller"         # the caller's (loaded, produced, in the hot tier): a request copies before writing
+    REQUEST = "request"       # one request's own copy (staged for it, `owned_copy`): the engine overlays in place
 
 
 @dataclass
@@ -22,6 +29,7 @@ class LayerArtifact:
     # local_format="fp8": local_p holds float8_e4m3fn codes and local_s [n, ceil(C/128)] their uint8 E8M0 exponents,
     # one per row and 128 channels (`runtime.model.quant.quant_fp8_rows`); None for the native format
     local_s: torch.Tensor | None = None
+    owner: Owner = field(default=Owner.CALLER, compare=False)
 
 
 @dataclass
@@ -37,10 +45,3 @@ class DocumentArtifact:
     def n(self) -> int:
         return len(self.tokens)
 
-
-def is_private(doc: DocumentArtifact, i: int) -> bool:
-    """Whether `doc`'s layer i is this request's own copy, which the consumer may overwrite in place: the layers
-    say so through a `private(i)` method (LayerPrefetcher's device copies, GroupStager's, `owned_copy`); a plain
-    list of layers is the caller's and never is."""
-    private = getattr(doc.layers, "private", None)
-    return bool(private is not None and private(i))

@@ -4,7 +4,7 @@ collective, then run the reuse path, or fall back, explicitly and counted, to fu
 
 `answer` reads whole artifact directories before the forward; `answer_staged` (the worker) validates the
 certificates and manifests, agrees, and then runs the forward while later layer groups are still arriving
-(`prefetch.GroupStager`); a late group that fails verification on any rank restarts the request, on every rank,
+(`stager.GroupStager`); a late group that fails verification on any rank restarts the request, on every rank,
 in the recompute arm."""
 from __future__ import annotations
 
@@ -17,10 +17,11 @@ import torch
 
 from runtime.model.deepseek_v4 import Transformer
 from .certificate import Certificate, FallbackCounter, Verdict, agree, digest_bytes, token_hash
-from .consumer import ReuseEngine
+from .engine import ReuseEngine
 from runtime.model.parallel import Parallel
 from .ledger import Ledger
-from .prefetch import GroupStager, HotSource, LayerPrefetcher, StagedSource, StagingRejected, Trace, source_verdict
+from .prefetcher import LayerPrefetcher
+from .stager import GroupStager, HotSource, StagedSource, StagingRejected, Trace, source_verdict
 from .producer import PRODUCER_VERSION, pad_document, produce
 from .profile import ReuseProfile
 from .roles import channel_range
@@ -97,12 +98,18 @@ def _recompute(model: Transformer, padded: list[list[int]], question: list[int],
                    step=lambda t: model(torch.tensor([t], device=dev), cache))
 
 
-def _reuse(model: Transformer, profile: ReuseProfile, arts: list, question: list[int], verdict: Verdict) -> Outcome:
+def _prefetched(model: Transformer, arts: list) -> list:
+    """Host artifacts as the engine reads them: on CUDA each layer reaches the GPU one layer ahead on a copy stream
+    (`LayerPrefetcher`), as this request's own copies; elsewhere as they are."""
     dev = model.embed.weight.device
-    if dev.type == "cuda":      # host artifacts reach the GPU one layer ahead on a copy stream (runtime.reuse.prefetch)
-        arts = LayerPrefetcher(arts, dev).documents()
+    return LayerPrefetcher(arts, dev).documents() if dev.type == "cuda" else arts
+
+
+def _reuse(model: Transformer, profile: ReuseProfile, docs: list, question: list[int], verdict: Verdict) -> Outcome:
+    """The reuse arm over `docs` as the engine reads them (prefetched host artifacts, or a GroupStager's documents,
+    already staged on the device: not wrapped again)."""
     engine = ReuseEngine(model, profile)
-    res = engine.prefill(arts, question)
+    res = engine.prefill(docs, question)
     return Outcome(res.logits, "reuse", verdict, res.ledger, step=lambda t: engine.decode(res.state, t))
 
 
@@ -122,7 +129,7 @@ def answer(model: Transformer, profile: ReuseProfile, docs: list[list[int]], art
     # ranks that accept must have accepted the same artifacts (same binding digest)
     verdict = agree(verdict, model.par, binding=digest_bytes("|".join(bindings).encode()) if verdict.ok else None)
     if verdict.ok:
-        return _reuse(model, profile, arts, question, verdict)
+        return _reuse(model, profile, _prefetched(model, arts), question, verdict)
     return _recompute(model, padded, question, verdict, counter)
 
 
@@ -162,7 +169,7 @@ def answer_staged(model: Transformer, profile: ReuseProfile, docs: list[list[int
     verdict = agree(verdict, model.par, binding=digest_bytes("|".join(bindings).encode()) if verdict.ok else None)
     if verdict.ok:
         if hot:
-            return _reuse(model, profile, [s.doc for s in sources], question, verdict)
+            return _reuse(model, profile, _prefetched(model, [s.doc for s in sources]), question, verdict)
         try:
             return _reuse(model, profile, stager.documents(), question, verdict)
         except StagingRejected as r:

@@ -24,7 +24,7 @@ import torch
 
 from runtime.model.deepseek_v4 import Transformer
 from runtime.reuse.certificate import FallbackReason, Verdict
-from runtime.reuse.prefetch import HotSource, StagedSource, Trace
+from runtime.reuse.stager import HotSource, StagedSource, Trace
 from runtime.reuse.producer import pad_document
 from runtime.reuse.request import answer_staged
 from services.common.failpoints import Failpoints

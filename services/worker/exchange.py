@@ -21,7 +21,7 @@ from concurrent.futures import Future
 import torch.distributed as dist
 
 from runtime.reuse.certificate import FallbackReason
-from runtime.reuse.prefetch import SourceError
+from runtime.reuse.stager import SourceError
 from runtime.reuse.store import VerifiedFiles, latent_shard, shard_file
 
 log = logging.getLogger("redknot.worker")

@@ -4,7 +4,7 @@ A tier hit hands the request a `HotSource` (verified layers in pinned host memor
 store only for its own shards: its rank's certificate and manifest (the head), then every layer group's latent
 shards and the LOCAL shards inside its channel range, each layer group on its own stream. `open` hands the
 request a `StagedSource` at once: futures for the head and for each group, which the forward consumes as they
-complete (`runtime.reuse.prefetch.GroupStager`), so layer group g runs while g+1 is still arriving. A document
+complete (`runtime.reuse.stager.GroupStager`), so layer group g runs while g+1 is still arriving. A document
 fetched whole is verified (every shard against its certificate), parsed and pinned (once, shared with the
 request's stager: `StagedSource.read`) and published into the tier.
 Rank 0 broadcasts the documents of the requests queued behind the current one; every rank starts fetching those
@@ -23,7 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from runtime.reuse.certificate import FallbackReason, Verdict
-from runtime.reuse.prefetch import HotSource, SourceError, StagedSource, Trace
+from runtime.reuse.stager import HotSource, SourceError, StagedSource, Trace
 from runtime.model.parallel import Parallel
 from runtime.reuse.store import CERTIFICATE_FILE, MANIFEST_FILE, VerifiedFiles, read_head, shard_file
 from services.common.tenants import Tenants

@@ -3,7 +3,7 @@ GPU exists), least recently used evicted first by bytes, never one a running req
 
 An entry is a document whose every shard was verified against its certificate when it entered (the bytes' blake3
 digests, the manifest, the tensors' shapes and dtypes), parsed, and packed layer by layer into pinned slabs
-(`runtime.reuse.prefetch.pin`): a request that finds all its documents here takes the path `bench/ttft.py`
+(`runtime.reuse.packing.pin`): a request that finds all its documents here takes the path `bench/ttft.py`
 measures, each layer copied to the GPU in one transfer one layer ahead of the forward, with no file read, parse,
 digest or pin. What is checked on every use is the certificate's binding (checkpoint, tokens, profile, dtype,
 producer, TP geometry, generation), against the request. Keys are (tenant, store doc id, generation)."""
@@ -14,7 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from runtime.reuse.artifact import DocumentArtifact
-from runtime.reuse.prefetch import _tensors
+from runtime.reuse.packing import layer_tensors
 from runtime.reuse.store import ArtifactHead
 
 TierKey = tuple[str, str, int]          # tenant, store doc id, generation
@@ -26,7 +26,7 @@ _GONE_KEPT = 4096                       # how many removed keys are remembered t
 def host_bytes(doc: DocumentArtifact) -> int:
     """The host bytes `doc`'s tensors hold (each storage once: `pin` packs a document into a few slabs)."""
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for la in doc.layers for t in _tensors(la)}
+                for la in doc.layers for t in layer_tensors(la)}
     return sum(storages.values())
 
 

@@ -10,12 +10,13 @@ import torch
 
 import runtime.kernels as K
 import runtime.kernels._triton as T
-import runtime.reuse.consumer as consumer_mod
+import runtime.reuse.segments as segments_mod
 from runtime.model.checkpoint import random_state
 from runtime.model.config import tiny_reuse
 from runtime.model.deepseek_v4 import Block, Transformer, hc_mix_weights
 from runtime.policy import RuntimePolicy
-from runtime.reuse.consumer import ReuseEngine
+from runtime.reuse.engine import ReuseEngine
+from runtime.reuse.picks import pick_runs, split_picks
 from runtime.reuse.producer import produce
 from runtime.reuse.profile import ReuseProfile
 
@@ -50,15 +51,16 @@ def kernels_on(monkeypatch):
     calls = {"fused": 0, "sparse": 0}
     on = (lambda t: os.environ.get("REDKNOT_KERNELS", "1") != "0")
     monkeypatch.setattr(K, "enabled", on)
-    monkeypatch.setattr(consumer_mod, "enabled", on)
+    monkeypatch.setattr(T, "enabled", on)                  # the kernel modules' own read of the switch
+    monkeypatch.setattr(segments_mod, "enabled", on)
 
     def count(key, fn):
         def inner(*a, **kw):
             calls[key] += 1
             return fn(*a, **kw)
         return inner
-    monkeypatch.setattr(consumer_mod, "multi_segment_attention", count("fused", consumer_mod.multi_segment_attention))
-    monkeypatch.setattr(consumer_mod, "sparse_mqa_attention", count("sparse", consumer_mod.sparse_mqa_attention))
+    monkeypatch.setattr(segments_mod, "multi_segment_attention", count("fused", segments_mod.multi_segment_attention))
+    monkeypatch.setattr(segments_mod, "sparse_mqa_attention", count("sparse", segments_mod.sparse_mqa_attention))
     return calls
 
 
@@ -183,8 +185,7 @@ def _reuse_case(model, request_tokens, kernels_on, monkeypatch, fused, picks, fr
     monkeypatch.setenv("REDKNOT_KERNELS", "1")
     rows = torch.zeros(sum(a.n for a in arts[1:]), dtype=torch.bool)
     rows[ref.active_rows - arts[0].n] = True
-    eng._choose_active = lambda *a: rows                   # the reference's rows (near-ties may differ)
-    res = eng.prefill(arts, question)
+    res = eng.prefill(arts, question, active=rows)         # the reference's rows (near-ties may differ)
     got, st2 = [res.logits], res.state
     assert torch.equal(res.active_rows, ref.active_rows)
     for _ in range(2):
@@ -296,7 +297,7 @@ def test_fused_kernel_rows_per_program_equal_the_reference(kind, H, rows_per_pro
     rot = Rotary(1.0 / (10000.0 ** (torch.arange(0, 16, 2).float() / 16)))
     attn = types.SimpleNamespace(kind={"window": WINDOW, "hca": HCA}.get(kind, CSA), ratio=ratio, scale=D ** -0.5,
                                  rotary=rot, indexer=None, cfg=types.SimpleNamespace(window_size=W))
-    segs = [consumer_mod.SegmentKeys(d, torch.randn(n, D, generator=g),
+    segs = [segments_mod.SegmentKeys(d, torch.randn(n, D, generator=g),
                                      torch.randn(n // ratio, D, generator=g) if ratio else None)
             for n, d in zip(lens, deltas)]
     keep = torch.rand(sum(lens), generator=g) < 0.6
@@ -317,13 +318,13 @@ def test_fused_kernel_rows_per_program_equal_the_reference(kind, H, rows_per_pro
         lo = base if kind == "csa-own" else torch.zeros_like(base)
         ids = lo[:, None] + (torch.rand(rows.numel(), 6, generator=g) * vis[:, None]).long()
         gp = torch.where(torch.rand(ids.shape, generator=g) < 0.2, total, ids)
-        picks, bounds = consumer_mod.pick_runs(torch.where(vis[:, None] > 0, gp, total), first, total)
-        per_seg = consumer_mod.split_picks(picks, first, total)
+        picks, bounds = pick_runs(torch.where(vis[:, None] > 0, gp, total), first, total)
+        per_seg = split_picks(picks, first, total)
     keyed = frame == "key" or (frame == "auto" and mode == "picks" and H >= RuntimePolicy().key_frame_min_heads)
     out = multi_segment_attention(q, rows, segs, sink, W, mode, ratio or 1, attn.scale, rot.inv_freq, picks, first,
                                   bounds, config=None if rows_per_program is None else {"ROWS": rows_per_program},
                                   key_frame=keyed)
-    ref, _ = consumer_mod.segment_attention(attn, q, rows, segs, sink, picks=per_seg, qpos_host=rows.numpy())
+    ref, _ = segments_mod.segment_attention(attn, q, rows, segs, sink, picks=per_seg, qpos_host=rows.numpy())
     assert rel_err(out, ref) <= TOL
     one_row = H >= 16 or rows_per_program == 1
     assert launched == ["_multiseg_packed_kernel" if not one_row else
@@ -367,7 +368,7 @@ def test_stacked_path_with_the_query_as_scratch_equals_the_clone(kind, kernels_o
     rot = Rotary(1.0 / (10000.0 ** (torch.arange(0, 8, 2).float() / 8)))
     attn = types.SimpleNamespace(kind=HCA if kind == "hca" else CSA, ratio=ratio, scale=D ** -0.5, rotary=rot,
                                  indexer=None, cfg=types.SimpleNamespace(window_size=W))
-    segs = [consumer_mod.SegmentKeys(d, torch.randn(n, D, generator=g), torch.randn(n // ratio, D, generator=g))
+    segs = [segments_mod.SegmentKeys(d, torch.randn(n, D, generator=g), torch.randn(n // ratio, D, generator=g))
             for n, d in zip(lens, deltas)]
     rows = torch.arange(2, sum(lens), 3)
     q = torch.randn(rows.numel(), H, D, generator=g)
@@ -377,10 +378,10 @@ def test_stacked_path_with_the_query_as_scratch_equals_the_clone(kind, kernels_o
         seg_of = torch.searchsorted(torch.tensor(deltas), rows, right=True) - 1
         vis = (rows - torch.tensor(deltas)[seg_of] + 1) // 4
         own = torch.where(vis[:, None] > 0, (torch.rand(rows.numel(), 5, generator=g) * vis[:, None]).long(), -1)
-    ref, _ = consumer_mod.segment_attention(attn, q, rows, segs, sink, qpos_host=rows.numpy(), own_picks=own)
+    ref, _ = segments_mod.segment_attention(attn, q, rows, segs, sink, qpos_host=rows.numpy(), own_picks=own)
     before = kernels_on["sparse"]
     q2 = q.clone()
-    got, _ = consumer_mod.segment_attention(attn, q2, rows, segs, sink, qpos_host=rows.numpy(), own_picks=own,
+    got, _ = segments_mod.segment_attention(attn, q2, rows, segs, sink, qpos_host=rows.numpy(), own_picks=own,
                                             q_scratch=True)
     assert kernels_on["sparse"] > before and kernels_on["fused"] == 0     # the stacked path ran, on the kernels
     assert torch.equal(got, ref)

@@ -395,12 +395,12 @@ def test_mhc_kernels_equal_model_hc(T, D, dtype):
 
 @pytest.mark.parametrize("kind,H", [("window", 64), ("hca", 64), ("hca", 8), ("csa-own", 64), ("csa-own", 8)])
 def test_fused_multi_segment_equals_reference(kind, H, monkeypatch):
-    """runtime/kernels/multiseg.py through runtime/reuse/consumer.py `segment_attention` at real dims (D = 512,
+    """runtime/kernels/multiseg.py through runtime/reuse/segments.py `segment_attention` at real dims (D = 512,
     64 rope channels, window 128; 64 heads, or the 8 Global heads), five segments at their offsets (a prefix, three
     relocated documents, new rows), bf16, against the reference path (per-segment torch attention, query rotation,
     de-rotation, stacked merge with the sink) on the float32 upcast inputs."""
     import types
-    import runtime.reuse.consumer as C
+    import runtime.reuse.segments as C
     from runtime.model.config import CSA, HCA, WINDOW
     from runtime.model.deepseek_v4 import Rotary
     g = torch.Generator(device=DEV).manual_seed(H + len(kind))

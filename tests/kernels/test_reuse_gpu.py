@@ -19,12 +19,13 @@ import pytest
 import torch
 
 import runtime.kernels as K
-import runtime.reuse.consumer as consumer_mod
+import runtime.reuse.segments as segments_mod
 from runtime.model.checkpoint import random_state
 from runtime.model.config import tiny_reuse
 from runtime.model.deepseek_v4 import Transformer
 from runtime.policy import RuntimePolicy
-from runtime.reuse.consumer import ReuseEngine
+from runtime.reuse.artifact import Owner
+from runtime.reuse.engine import ReuseEngine
 from runtime.reuse.producer import produce
 from runtime.reuse.profile import ReuseProfile, degenerate
 
@@ -76,9 +77,9 @@ def counted(monkeypatch):
             return fn(*a, **kw)
         return inner
     monkeypatch.setattr(K, "sparse_mqa_attention", wrap(K.sparse_mqa_attention, "attention"))
-    monkeypatch.setattr(consumer_mod, "sparse_mqa_attention", wrap(consumer_mod.sparse_mqa_attention, "attention"))
-    monkeypatch.setattr(consumer_mod, "merge_stacked", wrap(consumer_mod.merge_stacked, "merge"))
-    monkeypatch.setattr(consumer_mod, "multi_segment_attention", wrap(consumer_mod.multi_segment_attention, "fused"))
+    monkeypatch.setattr(segments_mod, "sparse_mqa_attention", wrap(segments_mod.sparse_mqa_attention, "attention"))
+    monkeypatch.setattr(segments_mod, "merge_stacked", wrap(segments_mod.merge_stacked, "merge"))
+    monkeypatch.setattr(segments_mod, "multi_segment_attention", wrap(segments_mod.multi_segment_attention, "fused"))
     return calls
 
 
@@ -93,15 +94,10 @@ def both_arms(model, docs, question, prof, force=None):
     arts = [produce(model, d, prof) for d in docs]
     dev = model.embed.weight.device
     full = model(torch.tensor([t for a in arts for t in a.tokens] + question, device=dev))
-    engine = ReuseEngine(model, prof)
-    own, chosen = engine._choose_active, {}
-
-    def choose(*args):
-        chosen["active"] = own(*args) if force is None else force.to(dev)
-        return chosen["active"]
-    engine._choose_active = choose
-    res = engine.prefill(arts, question)
-    res.relocated, res.chosen = sum(a.n for a in arts[1:]), chosen["active"]
+    res = ReuseEngine(model, prof).prefill(arts, question, active=None if force is None else force.to(dev))
+    res.relocated = sum(a.n for a in arts[1:])
+    res.chosen = torch.zeros(res.relocated, dtype=torch.bool, device=dev)
+    res.chosen[res.active_rows - arts[0].n] = True                  # the choice made, as a mask
     return full, res
 
 
@@ -220,14 +216,9 @@ def test_decode_after_reuse_prefill_with_fused_kernel_equals_reference(state, to
     cpu = build(state, "cpu", torch.float32)
     arts = [produce(cpu, d, prof) for d in docs]
     ref_eng = ReuseEngine(cpu, prof)
-    chosen = ref_eng._choose_active
-    rows = {}
-
-    def remember(*a):
-        rows["active"] = chosen(*a)
-        return rows["active"]
-    ref_eng._choose_active = remember
     ref_res = ref_eng.prefill(arts, question)
+    rows = torch.zeros(sum(a.n for a in arts[1:]), dtype=torch.bool)
+    rows[ref_res.active_rows - arts[0].n] = True                    # the reference's active rows
     ref_logits, state_ref = [ref_res.logits], ref_res.state
     monkeypatch.setenv("REDKNOT_KERNELS", "1")
     model = build(state, "cuda", torch.float32)
@@ -235,8 +226,7 @@ def test_decode_after_reuse_prefill_with_fused_kernel_equals_reference(state, to
     fresh(counted)
     g_arts = [produce(model, d, prof) for d in docs]
     eng = ReuseEngine(model, prof)
-    eng._choose_active = lambda *a: rows["active"].cuda()
-    res = eng.prefill(g_arts, question)
+    res = eng.prefill(g_arts, question, active=rows.cuda())
     got = [res.logits]
     path_used(counted, "1")
     for _ in range(6):
@@ -254,7 +244,8 @@ def test_prefetched_artifacts_overlaid_in_place_equal_device_resident_ones(state
     stream; the consumer overlays active rows in place on those private copies) against the same artifacts already
     on the device (not private: the consumer copies before overlaying): the same logits to 1e-5 in float32 (the
     MoE's atomic adds may sum in another order), and the host artifacts unchanged."""
-    from runtime.reuse.prefetch import LayerPrefetcher, pin
+    from runtime.reuse.packing import pin
+    from runtime.reuse.prefetcher import LayerPrefetcher
     monkeypatch.setenv("REDKNOT_KERNELS", "1")
     docs, question = tokens
     prof = PROFILES["budget10-artifact-picks"]
@@ -266,6 +257,7 @@ def test_prefetched_artifacts_overlaid_in_place_equal_device_resident_ones(state
     pf = LayerPrefetcher(hot, "cuda")
     staged = ReuseEngine(model, prof).prefill(pf.documents(), question)
     assert counted["attention"] + counted["fused"] > 0
-    assert pf.bytes_copied > 0 and all(pf.private(len(arts[0].layers) - 1, j) for j in range(len(hot)))
+    assert pf.bytes_copied > 0 and all(d.layers[len(arts[0].layers) - 1].owner is Owner.REQUEST
+                                       for d in pf.documents())
     assert rel_err(staged.logits, resident.logits) <= 1e-5
     assert all(torch.equal(la.latent, b) for a, bs in zip(hot, before) for la, b in zip(a.layers, bs))

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 import runtime.kernels.fp8_rows as fp8_rows
-import runtime.reuse.consumer as consumer
+import runtime.reuse.engine as engine
 from runtime.model.config import tiny_reuse
 from runtime.model.quant import FP8_MAX, FP8_ROW_BLOCK, dequant_fp8_rows, e8m0_to_float, quant_fp8_rows
 from runtime.reuse.artifact import DocumentArtifact
-from runtime.reuse.consumer import ReuseEngine
-from runtime.reuse.prefetch import _map, owned_copies
+from runtime.reuse.engine import ReuseEngine
+from runtime.reuse.packing import map_layer, owned_copies
 from runtime.reuse.producer import produce
 from runtime.reuse.profile import FLASH_PROFILE, PRO_PROFILE, ProfileError, ReuseProfile
 from runtime.reuse.store import load_artifact, save_artifact
@@ -32,7 +32,7 @@ def dequantized(art: DocumentArtifact, dtype=torch.float32) -> DocumentArtifact:
     """`art` in the native format holding its FP8 Local contribution's dequantized values."""
     layers = []
     for la in art.layers:
-        out = _map(la, lambda t: t)
+        out = map_layer(la, lambda t: t)
         if la.local_s is not None:
             out.local_p, out.local_s = dequant_fp8_rows(la.local_p, la.local_s, dtype), None
         layers.append(out)
@@ -86,7 +86,7 @@ def test_reuse_over_fp8_equals_reuse_over_the_dequantized_values(model, request_
     prof = ReuseProfile(**BASE, local_format="fp8")
     calls = []
     real = fp8_rows.gather_dequant_rows
-    monkeypatch.setattr(consumer, "gather_dequant_rows", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    monkeypatch.setattr(engine, "gather_dequant_rows", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     want = ReuseEngine(model, prof).prefill([dequantized(a) for a in artifacts["fp8"]], question)
     assert not calls
     got = ReuseEngine(model, prof).prefill(artifacts["fp8"], question)
@@ -136,7 +136,7 @@ def test_store_round_trips_codes_and_scales_and_checks_their_shape(tmp_path, art
         if a.local_s is not None:
             assert torch.equal(a.local_s, b.local_s) and b.local_p.dtype == torch.float8_e4m3fn
             assert torch.equal(a.local_p.view(torch.uint8), b.local_p.view(torch.uint8))
-    bad = DocumentArtifact(art.tokens, art.n_content, [_map(la, lambda t: t) for la in art.layers], 0, 1,
+    bad = DocumentArtifact(art.tokens, art.n_content, [map_layer(la, lambda t: t) for la in art.layers], 0, 1,
                            dict(art.meta))
     i = next(i for i, la in enumerate(bad.layers) if la.local_s is not None)
     bad.layers[i].local_s = bad.layers[i].local_s[:, :-1] if bad.layers[i].local_s.shape[1] > 1 else \

@@ -5,7 +5,8 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from runtime.reuse.consumer import SegmentKeys, _count_pairs, _pairs_host
+from runtime.reuse.keys import SegmentKeys
+from runtime.reuse.segments import _count_pairs, _pairs_host
 
 
 def _segs(ns, deltas, n_entries):
@@ -27,7 +28,7 @@ def test_pairs_are_counted_once_per_rows_and_shapes_and_equal_a_fresh_count(monk
     # the window-only count does not depend on the entries: a and b share one memo entry there
     assert len(trig) == 3 and _count_pairs(attn, host, a, True) != _count_pairs(attn, host, b, True)
     calls = []
-    import runtime.reuse.consumer as c
+    import runtime.reuse.segments as c
     monkeypatch.setattr(c, "_count_pairs", lambda *args: calls.append(1) or _count_pairs(*args))
     for _ in range(5):                                               # every later layer of the kind: no recount
         assert _pairs_host(attn, host, a, True, trig) == _count_pairs(attn, host, a, True)

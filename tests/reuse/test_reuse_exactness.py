@@ -8,7 +8,9 @@ from runtime.model.checkpoint import random_state
 from runtime.model.config import FLASH, PRO, tiny_reuse
 from runtime.model.deepseek_v4 import (Transformer, entry_attention, gathered_attention, merge_with_sink, Rotary,
                                        unweighted_rms_norm, window_attention)
-from runtime.reuse.consumer import ReuseEngine, SegmentKeys, segment_attention
+from runtime.reuse.engine import ReuseEngine
+from runtime.reuse.keys import SegmentKeys
+from runtime.reuse.segments import segment_attention
 from runtime.reuse.producer import produce
 from runtime.reuse.profile import FLASH_PROFILE, PRO_PROFILE, ReuseProfile, degenerate
 from runtime.reuse.roles import global_mask, local_mask
@@ -246,7 +248,7 @@ def test_artifact_picks_for_global_heads_skip_the_online_indexer(model, request_
 def test_overlays_in_place_on_private_copies_equal_the_copying_path(model, request_tokens):
     """Active rows' latent and re-pooled entries overwrite the request's own staged copies instead of clones:
     the same logits bit for bit, the caller's artifacts untouched, and the private copies really written."""
-    from runtime.reuse.prefetch import owned_copy
+    from runtime.reuse.packing import owned_copy
     docs, question = request_tokens
     prof = ReuseProfile(**BASE, budget=0.25, recent_rows=16, join_rows=8)
     arts = [produce(model, t, prof) for t in docs]
@@ -267,7 +269,7 @@ def test_overlays_in_place_on_private_copies_equal_the_copying_path(model, reque
 def test_shared_angles_save_their_recomputation_and_change_nothing(model, request_tokens, monkeypatch):
     """The prefill's angle scope (`shared_angles`): far fewer cos/sin computations, the same logits bit for bit."""
     import contextlib
-    import runtime.reuse.consumer as consumer
+    import runtime.reuse.engine as engine
     docs, question = request_tokens
     prof = ReuseProfile(**BASE, budget=0.25, recent_rows=16, join_rows=8, global_picks="artifact")
     arts = [produce(model, t, prof) for t in docs]
@@ -277,7 +279,7 @@ def test_shared_angles_save_their_recomputation_and_change_nothing(model, reques
     got = ReuseEngine(model, prof).prefill(arts, question)
     shared = len(calls)
     calls.clear()
-    monkeypatch.setattr(consumer, "shared_angles", contextlib.nullcontext)
+    monkeypatch.setattr(engine, "shared_angles", contextlib.nullcontext)
     ref = ReuseEngine(model, prof).prefill(arts, question)
     assert torch.equal(got.logits, ref.logits)
     assert shared < 0.75 * len(calls), (shared, len(calls))
@@ -288,7 +290,7 @@ def test_own_picks_of_every_segment_come_from_one_gather():
     its window still reaches; the gather's row ids are built once per call's rows (`trig`)."""
     import types
     import numpy as np
-    from runtime.reuse.consumer import _plan
+    from runtime.reuse.segments import _plan
     attn = types.SimpleNamespace(kind="csa", cfg=types.SimpleNamespace(window_size=4))
     segs = [SegmentKeys(d, torch.zeros(n, 2), torch.zeros(n // 4, 2)) for d, n in ((0, 8), (8, 12), (20, 8))]
     host = np.arange(2, 28)                                  # rows at positions 2..27
@@ -310,16 +312,16 @@ def test_documents_in_one_buffer_take_one_view_overlays_and_gathers(model, reque
     """Documents staged as LayerPrefetcher stages pinned ones (each layer of all documents in one buffer,
     `owned_copies`): the overlays, the Local restore and the own picks take one launch for all documents through
     one view, with the same logits bit for bit as document by document, and the caller's artifacts untouched."""
-    import runtime.reuse.consumer as consumer
-    from runtime.reuse.prefetch import owned_copies, owned_copy
+    import runtime.reuse.engine as engine
+    from runtime.reuse.packing import owned_copies, owned_copy
     docs, question = request_tokens
     prof = ReuseProfile(**BASE, budget=0.25, recent_rows=16, join_rows=8, global_picks="artifact")
     arts = [produce(model, t, prof) for t in docs]
     before = [[la.latent.clone() for la in a.layers] for a in arts]
     ref = ReuseEngine(model, prof).prefill([owned_copy(a) for a in arts], question)
     views = []
-    real = consumer._rows_view
-    monkeypatch.setattr(consumer, "_rows_view", lambda ts: (views.append(real(ts) is not None), real(ts))[1])
+    real = engine.rows_view
+    monkeypatch.setattr(engine, "rows_view", lambda ts: (views.append(real(ts) is not None), real(ts))[1])
     one = owned_copies(arts)
     got = ReuseEngine(model, prof).prefill(one, question)
     assert torch.equal(got.logits, ref.logits)
@@ -330,8 +332,8 @@ def test_documents_in_one_buffer_take_one_view_overlays_and_gathers(model, reque
     # what the request keeps (segment keys, carried compressor state) holds no view of the staged layer buffers,
     # which would keep each whole layer (W_a,L O_L and picks included) alive to the request's end
     from dataclasses import fields as dc_fields
-    from runtime.reuse.prefetch import _tensors
-    staged = {t.untyped_storage().data_ptr() for d in one for la in d.layers for t in _tensors(la)}
+    from runtime.reuse.packing import layer_tensors
+    staged = {t.untyped_storage().data_ptr() for d in one for la in d.layers for t in layer_tensors(la)}
     st = got.state
     kept = [t for segs in st.seg_keys.values() for sk in segs for t in (sk.latent, sk.entries, sk.index_keys)]
     kept += [getattr(c, f.name) for c in [*st.new_comp.values(), *st.new_index.values()] for f in dc_fields(c)]

@@ -67,11 +67,11 @@ def test_ops_of_other_threads_and_python_frames():
     for e in ev:
         e.setdefault("tid", 1)
     ev.append(dict(ph="X", cat="cpu_op", name="aten::copy_", ts=50, dur=30, tid=2))     # the stager's thread
-    ev.append(dict(ph="X", cat="python_function", name="runtime/reuse/consumer.py(600): _relocated_keys", ts=30,
+    ev.append(dict(ph="X", cat="python_function", name="runtime/reuse/engine.py(600): _relocated_keys", ts=30,
                    dur=40, tid=1))
     ev.append(dict(ph="X", cat="python_function", name="torch/nn/modules/module.py(1): _call_impl", ts=50,
                    dur=12, tid=1))
     r = analyse(ev)
     assert {n: c for n, c, _ in r["by_op"]} == {"(none)": 2, "aten::mm": 1}       # not the other thread's copy_
-    assert {n: (c, us) for n, c, us in r["by_py"]} == {"runtime/reuse/consumer.py(600): _relocated_keys": (2, 25),
+    assert {n: (c, us) for n, c, us in r["by_py"]} == {"runtime/reuse/engine.py(600): _relocated_keys": (2, 25),
                                                        "(none)": (1, 2)}

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from runtime.model.deepseek_v4 import grouped_projection
-from runtime.reuse.consumer import gather_rows
+from runtime.reuse.views import gather_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 

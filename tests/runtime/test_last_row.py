@@ -9,7 +9,7 @@ from runtime.model.checkpoint import random_state
 from runtime.model.config import tiny_reuse
 from runtime.model.deepseek_v4 import Transformer, prefill_out_rows
 from runtime.model.flops import layer_flops
-from runtime.reuse.consumer import ReuseEngine
+from runtime.reuse.engine import ReuseEngine
 from runtime.reuse.ledger import Ledger
 from runtime.reuse.producer import produce
 from runtime.reuse.profile import ReuseProfile
@@ -157,9 +157,9 @@ def test_reuse_arm_trims_its_last_fence_and_keeps_its_caches(model, monkeypatch)
     docs = [produce(model, torch.randint(2, CFG.vocab_size, (n,), generator=g).tolist(), prof) for n in (64, 96, 80)]
     question = torch.randint(2, CFG.vocab_size, (12,), generator=g).tolist()
     eng = ReuseEngine(model, prof)
-    import runtime.reuse.consumer as consumer_mod
+    import runtime.reuse.engine as engine_mod
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(consumer_mod, "prefill_out_rows", lambda *a: None)        # every row through the last fence
+        mp.setattr(engine_mod, "prefill_out_rows", lambda *a: None)        # every row through the last fence
         a = eng.prefill(docs, question)
     b = eng.prefill(docs, question)
     assert _rel(b.logits, a.logits) <= TOL

@@ -45,13 +45,13 @@ def test_set_policy_refuses_what_is_not_a_policy():
 def test_no_environment_read_below_the_process_edge():
     """runtime/ reads no environment variable but REDKNOT_KERNELS (the reference-vs-kernels switch) and Triton's
     own TRITON_INTERPRET."""
-    allowed = {"runtime/kernels/__init__.py": "REDKNOT_KERNELS", "runtime/kernels/_triton.py": "TRITON_INTERPRET"}
+    allowed = {"runtime/kernels/_triton.py": ("REDKNOT_KERNELS", "TRITON_INTERPRET")}      # the switch lives there
     reads = []
     for f in sorted((ROOT / "runtime").rglob("*.py")):
         rel = f.relative_to(ROOT).as_posix()
         for n, line in enumerate(f.read_text().splitlines(), 1):
             if re.search(r"os\.environ|os\.getenv|getenv\(", line) and not line.lstrip().startswith("#"):
-                if rel not in allowed or allowed[rel] not in line:
+                if rel not in allowed or not any(v in line for v in allowed[rel]):
                     reads.append(f"{rel}:{n}: {line.strip()}")
     assert not reads, reads
 

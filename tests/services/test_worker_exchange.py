@@ -9,7 +9,7 @@ import json
 from concurrent.futures import Future
 
 from runtime.reuse.certificate import FallbackReason
-from runtime.reuse.prefetch import SourceError
+from runtime.reuse.stager import SourceError
 from runtime.reuse.store import VerifiedFiles, latent_shard, shard_file
 from services.common.tp import launch
 

@@ -1,4 +1,4 @@
-"""The worker's reuse forward consumes layer groups as they arrive (runtime.reuse.prefetch.GroupStager through
+"""The worker's reuse forward consumes layer groups as they arrive (runtime.reuse.stager.GroupStager through
 request.answer_staged), proven by the order of events, never by timing: a source that holds group g+1 back until
 the forward consumed group g still yields the reuse arm, with the same logits, ledger and tokens as `answer` over
 whole directories. A late group that fails verification on any rank restarts the request in the recompute arm
@@ -20,7 +20,7 @@ from runtime.model.config import tiny
 from runtime.model.deepseek_v4 import Transformer
 from runtime.model.parallel import Parallel
 from runtime.reuse.certificate import FallbackCounter, FallbackReason
-from runtime.reuse.prefetch import SourceError, StagedSource, Trace
+from runtime.reuse.stager import SourceError, StagedSource, Trace
 from runtime.reuse.producer import pad_document
 from runtime.reuse.profile import ReuseProfile
 from runtime.reuse.request import ServingIdentity, answer, answer_staged, build

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from runtime.reuse.artifact import DocumentArtifact, LayerArtifact
-from runtime.reuse.prefetch import SourceError
+from runtime.reuse.stager import SourceError
 from runtime.reuse.store import ArtifactHead
 from services.common.tenants import Tenants
 from services.worker.engine import RankReport, root_cause

@@ -1,0 +1,191 @@
+"""Segment attention: a query row's attention over every relocated segment it reaches, in one frame per segment,
+merged by log-sum-exp with the sink once. Per segment only the 64 RoPE channels are turned (query in, partial output
+out, the output's inverse RoPE folded into the same rotation), each part lands in one stacked buffer and every row
+is merged once; on CUDA calls of many heads take the fused multi-segment kernel instead (one launch).
+
+One code path on every device; only the leaves switch (`runtime.kernels.enabled`): Triton kernels on CUDA, their
+torch references elsewhere."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from runtime.model.config import CSA, HCA, WINDOW
+from runtime.model.deepseek_v4 import NEG_INF
+from runtime.policy import DEFAULT_POLICY, RuntimePolicy
+from runtime.kernels import enabled, merge_stacked, rope_, sparse_mqa_attention
+from runtime.kernels.multiseg import multi_segment_attention
+from runtime.kernels.rope import rope_source
+from runtime.kernels.reference import sparse_mqa_reference
+from .keys import SegmentKeys, angles, memo, offsets, shifted
+from .picks import indexer_global_picks, indexer_picks, own_global_picks, pick_runs
+
+
+def _plan(attn, host, segments, picks, own_picks, trig=None):
+    """Which rows each segment serves (rows come in increasing position, so a contiguous range found on the
+    host): its window rows reach queries up to W-1 rows past its end; its entries every later query (HCA, or
+    CSA picks over the union of segments); own picks only the segment's own rows. -> [(j, lo, hi, mode, picks)]
+
+    With own picks, every segment's picks (its own rows' picks, then -1 for the rows past its end) come out of one
+    gather from own_picks with a -1 row appended; the gather's row ids are built once per call's rows (`trig`)."""
+    T, W = host.shape[0], attn.cfg.window_size
+    plan, own = [], []
+    for j, seg in enumerate(segments):
+        n = seg.latent.shape[0]
+        lo = int(np.searchsorted(host, seg.delta))
+        win_hi = int(np.searchsorted(host, seg.delta + n + W - 1))
+        n_ent = 0 if seg.entries is None else seg.entries.shape[0]
+        mode, hi, pk = "none", win_hi, None
+        if attn.kind == HCA and n_ent:
+            mode, hi = "causal", T
+        elif attn.kind == CSA and n_ent and own_picks is not None:
+            own_hi = int(np.searchsorted(host, seg.delta + n))
+            if own_hi > lo:      # rows past the segment's end (the next one's first W-1) see its window only
+                own.append((len(plan), lo, own_hi, win_hi))
+                mode = "picks"
+        elif attn.kind == CSA and n_ent and picks is not None and picks[j] is not None:
+            mode, hi, pk = "picks", T, picks[j][lo:]
+        if hi > lo:
+            plan.append((j, lo, hi, mode, pk))
+    if own:
+        rows = memo(trig, ("own_rows", tuple(own)), lambda: torch.tensor(
+            [r for _, lo, own_hi, win_hi in own for r in [*range(lo, own_hi), *[len(own_picks)] * (win_hi - own_hi)]],
+            dtype=torch.long, device=own_picks.device))
+        every = torch.cat([own_picks, own_picks.new_full((1, own_picks.shape[1]), -1)]).index_select(0, rows)
+        off = 0
+        for p, lo, _, win_hi in own:
+            j, _, hi, mode, _ = plan[p]
+            plan[p] = (j, lo, hi, mode, every[off:off + win_hi - lo])
+            off += win_hi - lo
+    return plan
+
+
+def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: list[SegmentKeys], sink: torch.Tensor,
+                      idx_inputs=None, picks: list | None = None, qpos_host: np.ndarray | None = None,
+                      own_picks: torch.Tensor | None = None, trig: dict | None = None,
+                      out: torch.Tensor | None = None, q_scratch: bool = False,
+                      policy: RuntimePolicy = DEFAULT_POLICY) -> tuple[torch.Tensor, torch.Tensor | int]:
+    """q_raw [T,H,D] normed, not yet roped; qpos request positions (increasing). Returns the merged per-head output
+    [T,H,D] in q_raw's dtype WITH the inverse output RoPE applied (ready for W_a), and the number of (query, key)
+    pairs attended (an int from host arithmetic, or a tensor where picks are counted: no host sync).
+
+    Per segment j at Delta_j, only on the rows it serves: the query's RoPE channels are rotated to t - Delta_j (a
+    64-channel write into one shared copy of q), the fused sparse attention (or its torch reference) writes the
+    partial output and LSE into slice j of one stacked buffer, and the partial output's RoPE channels are
+    de-rotated at t - Delta_j (+Delta_j into the request frame, then the inverse output RoPE at t, in one
+    rotation). One pass then merges every row's parts with the sink once. `own_picks` [T, k]: each row's entry
+    picks in its own segment (the artifact's, global_picks="artifact"); else CSA picks are the native indexer's
+    top-k over the union of all segments' visible entries. On CUDA, a call of at least `policy.fused_min_heads`
+    heads does all of this in one launch of the fused multi-segment kernel instead (`_fused_segment_attention`).
+    `out`: a contiguous [T,H,D] tensor of q_raw's dtype the merged output is written into (a caller's row slice),
+    else a new one.
+    `q_scratch`: the caller no longer needs q_raw, so the per-segment rotations are written into it in place (from
+    a compact copy of its rope channels, `rope_source`) instead of into a clone of it."""
+    T, H, D = q_raw.shape
+    W = attn.cfg.window_size
+    host = qpos.cpu().numpy() if qpos_host is None else qpos_host      # host arithmetic: numpy, never a launch
+    if enabled(q_raw) and picks is None and H >= policy.fused_min_heads:
+        return _fused_segment_attention(attn, q_raw, qpos, segments, sink, idx_inputs, host, own_picks, trig, out,
+                                        policy)
+    n_picks = None                       # the number of picks attended, where the indexer counted it
+    if attn.kind == CSA and picks is None and own_picks is None:
+        picks, n_picks = indexer_picks(attn, qpos, segments, idx_inputs, trig)
+    plan = _plan(attn, host, segments, picks, own_picks, trig)
+    o_buf = torch.empty((len(plan), T, H, D), dtype=torch.float32, device=q_raw.device)
+    lse_buf = torch.full((len(plan), T, H), NEG_INF, dtype=torch.float32, device=q_raw.device)
+    fast = enabled(q_raw)
+    if q_scratch and fast and T:          # q_raw's rope channels saved (1/8 of it), the parts turned in q_raw itself
+        src_all, q = rope_source(q_raw, 2 * attn.rotary.inv_freq.numel()), q_raw
+    else:
+        src_all, q = q_raw, q_raw.clone()  # the 448 non-RoPE channels are shared by every part
+    # where the parts cover most of the stacked rows (HCA: every segment serves every later row), the outputs are
+    # de-rotated in one launch over the whole stack (rows a part does not serve are never read by the merge)
+    at_once = 2 * sum(hi - lo for _, lo, hi, _, _ in plan) >= len(plan) * T
+    for p, (j, lo, hi, mode, pk) in enumerate(plan):
+        seg = segments[j]
+        cos, sin = angles(attn, qpos, lo, hi, seg.delta, trig)
+        qs = rope_(q[lo:hi], cos, sin, src=src_all[lo:hi])
+        cl = shifted(qpos, lo, hi, seg.delta, trig)
+        ent = seg.entries if mode != "none" else None
+        o, lse = o_buf[p, lo:hi], lse_buf[p, lo:hi]
+        if fast:
+            sparse_mqa_attention(qs, seg.latent, cl, W, ent, mode, attn.ratio or 1, pk, attn.scale, out=(o, lse))
+        else:
+            ro, rl = sparse_mqa_reference(qs, seg.latent, cl, W, ent, mode, attn.ratio or 1, pk, attn.scale)
+            o.copy_(ro)
+            lse.copy_(rl)
+        if not at_once:
+            rope_(o, cos, sin, inverse=True)
+    if at_once and plan:
+        cs = memo(trig, ("stacked", attn.kind == WINDOW, T, tuple(segments[j].delta for j, *_ in plan)),
+                   lambda: [torch.cat(c) for c in zip(*[angles(attn, qpos, 0, T, segments[j].delta, trig)
+                                                        for j, *_ in plan])])
+        rope_(o_buf.view(len(plan) * T, H, D), *cs, inverse=True)
+    out = merge_stacked(o_buf, lse_buf, sink, q_raw.dtype, [(lo, hi) for _, lo, hi, _, _ in plan], out=out)
+    # pairs the kernel attends: clipped window rows plus visible entries (on the host), plus picks (on the device)
+    pairs = _pairs_host(attn, host, segments, attn.kind == HCA, trig)
+    if any(m == "picks" for _, _, _, m, _ in plan):
+        if n_picks is None:              # own picks: one count; picks handed in by a caller: what each part attends
+            n_picks = (own_picks >= 0).sum() if own_picks is not None else \
+                sum((pk >= 0).sum() for _, _, _, m, pk in plan if m == "picks")
+        pairs = n_picks + pairs
+    return out, pairs
+
+
+def _pairs_host(attn, host: np.ndarray, segments: list[SegmentKeys], causal: bool, trig=None) -> int:
+    """(query, key) pairs of the window parts, and of the entry parts in "causal" mode, counted on the host; once
+    per call's rows and segment shapes (`trig`): every layer of a kind attends the same pairs."""
+    shapes = tuple((s.delta, s.latent.shape[0], -1 if not causal or s.entries is None else s.entries.shape[0])
+                   for s in segments)
+    return memo(trig, ("pairs", attn.cfg.window_size, attn.ratio if causal else 0, shapes),
+                 lambda: _count_pairs(attn, host, segments, causal))
+
+
+def _count_pairs(attn, host: np.ndarray, segments: list[SegmentKeys], causal: bool) -> int:
+    W, pairs = attn.cfg.window_size, 0
+    for seg in segments:
+        n = seg.latent.shape[0]
+        ch = host - seg.delta
+        pairs += int((np.minimum(ch, n - 1) - np.maximum(ch - W + 1, 0) + 1).clip(min=0).sum())
+        if causal and seg.entries is not None:
+            pairs += int(np.minimum(np.maximum(ch + 1, 0) // attn.ratio, seg.entries.shape[0]).sum())
+    return pairs
+
+
+def _fused_segment_attention(attn, q_raw, qpos, segments, sink, idx_inputs, host, own_picks, trig, out=None,
+                             policy: RuntimePolicy = DEFAULT_POLICY):
+    """`segment_attention` on CUDA for calls of at least `policy.fused_min_heads` heads: one launch of the fused
+    multi-segment kernel (runtime/kernels/multiseg.py) over every segment each row reaches; no per-segment part
+    goes through HBM. CSA picks (the native indexer's top-k over the union of all segments, or each row's own
+    document's offline picks) go to it as one sorted list of global entry ids per row."""
+    mode = {HCA: "causal", CSA: "picks"}.get(attn.kind, "none")
+    if mode != "none" and all(s.entries is None or s.entries.shape[0] == 0 for s in segments):
+        mode = "none"
+    gp = first = total = None
+    if mode == "picks":
+        first, total = offsets(segments, "index_keys" if own_picks is None else "entries")
+        gp = own_global_picks(segments, qpos, own_picks, first, total, trig) if own_picks is not None else \
+            indexer_global_picks(attn, qpos, segments, idx_inputs, first, total, trig)
+    return fused_attention(attn, q_raw, qpos, segments, sink, host, mode, gp, first, total, out=out, trig=trig,
+                           policy=policy)
+
+
+def fused_attention(attn, q_raw, qpos, segments, sink, host, mode: str, gp=None, first=None, total=None,
+                    config: dict | None = None, out: torch.Tensor | None = None, trig: dict | None = None,
+                    policy: RuntimePolicy = DEFAULT_POLICY):
+    """One launch of the fused multi-segment kernel in `mode` ("none", "causal", or "picks" with gp [T, k] global
+    entry ids, `total` for an empty slot, numbered by `first` as `offsets` does), and the (query, key) pairs it
+    attends; "picks" calls of at least `policy.key_frame_min_heads` heads in the key frame. `config`: the kernel's
+    block sizes (bench/multiseg.py sweeps them); `out`: where the output goes."""
+    bounds, pairs = None, 0
+    if mode == "picks" and gp.shape[1] == 0:     # no slot to pick from: the windows only
+        mode, gp, first = "none", None, None
+    if mode == "picks":
+        gp, bounds = pick_runs(gp, first, total, trig)
+        pairs = bounds[:, -1].sum()
+    key_frame = mode == "picks" and q_raw.shape[1] >= policy.key_frame_min_heads
+    out = multi_segment_attention(q_raw, qpos, segments, sink, attn.cfg.window_size, mode, attn.ratio or 1,
+                                  attn.scale, attn.rotary.inv_freq, gp, first, bounds, config=config, out=out,
+                                  key_frame=key_frame)
+    return out, pairs + _pairs_host(attn, host, segments, mode == "causal", trig)
+
