@@ -33,6 +33,7 @@ log = logging.getLogger("redknot.store")
 _UPLOAD_ID = re.compile(r"^[0-9a-f]{32}\.[0-9a-f]{32}$")
 _PAGE_TOKEN = re.compile(r"^(0|[1-9][0-9]{0,19})$")       # an SSCAN cursor: a uint64 in ASCII decimal
 READ_AHEAD = 2                  # chunks a fetch stream reads ahead of what it has sent
+INTACT_WORKERS = 8              # blobs BeginGeneration re-hashes at once before deduplicating them
 
 
 # ------------------------------------------------------------------------------------------ params, results
@@ -210,7 +211,7 @@ class ArtifactStore:
         for s in shards:
             if s.digest not in deleting:
                 by_digest.setdefault(s.digest, []).append(s)
-        intact = await asyncio.gather(*(self._intact(tenant, key.doc_id, specs[0]) for specs in by_digest.values()))
+        intact = await self._all_intact(tenant, key.doc_id, [specs[0] for specs in by_digest.values()])
         stored = []
         for specs, ok in zip(by_digest.values(), intact):
             if ok:
@@ -311,18 +312,28 @@ class ArtifactStore:
                  len(upload.shards), current)
         return CommitResult(Manifest(upload.key, upload.generation, upload.shards, at), became, current)
 
-    async def _intact(self, tenant: str, doc_id: str, s: ShardSpec) -> bool:
-        """Is the stored blob for `s` present with the right size and digest? (A corrupt one counts as a read
-        digest failure.)"""
-        size = await self._blocking(self.blobs.size_blocking, BlobKey(tenant, doc_id, s.digest))
-        if size != s.size:
-            return False
-        try:
-            async for _ in self._read_verified(tenant, doc_id, s, 0, count=False):
-                pass
-        except DataLoss:
-            return False
-        return True
+    async def _all_intact(self, tenant: str, doc_id: str, specs: list[ShardSpec]) -> list[bool]:
+        """Is the stored blob of each spec present with the right size and digest? (A corrupt one counts as a read
+        digest failure.) The sizes come from one thread call, and at most INTACT_WORKERS blobs are hashed at once:
+        16k declared shards must not flood the event loop with 16k tasks (a health check would wait behind them)."""
+        sizes = await self._blocking(self._sizes_blocking, tenant, doc_id, specs)
+        todo = iter([i for i, (s, n) in enumerate(zip(specs, sizes)) if n == s.size])
+        out = [False] * len(specs)
+
+        async def worker():
+            for i in todo:
+                try:
+                    async for _ in self._read_verified(tenant, doc_id, specs[i], 0, count=False):
+                        pass
+                    out[i] = True
+                except DataLoss:
+                    pass
+
+        await asyncio.gather(*(worker() for _ in range(INTACT_WORKERS)))
+        return out
+
+    def _sizes_blocking(self, tenant: str, doc_id: str, specs: list[ShardSpec]) -> list[int | None]:
+        return [self.blobs.size_blocking(BlobKey(tenant, doc_id, s.digest)) for s in specs]
 
     # ------------------------------------------------------------------------------------------- reading
     async def manifest(self, tenant: str, key: DocumentKey, generation: int) -> ManifestResult:

@@ -76,8 +76,9 @@ class StoreServicer:
 
     async def BeginGeneration(self, request, context):
         r = _ok(request)
-        res = await self.store.begin(TENANT.get(), BeginParams(
-            wire.key_from_pb(r.key), r.generation, tuple(wire.shard_from_pb(s) for s in r.shards)))
+        # up to 16k shards: converted in a thread, so health checks and other RPCs keep the event loop meanwhile
+        shards = await asyncio.to_thread(lambda: tuple(wire.shard_from_pb(s) for s in r.shards))
+        res = await self.store.begin(TENANT.get(), BeginParams(wire.key_from_pb(r.key), r.generation, shards))
         return pb.BeginGenerationResponse(
             generation=res.generation, upload_id=res.upload_id, expires_at_unix_ms=res.expires_at_unix_ms,
             already_stored=[pb.ShardRef(rank=rank, name=name) for rank, name in res.already_stored])

@@ -52,12 +52,14 @@ async def serve(s: Settings, *, ready: asyncio.Event | None = None, stop: asynci
         raise SystemExit("no tenants: give --tokens-file or REDKNOT_STORE_TOKENS")
     metrics = StoreMetrics()
     # A bounded pool: index connections grow with concurrency up to the limit, then RPCs wait for one. Pooled
-    # connections die with a Redis restart; one idle for `redis_health_check_s` is pinged before use, and a command
-    # that meets a dead connection reconnects and runs again (3 tries, 50 ms .. 1 s apart), so the first requests
-    # after a restart succeed instead of failing once per pooled connection. Only connection errors are retried
-    # (a refused or reset connection: the command did not run there), never a timeout, after which a script may
-    # have run.
-    retry = Retry(ExponentialBackoff(cap=1.0, base=0.05), 3, supported_errors=(RedisConnectionError,))
+    # connections die with a Redis restart: one idle for `redis_health_check_s` is pinged before use, and a command
+    # that meets a dead or reset connection reconnects and runs again (5 tries, 0.1 s .. 1 s apart: 2.5 s, longer
+    # than a restart), so requests in flight across a restart, and the first ones after it, succeed instead of
+    # failing once per pooled connection. Only connection errors are retried, never a timeout (after which a
+    # script may be running still). A reset can come after a script ran: a retried Begin then opens a second
+    # upload (the first expires and GC releases its pins), a retried Commit answers NotFound for an upload it
+    # already committed (GetManifest shows the generation).
+    retry = Retry(ExponentialBackoff(cap=1.0, base=0.05), 5, supported_errors=(RedisConnectionError,))
     redis_client = async_client(s.redis_url, s.redis_connections, socket_timeout=30, socket_connect_timeout=5,
                                 health_check_interval=s.redis_health_check_s, retry=retry,
                                 retry_on_error=[RedisConnectionError])
