@@ -212,12 +212,9 @@ class ArtifactStore:
             if s.digest not in deleting:
                 by_digest.setdefault(s.digest, []).append(s)
         intact = await self._all_intact(tenant, key.doc_id, [specs[0] for specs in by_digest.values()])
-        stored = []
-        for specs, ok in zip(by_digest.values(), intact):
-            if ok:
-                for s in specs:
-                    await self.index.mark_received(tenant, upload_id, s)
-                    stored.append(s.ref)
+        have = [s for specs, ok in zip(by_digest.values(), intact) if ok for s in specs]
+        await self.index.mark_received(tenant, upload_id, have)
+        stored = [s.ref for s in have]
         self.metrics.shards_deduplicated.inc(len(stored))
         return BeginResult(generation, upload_id, tuple(sorted(stored)), expires)
 
@@ -271,7 +268,7 @@ class ArtifactStore:
                     await self._blocking(self.blobs.put_file_blocking,
                                          BlobKey(tenant, upload.doc_id, spec.digest), spool.path)
                     spool = None
-                    await self.index.mark_received(tenant, upload.upload_id, spec)
+                    await self.index.mark_received(tenant, upload.upload_id, [spec])
                     stored.append(spec.ref)
                     self.metrics.shards_stored.inc()
                     self.metrics.bytes_in.inc(spec.size)
@@ -292,10 +289,10 @@ class ArtifactStore:
             if missing:
                 raise FailedPrecondition(f"{len(missing)} of {len(upload.shards)} declared shards are not stored, "
                                          f"e.g. {missing[0].name!r} of rank {missing[0].rank}")
-            digests = {s.digest: s.size for s in upload.shards}
-            sizes = await asyncio.gather(*(self._blocking(self.blobs.size_blocking,
-                                                          BlobKey(tenant, upload.doc_id, d)) for d in digests))
-            for (d, want), got in zip(digests.items(), sizes):
+            digests = {s.digest: s for s in upload.shards}
+            sizes = await self._blocking(self._sizes_blocking, tenant, upload.doc_id, list(digests.values()))
+            for (d, spec), got in zip(digests.items(), sizes):
+                want = spec.size
                 if got != want:
                     raise FailedPrecondition(f"blob {d[:16]} is {'missing' if got is None else f'{got} bytes'} "
                                              f"(declared {want}); put its shard again")
@@ -502,15 +499,16 @@ class ArtifactStore:
         if p.certificate_digest and p.certificate_digest != cert.digest:
             return Verdict(False, R.DIGEST_MISMATCH, f"certificate digest {p.certificate_digest[:16]} != stored "
                            f"{cert.digest[:16]}", cur, cert.digest)
-        for s in mine:
-            if p.deep:
+        if p.deep:
+            for s in mine:
                 try:
                     async for _ in self._read_verified(tenant, key.doc_id, s, m.generation, count=False):
                         pass
                 except DataLoss as e:
                     return Verdict(False, R.DIGEST_MISMATCH, str(e), cur, cert.digest)
-            else:
-                size = await self._blocking(self.blobs.size_blocking, BlobKey(tenant, key.doc_id, s.digest))
+        else:           # every size in one thread call: a rank may hold 16k shards
+            sizes = await self._blocking(self._sizes_blocking, tenant, key.doc_id, mine)
+            for s, size in zip(mine, sizes):
                 if size is None:
                     return Verdict(False, R.MISSING_SHARD, f"shard {s.name!r} has no blob", cur, cert.digest)
                 if size != s.size:

@@ -29,6 +29,7 @@ Per document (prefix P, tag T):
 Per tenant: P:{tenant}:docs (set of doc ids), P:{tenant}:byhash:<doc_hash> (set of doc ids)."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import uuid
 from dataclasses import dataclass
@@ -77,14 +78,18 @@ return out
 
 _RECEIVED = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
-for i = 2, #ARGV do
+local m = tonumber(ARGV[1])
+for i = m + 2, #ARGV do
   if redis.call('SISMEMBER', KEYS[3], ARGV[i]) == 1 then return -2 end
 end
-redis.call('SADD', KEYS[2], ARGV[1])
+for i = 2, m + 1, 4096 do
+  redis.call('SADD', KEYS[2], unpack(ARGV, i, math.min(i + 4095, m + 1)))
+end
 redis.call('PEXPIREAT', KEYS[2], redis.call('PEXPIRETIME', KEYS[1]))
 return 1
 """
-# KEYS: up, recv, deleting; ARGV: member, digests...
+# KEYS: up, recv, deleting; ARGV: number of members, members..., their distinct digests...
+# (SADD in slices: unpack of more values than Lua's C stack holds fails)
 
 _COMMIT = """
 if redis.call('EXISTS', KEYS[4]) == 0 then return {-1} end
@@ -196,6 +201,13 @@ return 0
 """
 
 
+LARGE_ENTRY = 64 << 10          # entries larger than this (~500 shards) are parsed in a thread, off the event loop
+
+
+async def _off_loop(size: int, fn, *args):
+    return await asyncio.to_thread(fn, *args) if size > LARGE_ENTRY else fn(*args)
+
+
 @contextlib.contextmanager
 def _entry(what: str):
     """Parsing an index entry: one that does not parse was altered or corrupted, which is DataLoss (a reader falls
@@ -260,10 +272,17 @@ class RedisIndex:
         upload_id = f"{doc_id}.{uuid.uuid4().hex}"
         digests = sorted({s.digest for s in shards})
         # listing hints first: a crash after them lists nothing (no readable generation), never hides a commit
+        # (written only where missing, so a Begin that the script refuses, on a known document, writes nothing)
+        hints = [self.tk(tenant, "docs"), self.tk(tenant, "byhash", key.doc_hash)]
         async with self.r.pipeline(transaction=False) as p:
-            p.sadd(self.tk(tenant, "docs"), doc_id)
-            p.sadd(self.tk(tenant, "byhash", key.doc_hash), doc_id)
-            await p.execute()
+            for h in hints:
+                p.sismember(h, doc_id)
+            missing = [h for h, there in zip(hints, await p.execute()) if not there]
+        if missing:
+            async with self.r.pipeline(transaction=False) as p:
+                for h in missing:
+                    p.sadd(h, doc_id)
+                await p.execute()
         _, up, _ = self._up(tenant, upload_id)
         res = await self._begin(
             keys=[self.k(tenant, doc_id, "doc"), self.k(tenant, doc_id, "gens"), self.k(tenant, doc_id, "retired"),
@@ -287,24 +306,31 @@ class RedisIndex:
         res = await self._read_upload(keys=[up, recv])
         if not res:
             raise NotFound(f"upload {upload_id!r} is unknown, expired or already committed")
-        with _entry(f"upload {upload_id}"):
-            gen, shards, key, received = res
-            specs = tuple(ShardSpec.from_list(s) for s in msgpack.unpackb(shards, raw=False))
-            got = set()
-            for m in received:
-                rank, _, name = m.decode().partition("/")
-                got.add((int(rank), name))
-            return Upload(upload_id, tenant, doc_id, DocumentKey.from_dict(msgpack.unpackb(key, raw=False)),
-                          int(gen), specs, frozenset(got))
 
-    async def mark_received(self, tenant: str, upload_id: str, spec: ShardSpec) -> None:
+        def parse() -> Upload:
+            with _entry(f"upload {upload_id}"):
+                gen, shards, key, received = res
+                specs = tuple(ShardSpec.from_list(s) for s in msgpack.unpackb(shards, raw=False))
+                got = set()
+                for m in received:
+                    rank, _, name = m.decode().partition("/")
+                    got.add((int(rank), name))
+                return Upload(upload_id, tenant, doc_id, DocumentKey.from_dict(msgpack.unpackb(key, raw=False)),
+                              int(gen), specs, frozenset(got))
+        return await _off_loop(len(res[1] or b""), parse)
+
+    async def mark_received(self, tenant: str, upload_id: str, specs: list[ShardSpec]) -> None:
+        """Record shards as stored and verified: one script for all of them (a Begin may deduplicate 16k)."""
+        if not specs:
+            return
         doc_id, up, recv = self._up(tenant, upload_id)
+        digests = sorted({s.digest for s in specs})
         res = await self._received(keys=[up, recv, self.k(tenant, doc_id, "deleting")],
-                                   args=[f"{spec.rank}/{spec.name}", spec.digest])
+                                   args=[len(specs), *(f"{s.rank}/{s.name}" for s in specs), *digests])
         if res == -1:
-            raise NotFound(f"upload {upload_id!r} expired or was committed while shard {spec.name!r} was stored")
+            raise NotFound(f"upload {upload_id!r} expired or was committed while shard {specs[0].name!r} was stored")
         if res == -2:
-            raise Unavailable(f"blob {spec.digest[:16]} is being garbage-collected; retry the shard")
+            raise Unavailable(f"a blob of {specs[0].name!r} is being garbage-collected; retry the shard")
 
     async def is_deleting(self, tenant: str, doc_id: str, digest: str) -> bool:
         return bool(await self.r.sismember(self.k(tenant, doc_id, "deleting"), digest))
@@ -361,7 +387,7 @@ class RedisIndex:
                 raise NotFound(f"generation {g} is not a readable generation of this document")
             with _entry(f"generation {g}"):
                 cur, raw, at, readable = int(res[0]), res[1], int(res[2]), [int(x) for x in res[3]]
-            m = Manifest.from_bytes(raw, at, where=f"manifest of generation {g}")
+            m = await _off_loop(len(raw), Manifest.from_bytes, raw, at, f"manifest of generation {g}")
             if m.key != key:
                 raise NotFound("no such document")        # a doc_id collision would land here; never serve it
             return m, cur, tuple(readable)
