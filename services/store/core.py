@@ -290,7 +290,7 @@ class ArtifactStore:
                 raise FailedPrecondition(f"{len(missing)} of {len(upload.shards)} declared shards are not stored, "
                                          f"e.g. {missing[0].name!r} of rank {missing[0].rank}")
             digests = {s.digest: s for s in upload.shards}
-            sizes = await self._blocking(self._sizes_blocking, tenant, upload.doc_id, list(digests.values()))
+            sizes = await self._sizes(tenant, upload.doc_id, list(digests.values()))
             for (d, spec), got in zip(digests.items(), sizes):
                 want = spec.size
                 if got != want:
@@ -311,9 +311,9 @@ class ArtifactStore:
 
     async def _all_intact(self, tenant: str, doc_id: str, specs: list[ShardSpec]) -> list[bool]:
         """Is the stored blob of each spec present with the right size and digest? (A corrupt one counts as a read
-        digest failure.) The sizes come from one thread call, and at most INTACT_WORKERS blobs are hashed at once:
+        digest failure.) The sizes come from a few thread calls, and at most INTACT_WORKERS blobs are hashed at once:
         16k declared shards must not flood the event loop with 16k tasks (a health check would wait behind them)."""
-        sizes = await self._blocking(self._sizes_blocking, tenant, doc_id, specs)
+        sizes = await self._sizes(tenant, doc_id, specs)
         todo = iter([i for i, (s, n) in enumerate(zip(specs, sizes)) if n == s.size])
         out = [False] * len(specs)
 
@@ -328,6 +328,14 @@ class ArtifactStore:
 
         await asyncio.gather(*(worker() for _ in range(INTACT_WORKERS)))
         return out
+
+    async def _sizes(self, tenant: str, doc_id: str, specs: list[ShardSpec]) -> list[int | None]:
+        """The blob sizes of `specs`, by INTACT_WORKERS thread calls over slices: a few tasks on the event loop
+        whatever the count, and still parallel where a size is a round trip (an S3 HEAD)."""
+        n = max(1, -(-len(specs) // INTACT_WORKERS))
+        parts = await asyncio.gather(*(self._blocking(self._sizes_blocking, tenant, doc_id, specs[i:i + n])
+                                       for i in range(0, len(specs), n)))
+        return [size for part in parts for size in part]
 
     def _sizes_blocking(self, tenant: str, doc_id: str, specs: list[ShardSpec]) -> list[int | None]:
         return [self.blobs.size_blocking(BlobKey(tenant, doc_id, s.digest)) for s in specs]
@@ -506,8 +514,8 @@ class ArtifactStore:
                         pass
                 except DataLoss as e:
                     return Verdict(False, R.DIGEST_MISMATCH, str(e), cur, cert.digest)
-        else:           # every size in one thread call: a rank may hold 16k shards
-            sizes = await self._blocking(self._sizes_blocking, tenant, key.doc_id, mine)
+        else:           # sizes in a few thread calls: a rank may hold 16k shards
+            sizes = await self._sizes(tenant, key.doc_id, mine)
             for s, size in zip(mine, sizes):
                 if size is None:
                     return Verdict(False, R.MISSING_SHARD, f"shard {s.name!r} has no blob", cur, cert.digest)
