@@ -57,6 +57,9 @@ class TokenTable:
     def __len__(self) -> int:
         return len(self._by_hash)
 
+    def tenants(self) -> list[str]:
+        return sorted(set(self._by_hash.values()))
+
     @staticmethod
     def parse(spec: str = "", file: str = "") -> "TokenTable":
         return TokenTable(parse_token_pairs(spec, file))

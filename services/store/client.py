@@ -56,6 +56,15 @@ def fallback_reason(err: StoreError) -> Reason:
     return Reason.STORE_UNAVAILABLE
 
 
+def _parsed(convert: Callable, m, what: str):
+    """A response message converted to the store's types. One that does not convert (an unknown shard kind, say)
+    came back altered: DataLoss (fallback digest_mismatch), not a StoreError read as store_unavailable."""
+    try:
+        return convert(m)
+    except (StoreError, ValueError, KeyError) as e:
+        raise DataLoss(f"the store's {what} is malformed: {e}") from None
+
+
 def _chunks_of(blob: Blob) -> Iterator[bytes]:
     if isinstance(blob, (bytes, bytearray, memoryview)):
         mv = memoryview(blob)
@@ -134,7 +143,8 @@ class StoreClient:
 
     def commit(self, upload_id: str) -> CommitResult:
         r = self._call(self.stub.CommitGeneration, pb.CommitGenerationRequest(upload_id=upload_id))
-        return CommitResult(wire.manifest_from_pb(r.manifest), r.became_current, r.current_generation)
+        return CommitResult(_parsed(wire.manifest_from_pb, r.manifest, "manifest"), r.became_current,
+                            r.current_generation)
 
     def put_generation(self, key: DocumentKey, shards: Sequence[tuple[ShardSpec, Blob]],
                        generation: int = 0) -> CommitResult:
@@ -156,7 +166,8 @@ class StoreClient:
     # ------------------------------------------------------------------------------------------- reading
     def manifest(self, key: DocumentKey, generation: int = 0) -> ManifestResult:
         r = self._call(self.stub.GetManifest, pb.GetManifestRequest(key=wire.key_to_pb(key), generation=generation))
-        return ManifestResult(wire.manifest_from_pb(r.manifest), r.current_generation, tuple(r.generations))
+        return ManifestResult(_parsed(wire.manifest_from_pb, r.manifest, "manifest"), r.current_generation,
+                              tuple(r.generations))
 
     def fetch(self, key: DocumentKey, rank: int, *, generation: int = 0, layers: Range | None = None,
               channels: Range | None = None, names: Sequence[str] = (), verify: bool = True
@@ -186,7 +197,7 @@ class StoreClient:
                 if m.HasField("shard"):
                     if spec is not None:
                         raise DataLoss(f"shard {spec.name!r} ended without its last chunk")
-                    spec, parts, size = wire.shard_from_pb(m.shard), [], 0
+                    spec, parts, size = _parsed(wire.shard_from_pb, m.shard, "shard spec"), [], 0
                 if spec is None or m.offset != size:
                     raise DataLoss("fetch stream out of order")
                 if m.data:

@@ -25,13 +25,15 @@ from typing import BinaryIO
 from .blob import BlobBackend, BlobKey, BlobMissing, BlobUnavailable
 from .errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, StoreError, Unavailable
 from .index import RedisIndex, Upload
-from .keys import (CHUNK_BYTES, DocumentKey, Limits, Manifest, Range, Reason, ShardKind, ShardSpec, check_digest,
-                   check_shard_table, new_hasher)
+from .keys import (CHUNK_BYTES, MAX_INT64, DocumentKey, Limits, Manifest, Range, Reason, ShardKind, ShardSpec,
+                   check_digest, check_generation, check_shard_table, covered, new_hasher, uncovered)
 from .metrics import StoreMetrics
 
 log = logging.getLogger("redknot.store")
 _UPLOAD_ID = re.compile(r"^[0-9a-f]{32}\.[0-9a-f]{32}$")
+_PAGE_TOKEN = re.compile(r"^(0|[1-9][0-9]{0,19})$")       # an SSCAN cursor: a uint64 in ASCII decimal
 READ_AHEAD = 2                  # chunks a fetch stream reads ahead of what it has sent
+INTACT_WORKERS = 8              # blobs BeginGeneration re-hashes at once before deduplicating them
 
 
 # ------------------------------------------------------------------------------------------ params, results
@@ -198,9 +200,9 @@ class ArtifactStore:
     # ------------------------------------------------------------------------------------------- writing
     async def begin(self, tenant: str, p: BeginParams) -> BeginResult:
         key = p.key.check()
-        if not isinstance(p.generation, int) or p.generation < 0:
-            raise InvalidArgument(f"generation {p.generation!r} is negative")
-        shards = check_shard_table(key, p.shards, self.limits)
+        check_generation(p.generation)
+        # up to 16k shards: checked in a thread, so the event loop (health checks, other RPCs) keeps running
+        shards = await asyncio.to_thread(check_shard_table, key, p.shards, self.limits)
         generation, upload_id, expires, deleting = await self.index.begin(
             tenant, key, p.generation, shards, self.upload_ttl_ms)
         # Shards whose blob this document already holds need no upload. The blob is re-hashed first (a rotted
@@ -209,13 +211,10 @@ class ArtifactStore:
         for s in shards:
             if s.digest not in deleting:
                 by_digest.setdefault(s.digest, []).append(s)
-        intact = await asyncio.gather(*(self._intact(tenant, key.doc_id, specs[0]) for specs in by_digest.values()))
-        stored = []
-        for specs, ok in zip(by_digest.values(), intact):
-            if ok:
-                for s in specs:
-                    await self.index.mark_received(tenant, upload_id, s)
-                    stored.append(s.ref)
+        intact = await self._all_intact(tenant, key.doc_id, [specs[0] for specs in by_digest.values()])
+        have = [s for specs, ok in zip(by_digest.values(), intact) if ok for s in specs]
+        await self.index.mark_received(tenant, upload_id, have)
+        stored = [s.ref for s in have]
         self.metrics.shards_deduplicated.inc(len(stored))
         return BeginResult(generation, upload_id, tuple(sorted(stored)), expires)
 
@@ -269,7 +268,7 @@ class ArtifactStore:
                     await self._blocking(self.blobs.put_file_blocking,
                                          BlobKey(tenant, upload.doc_id, spec.digest), spool.path)
                     spool = None
-                    await self.index.mark_received(tenant, upload.upload_id, spec)
+                    await self.index.mark_received(tenant, upload.upload_id, [spec])
                     stored.append(spec.ref)
                     self.metrics.shards_stored.inc()
                     self.metrics.bytes_in.inc(spec.size)
@@ -290,10 +289,10 @@ class ArtifactStore:
             if missing:
                 raise FailedPrecondition(f"{len(missing)} of {len(upload.shards)} declared shards are not stored, "
                                          f"e.g. {missing[0].name!r} of rank {missing[0].rank}")
-            digests = {s.digest: s.size for s in upload.shards}
-            sizes = await asyncio.gather(*(self._blocking(self.blobs.size_blocking,
-                                                          BlobKey(tenant, upload.doc_id, d)) for d in digests))
-            for (d, want), got in zip(digests.items(), sizes):
+            digests = {s.digest: s for s in upload.shards}
+            sizes = await self._sizes(tenant, upload.doc_id, list(digests.values()))
+            for (d, spec), got in zip(digests.items(), sizes):
+                want = spec.size
                 if got != want:
                     raise FailedPrecondition(f"blob {d[:16]} is {'missing' if got is None else f'{got} bytes'} "
                                              f"(declared {want}); put its shard again")
@@ -310,24 +309,41 @@ class ArtifactStore:
                  len(upload.shards), current)
         return CommitResult(Manifest(upload.key, upload.generation, upload.shards, at), became, current)
 
-    async def _intact(self, tenant: str, doc_id: str, s: ShardSpec) -> bool:
-        """Is the stored blob for `s` present with the right size and digest? (A corrupt one counts as a read
-        digest failure.)"""
-        size = await self._blocking(self.blobs.size_blocking, BlobKey(tenant, doc_id, s.digest))
-        if size != s.size:
-            return False
-        try:
-            async for _ in self._read_verified(tenant, doc_id, s, 0, count=False):
-                pass
-        except DataLoss:
-            return False
-        return True
+    async def _all_intact(self, tenant: str, doc_id: str, specs: list[ShardSpec]) -> list[bool]:
+        """Is the stored blob of each spec present with the right size and digest? (A corrupt one counts as a read
+        digest failure.) The sizes come from a few thread calls, and at most INTACT_WORKERS blobs are hashed at once:
+        16k declared shards must not flood the event loop with 16k tasks (a health check would wait behind them)."""
+        sizes = await self._sizes(tenant, doc_id, specs)
+        todo = iter([i for i, (s, n) in enumerate(zip(specs, sizes)) if n == s.size])
+        out = [False] * len(specs)
+
+        async def worker():
+            for i in todo:
+                try:
+                    async for _ in self._read_verified(tenant, doc_id, specs[i], 0, count=False):
+                        pass
+                    out[i] = True
+                except DataLoss:
+                    pass
+
+        await asyncio.gather(*(worker() for _ in range(INTACT_WORKERS)))
+        return out
+
+    async def _sizes(self, tenant: str, doc_id: str, specs: list[ShardSpec]) -> list[int | None]:
+        """The blob sizes of `specs`, by INTACT_WORKERS thread calls over slices: a few tasks on the event loop
+        whatever the count, and still parallel where a size is a round trip (an S3 HEAD)."""
+        n = max(1, -(-len(specs) // INTACT_WORKERS))
+        parts = await asyncio.gather(*(self._blocking(self._sizes_blocking, tenant, doc_id, specs[i:i + n])
+                                       for i in range(0, len(specs), n)))
+        return [size for part in parts for size in part]
+
+    def _sizes_blocking(self, tenant: str, doc_id: str, specs: list[ShardSpec]) -> list[int | None]:
+        return [self.blobs.size_blocking(BlobKey(tenant, doc_id, s.digest)) for s in specs]
 
     # ------------------------------------------------------------------------------------------- reading
     async def manifest(self, tenant: str, key: DocumentKey, generation: int) -> ManifestResult:
         key.check()
-        if not isinstance(generation, int) or generation < 0:
-            raise InvalidArgument(f"generation {generation!r} is negative")
+        check_generation(generation)
         m, cur, gens = await self.index.manifest(tenant, key, generation)
         return ManifestResult(m, cur, gens)
 
@@ -337,8 +353,7 @@ class ArtifactStore:
         key = p.key.check()
         if not isinstance(p.rank, int) or not 0 <= p.rank < key.tp_size:
             raise InvalidArgument(f"rank {p.rank!r} outside tp_size {key.tp_size}")
-        if not isinstance(p.generation, int) or p.generation < 0:
-            raise InvalidArgument(f"generation {p.generation!r} is negative")
+        check_generation(p.generation)
         for what, r in (("layers", p.layers), ("channels", p.channels)):
             if r is not None:
                 r.check(what)
@@ -450,14 +465,13 @@ class ArtifactStore:
         """The store's half of SPEC §6: does the stored generation match what this rank expects? Checks run in
         the runtime's order (checkpoint, tokens, profile, geometry, layers, generation, digests)."""
         key = p.key.check()
-        if not isinstance(p.rank, int) or p.rank < 0:
-            raise InvalidArgument(f"tp_rank {p.rank!r} is negative")
+        if not isinstance(p.rank, int) or not 0 <= p.rank <= MAX_INT64:
+            raise InvalidArgument(f"tp_rank {p.rank!r} is not in 0..2^63-1")
         if p.channels is not None:
             p.channels.check("channels")
-        if any(not isinstance(x, int) or x < 0 for x in p.layers_needed):
-            raise InvalidArgument("layers_needed holds a negative layer")
-        if p.generation < 0:
-            raise InvalidArgument(f"generation {p.generation!r} is negative")
+        if any(not isinstance(x, int) or not 0 <= x <= MAX_INT64 for x in p.layers_needed):
+            raise InvalidArgument("layers_needed holds a layer outside 0..2^63-1")
+        check_generation(p.generation)
         if p.certificate_digest:
             check_digest("certificate_digest", p.certificate_digest)
         R = Reason
@@ -465,20 +479,27 @@ class ArtifactStore:
             m, cur, _ = await self.index.manifest(tenant, key, 0)
         except NotFound:
             return await self._why_absent(tenant, key)
+        except DataLoss as e:                   # the index's manifest itself is corrupt
+            self.metrics.digest_failures.labels("read").inc()
+            return Verdict(False, R.DIGEST_MISMATCH, str(e))
         if p.rank >= key.tp_size:
             return Verdict(False, R.TP_GEOMETRY_MISMATCH, f"rank {p.rank} outside tp_size {key.tp_size}", cur)
         mine = m.select(p.rank)
-        cert = [s for s in mine if s.kind is ShardKind.CERTIFICATE][0]
+        cert = next((s for s in mine if s.kind is ShardKind.CERTIFICATE), None)
+        if cert is None:                        # a committed table always has one: the index entry was altered
+            self.metrics.digest_failures.labels("read").inc()
+            return Verdict(False, R.DIGEST_MISMATCH, f"the index's manifest has no certificate for rank {p.rank}", cur)
         if p.channels is not None:
             other = sorted({(s.channels.lo, s.channels.hi) for s in mine if s.kind is ShardKind.LOCAL}
                            - {(p.channels.lo, p.channels.hi)})
             if other:
                 return Verdict(False, R.TP_GEOMETRY_MISMATCH, f"rank {p.rank} stores channels {other}, expected "
                                f"[{p.channels.lo}, {p.channels.hi})", cur, cert.digest)
-        covered = {layer for s in mine for layer in range(s.layers.lo, s.layers.hi)}
-        absent = sorted(set(p.layers_needed) - covered)
+        # ranges, never sets of layers: a layer group [0, 2^62) costs what [0, 1) costs
+        absent = uncovered(p.layers_needed, covered(s.layers for s in mine))
         if absent:
-            return Verdict(False, R.MISSING_LAYER, f"layers {absent} have no shard for rank {p.rank}", cur,
+            more = f" and {len(absent) - 32} more" if len(absent) > 32 else ""
+            return Verdict(False, R.MISSING_LAYER, f"layers {absent[:32]}{more} have no shard for rank {p.rank}", cur,
                            cert.digest)
         if p.generation and p.generation != cur:
             return Verdict(False, R.STALE_GENERATION, f"certificate generation {p.generation}, current is {cur}",
@@ -486,15 +507,16 @@ class ArtifactStore:
         if p.certificate_digest and p.certificate_digest != cert.digest:
             return Verdict(False, R.DIGEST_MISMATCH, f"certificate digest {p.certificate_digest[:16]} != stored "
                            f"{cert.digest[:16]}", cur, cert.digest)
-        for s in mine:
-            if p.deep:
+        if p.deep:
+            for s in mine:
                 try:
                     async for _ in self._read_verified(tenant, key.doc_id, s, m.generation, count=False):
                         pass
                 except DataLoss as e:
                     return Verdict(False, R.DIGEST_MISMATCH, str(e), cur, cert.digest)
-            else:
-                size = await self._blocking(self.blobs.size_blocking, BlobKey(tenant, key.doc_id, s.digest))
+        else:           # sizes in a few thread calls: a rank may hold 16k shards
+            sizes = await self._sizes(tenant, key.doc_id, mine)
+            for s, size in zip(mine, sizes):
                 if size is None:
                     return Verdict(False, R.MISSING_SHARD, f"shard {s.name!r} has no blob", cur, cert.digest)
                 if size != s.size:
@@ -521,8 +543,8 @@ class ArtifactStore:
                              ) -> tuple[list[DocumentSummary], str]:
         if not isinstance(page_size, int) or not 0 <= page_size <= 1000:
             raise InvalidArgument(f"page_size {page_size!r} is not in 0..1000")
-        if page_token and not page_token.isdigit():
-            raise InvalidArgument(f"page_token {page_token!r} is not a token from ListDocuments")
+        if page_token and not (_PAGE_TOKEN.fullmatch(page_token) and int(page_token) < 1 << 64):
+            raise InvalidArgument(f"page_token {page_token[:64]!r} is not a token from ListDocuments")
         if doc_hash:
             check_digest("doc_hash", doc_hash)
         cursor, ids = await self.index.list_doc_ids(tenant, int(page_token or 0), page_size or 100, doc_hash)
@@ -535,8 +557,7 @@ class ArtifactStore:
 
     async def retire(self, tenant: str, key: DocumentKey, generation: int) -> int:
         key.check()
-        if not isinstance(generation, int) or generation < 1:
-            raise InvalidArgument(f"generation {generation!r} is not >= 1")
+        check_generation(generation, allow_zero=False)
         return await self.index.retire(tenant, key, generation)
 
     # ------------------------------------------------------------------------------------------------ GC

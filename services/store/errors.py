@@ -48,6 +48,12 @@ class Unavailable(StoreError):
     falls back with reason store_unavailable."""
 
 
+class DeadlineExceeded(Unavailable):
+    """A stream moved no message within the store's idle bound, or outlived its deadline (settings
+    `stream_idle_s`, `stream_deadline_s`); what the stream had completed stays, the shard in progress is
+    discarded. Retry later, as for Unavailable."""
+
+
 class NoLocalStore(Unavailable):
     """No store listens on the local socket (no socket file, or a stale one nothing accepts on): the store runs on
     another node. Raised before anything was read, so `StoreClient.fetch` takes the gRPC path instead."""
@@ -61,6 +67,7 @@ GRPC_CODE: dict[type[StoreError], grpc.StatusCode] = {
     FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     LimitExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     DataLoss: grpc.StatusCode.DATA_LOSS,
+    DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
     StoreError: grpc.StatusCode.INTERNAL,
 }
@@ -78,6 +85,6 @@ def error_from_status(code: grpc.StatusCode, details: str) -> StoreError:
     for cls, c in GRPC_CODE.items():
         if c == code and cls is not StoreError:
             return cls(details)
-    if code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+    if code is grpc.StatusCode.CANCELLED:
         return Unavailable(f"{code.name}: {details}")
     return StoreError(f"{code.name}: {details}")

@@ -6,8 +6,10 @@ message (wrong wire types, garbage) become INVALID_ARGUMENT instead of grpc's ge
 latency and status in the metrics."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -15,7 +17,7 @@ from google.protobuf.message import DecodeError
 from . import wire
 from .auth import TENANT, wrap_handler
 from .core import ArtifactStore, BeginParams, FetchParams, PutChunk, ValidateParams
-from .errors import InvalidArgument, StoreError, grpc_code
+from .errors import DeadlineExceeded, InvalidArgument, StoreError, grpc_code
 from .index import index_outage
 from .metrics import StoreMetrics
 from .pb import artifact_store_pb2 as pb
@@ -44,21 +46,56 @@ def _ok(request):
     return request
 
 
+@dataclass(frozen=True)
+class StreamBounds:
+    """Server-side time bounds of a stream (0: none): each message read or written must move within `idle_s`
+    (a stalled peer), and the whole stream end within `deadline_s` of its start (a peer that trickles)."""
+    idle_s: float = 60.0
+    deadline_s: float = 3600.0
+
+    def start(self) -> float:
+        return time.monotonic()
+
+    def _wait(self, started: float) -> float | None:
+        waits = [t for t in (self.idle_s, self.deadline_s - (time.monotonic() - started) if self.deadline_s else 0)
+                 if t]
+        return max(0.0, min(waits)) if waits else None
+
+    async def bounded(self, aw, started: float, what: str):
+        try:
+            return await asyncio.wait_for(aw, self._wait(started))
+        except TimeoutError:
+            elapsed = time.monotonic() - started
+            raise DeadlineExceeded(f"{what}: no message moved within {self.idle_s:g} s or the stream passed its "
+                                   f"deadline of {self.deadline_s:g} s ({elapsed:.1f} s since it began)") from None
+
+
+async def _manifest_pb(m) -> pb.Manifest:
+    # a large table (up to 16k shards: ~0.2 s of Python) is converted in a thread, off the event loop
+    return await asyncio.to_thread(wire.manifest_to_pb, m) if len(m.shards) > 512 else wire.manifest_to_pb(m)
+
+
 class StoreServicer:
-    def __init__(self, store: ArtifactStore):
-        self.store = store
+    def __init__(self, store: ArtifactStore, bounds: StreamBounds = StreamBounds()):
+        self.store, self.bounds = store, bounds
 
     async def BeginGeneration(self, request, context):
         r = _ok(request)
-        res = await self.store.begin(TENANT.get(), BeginParams(
-            wire.key_from_pb(r.key), r.generation, tuple(wire.shard_from_pb(s) for s in r.shards)))
+        # up to 16k shards: converted in a thread, so health checks and other RPCs keep the event loop meanwhile
+        shards = await asyncio.to_thread(lambda: tuple(wire.shard_from_pb(s) for s in r.shards))
+        res = await self.store.begin(TENANT.get(), BeginParams(wire.key_from_pb(r.key), r.generation, shards))
         return pb.BeginGenerationResponse(
             generation=res.generation, upload_id=res.upload_id, expires_at_unix_ms=res.expires_at_unix_ms,
             already_stored=[pb.ShardRef(rank=rank, name=name) for rank, name in res.already_stored])
 
     async def PutShards(self, request_iterator, context):
         async def chunks():
-            async for m in request_iterator:
+            started, it = self.bounds.start(), aiter(request_iterator)
+            while True:
+                try:
+                    m = await self.bounds.bounded(anext(it), started, "PutShards")
+                except StopAsyncIteration:
+                    return
                 m = _ok(m)
                 yield PutChunk(m.upload_id, m.rank, m.name, m.offset, m.data, m.last)
 
@@ -68,14 +105,14 @@ class StoreServicer:
 
     async def CommitGeneration(self, request, context):
         res = await self.store.commit(TENANT.get(), _ok(request).upload_id)
-        return pb.CommitGenerationResponse(manifest=wire.manifest_to_pb(res.manifest),
+        return pb.CommitGenerationResponse(manifest=await _manifest_pb(res.manifest),
                                            became_current=res.became_current,
                                            current_generation=res.current_generation)
 
     async def GetManifest(self, request, context):
         r = _ok(request)
         res = await self.store.manifest(TENANT.get(), wire.key_from_pb(r.key), r.generation)
-        return pb.GetManifestResponse(manifest=wire.manifest_to_pb(res.manifest),
+        return pb.GetManifestResponse(manifest=await _manifest_pb(res.manifest),
                                       current_generation=res.current_generation, generations=res.generations)
 
     async def FetchShards(self, request, context):
@@ -141,15 +178,16 @@ def _status(err: BaseException) -> tuple[grpc.StatusCode, str] | None:
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Maps StoreError (and index outages) to status codes; counts every RPC by method and code."""
 
-    def __init__(self, metrics: StoreMetrics):
-        self.metrics = metrics
+    def __init__(self, metrics: StoreMetrics, bounds: StreamBounds = StreamBounds()):
+        """`bounds` time the writes of response streams (the servicer times the reads of request streams)."""
+        self.metrics, self.bounds = metrics, bounds
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
         if handler is None or not details.method.startswith(f"/{SERVICE}/"):
             return handler
         method = details.method.rsplit("/", 1)[-1]
-        metrics = self.metrics
+        metrics, bounds = self.metrics, self.bounds
 
         def record(code: grpc.StatusCode, started: float) -> None:
             metrics.rpcs.labels(method, code.name).inc()
@@ -168,13 +206,18 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
         def decorate(fn, streams: bool):
             if streams:
+                # a coroutine writing with context.write (not a generator handing items to grpc), so each write
+                # is bounded: a client that stops reading stalls the write once flow control fills its window
                 async def stream_behavior(request, context):
-                    started = time.perf_counter()
+                    started, since = time.perf_counter(), bounds.start()
+                    items = fn(request, context)
                     try:
-                        async for item in fn(request, context):
-                            yield item
+                        async for item in items:
+                            await bounds.bounded(context.write(item), since, method)
                     except Exception as e:      # noqa: BLE001 - the one place errors become statuses
                         await fail(context, e, started)
+                    finally:
+                        await items.aclose()    # now, not when collected: the read-ahead and the blob close
                     record(grpc.StatusCode.OK, started)
                 return stream_behavior
 

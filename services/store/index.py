@@ -29,6 +29,8 @@ Per document (prefix P, tag T):
 Per tenant: P:{tenant}:docs (set of doc ids), P:{tenant}:byhash:<doc_hash> (set of doc ids)."""
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import uuid
 from dataclasses import dataclass
 
@@ -37,8 +39,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable
-from .keys import DocumentKey, Manifest, ShardSpec
+from .errors import AlreadyExists, DataLoss, FailedPrecondition, NotFound, Unavailable
+from .keys import MAX_GENERATION, DocumentKey, Manifest, ShardSpec
 
 
 def index_outage(err: BaseException) -> Unavailable | None:
@@ -54,6 +56,7 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local g = tonumber(ARGV[1])
 local hwm = tonumber(redis.call('HGET', KEYS[1], 'hwm') or '0')
 if g == 0 then g = hwm + 1 end
+if g > tonumber(ARGV[8]) then return {-2, g} end
 if redis.call('ZSCORE', KEYS[2], g) or redis.call('SISMEMBER', KEYS[3], g) == 1 then return {-1, g} end
 if g > hwm then redis.call('HSET', KEYS[1], 'hwm', g) end
 redis.call('HSETNX', KEYS[1], 'key', ARGV[3])
@@ -70,18 +73,23 @@ end
 return out
 """
 # KEYS: doc, gens, retired, up, pins, deleting, uploads, updigests
-# ARGV: generation (0: allocate), ttl_ms, key, n, shards, digests, upload id
+# ARGV: generation (0: allocate), ttl_ms, key, n, shards, digests, upload id, highest generation
+# (the caller checked an explicit generation against it; here it bounds allocation, before anything is written)
 
 _RECEIVED = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
-for i = 2, #ARGV do
+local m = tonumber(ARGV[1])
+for i = m + 2, #ARGV do
   if redis.call('SISMEMBER', KEYS[3], ARGV[i]) == 1 then return -2 end
 end
-redis.call('SADD', KEYS[2], ARGV[1])
+for i = 2, m + 1, 4096 do
+  redis.call('SADD', KEYS[2], unpack(ARGV, i, math.min(i + 4095, m + 1)))
+end
 redis.call('PEXPIREAT', KEYS[2], redis.call('PEXPIRETIME', KEYS[1]))
 return 1
 """
-# KEYS: up, recv, deleting; ARGV: member, digests...
+# KEYS: up, recv, deleting; ARGV: number of members, members..., their distinct digests...
+# (SADD in slices: unpack of more values than Lua's C stack holds fails)
 
 _COMMIT = """
 if redis.call('EXISTS', KEYS[4]) == 0 then return {-1} end
@@ -193,6 +201,25 @@ return 0
 """
 
 
+LARGE_ENTRY = 64 << 10          # entries larger than this (~500 shards) are parsed in a thread, off the event loop
+
+
+async def _off_loop(size: int, fn, *args):
+    return await asyncio.to_thread(fn, *args) if size > LARGE_ENTRY else fn(*args)
+
+
+@contextlib.contextmanager
+def _entry(what: str):
+    """Parsing an index entry: one that does not parse was altered or corrupted, which is DataLoss (a reader falls
+    back with digest_mismatch), not an internal error and not store_unavailable."""
+    try:
+        yield
+    except (DataLoss, NotFound):
+        raise
+    except Exception as e:      # noqa: BLE001 - whatever msgpack or int() make of a corrupt entry
+        raise DataLoss(f"the index's {what} is corrupt ({type(e).__name__}: {e})"[:500]) from None
+
+
 @dataclass(frozen=True)
 class Upload:
     upload_id: str
@@ -245,19 +272,29 @@ class RedisIndex:
         upload_id = f"{doc_id}.{uuid.uuid4().hex}"
         digests = sorted({s.digest for s in shards})
         # listing hints first: a crash after them lists nothing (no readable generation), never hides a commit
+        # (written only where missing, so a Begin that the script refuses, on a known document, writes nothing)
+        hints = [self.tk(tenant, "docs"), self.tk(tenant, "byhash", key.doc_hash)]
         async with self.r.pipeline(transaction=False) as p:
-            p.sadd(self.tk(tenant, "docs"), doc_id)
-            p.sadd(self.tk(tenant, "byhash", key.doc_hash), doc_id)
-            await p.execute()
+            for h in hints:
+                p.sismember(h, doc_id)
+            missing = [h for h, there in zip(hints, await p.execute()) if not there]
+        if missing:
+            async with self.r.pipeline(transaction=False) as p:
+                for h in missing:
+                    p.sadd(h, doc_id)
+                await p.execute()
         _, up, _ = self._up(tenant, upload_id)
         res = await self._begin(
             keys=[self.k(tenant, doc_id, "doc"), self.k(tenant, doc_id, "gens"), self.k(tenant, doc_id, "retired"),
                   up, self.k(tenant, doc_id, "pins"), self.k(tenant, doc_id, "deleting"),
                   self.k(tenant, doc_id, "uploads"), self.k(tenant, doc_id, "updigests")],
             args=[generation, ttl_ms, msgpack.packb(key.to_dict()), len(shards),
-                  msgpack.packb([s.to_list() for s in shards]), " ".join(digests), upload_id])
+                  msgpack.packb([s.to_list() for s in shards]), " ".join(digests), upload_id, MAX_GENERATION])
         if res[0] == -1:
             raise AlreadyExists(f"generation {res[1]} of this document is already committed or retired")
+        if res[0] == -2:
+            raise FailedPrecondition(f"this document has used every generation up to {MAX_GENERATION}; name a free "
+                                     f"one below it")
         return int(res[0]), upload_id, int(res[1]), {d.decode() if isinstance(d, bytes) else d for d in res[2:]}
 
     def _up(self, tenant: str, upload_id: str) -> tuple[str, str, str]:
@@ -269,23 +306,31 @@ class RedisIndex:
         res = await self._read_upload(keys=[up, recv])
         if not res:
             raise NotFound(f"upload {upload_id!r} is unknown, expired or already committed")
-        gen, shards, key, received = res
-        specs = tuple(ShardSpec.from_list(s) for s in msgpack.unpackb(shards, raw=False))
-        got = set()
-        for m in received:
-            rank, _, name = m.decode().partition("/")
-            got.add((int(rank), name))
-        return Upload(upload_id, tenant, doc_id, DocumentKey.from_dict(msgpack.unpackb(key, raw=False)), int(gen),
-                      specs, frozenset(got))
 
-    async def mark_received(self, tenant: str, upload_id: str, spec: ShardSpec) -> None:
+        def parse() -> Upload:
+            with _entry(f"upload {upload_id}"):
+                gen, shards, key, received = res
+                specs = tuple(ShardSpec.from_list(s) for s in msgpack.unpackb(shards, raw=False))
+                got = set()
+                for m in received:
+                    rank, _, name = m.decode().partition("/")
+                    got.add((int(rank), name))
+                return Upload(upload_id, tenant, doc_id, DocumentKey.from_dict(msgpack.unpackb(key, raw=False)),
+                              int(gen), specs, frozenset(got))
+        return await _off_loop(len(res[1] or b""), parse)
+
+    async def mark_received(self, tenant: str, upload_id: str, specs: list[ShardSpec]) -> None:
+        """Record shards as stored and verified: one script for all of them (a Begin may deduplicate 16k)."""
+        if not specs:
+            return
         doc_id, up, recv = self._up(tenant, upload_id)
+        digests = sorted({s.digest for s in specs})
         res = await self._received(keys=[up, recv, self.k(tenant, doc_id, "deleting")],
-                                   args=[f"{spec.rank}/{spec.name}", spec.digest])
+                                   args=[len(specs), *(f"{s.rank}/{s.name}" for s in specs), *digests])
         if res == -1:
-            raise NotFound(f"upload {upload_id!r} expired or was committed while shard {spec.name!r} was stored")
+            raise NotFound(f"upload {upload_id!r} expired or was committed while shard {specs[0].name!r} was stored")
         if res == -2:
-            raise Unavailable(f"blob {spec.digest[:16]} is being garbage-collected; retry the shard")
+            raise Unavailable(f"a blob of {specs[0].name!r} is being garbage-collected; retry the shard")
 
     async def is_deleting(self, tenant: str, doc_id: str, digest: str) -> bool:
         return bool(await self.r.sismember(self.k(tenant, doc_id, "deleting"), digest))
@@ -328,7 +373,8 @@ class RedisIndex:
         generation, it is read first (the manifest's key names it) and the script retries if it moved meanwhile."""
         d = key.doc_id
         doc, gens = self.k(tenant, d, "doc"), self.k(tenant, d, "gens")
-        cur = 0 if generation else int(await self.r.hget(doc, "current") or 0)
+        with _entry("current generation"):
+            cur = 0 if generation else int(await self.r.hget(doc, "current") or 0)
         for _ in range(16):
             g = generation or cur
             if g == 0:
@@ -337,21 +383,23 @@ class RedisIndex:
             if res[0] == -1:
                 cur = int(res[1])               # a commit or retire moved the pointer between the two reads
                 continue
-            cur, raw, at, readable = int(res[0]), res[1], res[2], res[3]
-            if raw is None:
+            if res[1] is None:
                 raise NotFound(f"generation {g} is not a readable generation of this document")
-            m = Manifest.from_bytes(raw, int(at))
+            with _entry(f"generation {g}"):
+                cur, raw, at, readable = int(res[0]), res[1], int(res[2]), [int(x) for x in res[3]]
+            m = await _off_loop(len(raw), Manifest.from_bytes, raw, at, f"manifest of generation {g}")
             if m.key != key:
                 raise NotFound("no such document")        # a doc_id collision would land here; never serve it
-            return m, cur, tuple(int(x) for x in readable)
+            return m, cur, tuple(readable)
         raise Unavailable("the document changed 16 times while its manifest was read; retry")
 
     async def doc_state(self, tenant: str, doc_id: str) -> DocState | None:
         raw, cur, gens = await self._read_state(keys=[self.k(tenant, doc_id, "doc"), self.k(tenant, doc_id, "gens")])
         if raw is None or not gens:
             return None
-        return DocState(DocumentKey.from_dict(msgpack.unpackb(raw, raw=False)), int(cur or 0),
-                        tuple(int(g) for g in gens))
+        with _entry(f"document {doc_id}"):
+            return DocState(DocumentKey.from_dict(msgpack.unpackb(raw, raw=False)).check(), int(cur or 0),
+                            tuple(int(g) for g in gens))
 
     async def list_doc_ids(self, tenant: str, cursor: int, count: int, doc_hash: str = "") -> tuple[int, list[str]]:
         key = self.tk(tenant, "byhash", doc_hash) if doc_hash else self.tk(tenant, "docs")

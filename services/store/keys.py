@@ -7,6 +7,7 @@ Digests are blake3 hex over the exact bytes, the same function as `runtime.reuse
 (this module does not import it: the store must not need torch or the model)."""
 from __future__ import annotations
 
+import bisect
 import enum
 import json
 import re
@@ -16,13 +17,17 @@ from dataclasses import dataclass, field
 import blake3
 import msgpack
 
-from .errors import InvalidArgument, LimitExceeded
+from .errors import DataLoss, InvalidArgument, LimitExceeded
 
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 CHUNK_BYTES = 4 << 20                        # largest data field of one PutShards / FetchShards message
 MAX_MESSAGE_BYTES = CHUNK_BYTES + (64 << 10)  # one chunk plus its header fields: the gRPC message limit
+# The index's Lua scripts hold generations as Lua numbers (doubles): every integer up to 2^53 is exact there, and
+# allocation adds one to the highest, so a generation is at most 2^53 - 1 (the proto field is a uint64).
+MAX_GENERATION = (1 << 53) - 1
+MAX_INT64 = (1 << 63) - 1                     # range bounds, sizes, offsets: int64 on the wire and in msgpack
 
 
 def digest_bytes(b: bytes | bytearray | memoryview) -> str:
@@ -94,8 +99,8 @@ class Range:
         return self.hi <= self.lo
 
     def check(self, what: str) -> "Range":
-        if not (isinstance(self.lo, int) and isinstance(self.hi, int) and 0 <= self.lo <= self.hi):
-            raise InvalidArgument(f"{what} [{self.lo}, {self.hi}) is not a range with 0 <= lo <= hi")
+        if not (isinstance(self.lo, int) and isinstance(self.hi, int) and 0 <= self.lo <= self.hi <= MAX_INT64):
+            raise InvalidArgument(f"{what} [{self.lo}, {self.hi}) is not a range with 0 <= lo <= hi < 2^63")
         return self
 
     def intersects(self, other: "Range") -> bool:
@@ -103,6 +108,37 @@ class Range:
 
     def within(self, other: "Range") -> bool:
         return other.lo <= self.lo and self.hi <= other.hi
+
+
+def check_generation(value: object, *, allow_zero: bool = True) -> int:
+    """A generation a request names: 0 (allocate, or: the current one) where allowed, else 1..MAX_GENERATION."""
+    if not isinstance(value, int) or isinstance(value, bool) or not (0 if allow_zero else 1) <= value <= MAX_GENERATION:
+        raise InvalidArgument(f"generation {value!r} is not in {0 if allow_zero else 1}..{MAX_GENERATION} (2^53 - 1)")
+    return value
+
+
+def covered(ranges: Iterable[Range]) -> list[Range]:
+    """The union of `ranges` as disjoint, sorted, non-adjacent ranges: O(n log n) in the number of ranges,
+    whatever their lengths (a layer group [0, 2^62) is one range, never a set of 2^62 layers)."""
+    out: list[Range] = []
+    for r in sorted((r for r in ranges if not r.empty), key=lambda r: r.lo):
+        if out and r.lo <= out[-1].hi:
+            if r.hi > out[-1].hi:
+                out[-1] = Range(out[-1].lo, r.hi)
+        else:
+            out.append(r)
+    return out
+
+
+def uncovered(points: Iterable[int], union: list[Range]) -> list[int]:
+    """The sorted distinct points outside `union` (the output of `covered`): O(k log n)."""
+    los = [r.lo for r in union]
+    out = []
+    for x in sorted(set(points)):
+        i = bisect.bisect_right(los, x) - 1
+        if i < 0 or x >= union[i].hi:
+            out.append(x)
+    return out
 
 
 @dataclass(frozen=True)
@@ -157,8 +193,13 @@ class ShardSpec:
 
     @staticmethod
     def from_list(v: list) -> "ShardSpec":
+        """From the index; anything but a well-formed spec raises (Manifest.from_bytes turns it into DataLoss)."""
         name, rank, kind, digest, size, (llo, lhi), (clo, chi) = v
-        return ShardSpec(name, rank, ShardKind(kind), digest, size, Range(llo, lhi), Range(clo, chi))
+        s = ShardSpec(check_name("shard name", name), rank, ShardKind(kind), check_digest("digest", digest), size,
+                      Range(llo, lhi).check("layers"), Range(clo, chi).check("channels"))
+        if not (isinstance(rank, int) and 0 <= rank and isinstance(size, int) and 0 <= size <= MAX_INT64):
+            raise ValueError(f"shard {name!r}: rank {rank!r} or size {size!r}")
+        return s
 
 
 @dataclass(frozen=True)
@@ -184,7 +225,8 @@ def check_shard_table(key: DocumentKey, shards: Iterable[ShardSpec], limits: Lim
     if not shards:
         raise InvalidArgument("a generation needs at least one shard")
     if len(shards) > limits.max_shards_per_generation:
-        raise LimitExceeded(f"{len(shards)} shards exceed the limit of {limits.max_shards_per_generation} per generation")
+        raise LimitExceeded(f"{len(shards)} shards exceed the limit of {limits.max_shards_per_generation} per "
+                            f"generation")
     seen: set[tuple[int, str]] = set()
     certs: dict[int, int] = {}
     local: dict[int, list[ShardSpec]] = {}
@@ -214,18 +256,66 @@ def check_shard_table(key: DocumentKey, shards: Iterable[ShardSpec], limits: Lim
             certs[s.rank] = certs.get(s.rank, 0) + 1
     for rank in range(key.tp_size):
         if certs.get(rank, 0) != 1:
-            raise InvalidArgument(f"rank {rank} has {certs.get(rank, 0)} certificate shards; every rank needs exactly one")
+            raise InvalidArgument(f"rank {rank} has {certs.get(rank, 0)} certificate shards; every rank needs "
+                                  f"exactly one")
     for rank, ls in local.items():
-        ls.sort(key=lambda s: (s.channels.lo, s.name))
-        for i, a in enumerate(ls):
-            for b in ls[i + 1:]:
-                if b.channels.lo >= a.channels.hi:
-                    break
-                # same layers (or both layer-less) overlapping in channels would make the selection ambiguous
-                if a.layers.intersects(b.layers) or (a.layers.empty and b.layers.empty):
-                    raise InvalidArgument(f"rank {rank}: LOCAL shards {a.name!r} and {b.name!r} overlap in channels "
-                                          f"[{a.channels.lo}, {a.channels.hi}) and [{b.channels.lo}, {b.channels.hi})")
+        clash = local_overlap(ls)
+        if clash is not None:
+            a, b = clash
+            raise InvalidArgument(f"rank {rank}: LOCAL shards {a.name!r} and {b.name!r} overlap in channels "
+                                  f"[{a.channels.lo}, {a.channels.hi}) and [{b.channels.lo}, {b.channels.hi})")
     return sorted(shards, key=lambda s: s.ref)
+
+
+def _clash(a: ShardSpec, b: ShardSpec) -> bool:
+    """The rule itself: two LOCAL shards of one rank overlapping in channels, in the same layers (or both
+    layer-less), would make a selection ambiguous."""
+    return a.channels.intersects(b.channels) and (a.layers.intersects(b.layers) or (a.layers.empty and b.layers.empty))
+
+
+def local_overlap_reference(ls: list[ShardSpec]) -> tuple[ShardSpec, ShardSpec] | None:
+    """Every pair, O(n^2): the reference `local_overlap` is tested against."""
+    for i, a in enumerate(ls):
+        for b in ls[i + 1:]:
+            if _clash(a, b):
+                return a, b
+    return None
+
+
+def local_overlap(ls: list[ShardSpec]) -> tuple[ShardSpec, ShardSpec] | None:
+    """A pair of LOCAL shards of one rank that `_clash`, or None; O(n log n).
+
+    Layer-less shards clash by channels alone: sorted by channel start, the first one that starts before the
+    previous ends clashes with it (until a clash, those seen are disjoint, so the previous has the largest end).
+    Shards with layers are rectangles layers x channels: a sweep over layers keeps the shards whose layer group
+    contains the sweep position, sorted by channel start. Until a clash these are disjoint in channels, so a shard
+    entering clashes with one of them iff it clashes with its neighbour on either side. A shard leaves at its
+    layer end before any shard enters there (half-open ranges)."""
+    flat = sorted((s for s in ls if s.layers.empty), key=lambda s: (s.channels.lo, s.name))
+    for a, b in zip(flat, flat[1:]):
+        if b.channels.lo < a.channels.hi:
+            return a, b
+    events = []                              # (layer, 0: leaves | 1: enters, shard)
+    for s in ls:
+        if not s.layers.empty:
+            events += [(s.layers.lo, 1, s), (s.layers.hi, 0, s)]
+    events.sort(key=lambda e: (e[0], e[1], e[2].channels.lo, e[2].name))
+    # bisect finds a place in O(log n); the list insert/delete then moves pointers (memmove: ~1 ms per 16k)
+    los: list[int] = []                      # channel starts of the active shards, sorted (distinct: disjoint)
+    active: list[ShardSpec] = []             # the active shards in the same order
+    for _, enters, s in events:
+        j = bisect.bisect_left(los, s.channels.lo)
+        if not enters:
+            assert active[j] is s, (s.name, active[j].name)
+            del los[j], active[j]
+            continue
+        if j < len(active) and active[j].channels.lo < s.channels.hi:
+            return active[j], s
+        if j > 0 and active[j - 1].channels.hi > s.channels.lo:
+            return active[j - 1], s
+        los.insert(j, s.channels.lo)
+        active.insert(j, s)
+    return None
 
 
 @dataclass(frozen=True)
@@ -241,11 +331,19 @@ class Manifest:
                               "shards": [s.to_list() for s in self.shards]}, use_bin_type=True)
 
     @staticmethod
-    def from_bytes(raw: bytes, committed_at_unix_ms: int = 0) -> "Manifest":
-        d = msgpack.unpackb(raw, raw=False)
-        assert d["format"] == 1, d.get("format")
-        return Manifest(DocumentKey.from_dict(d["key"]), int(d["generation"]),
-                        tuple(ShardSpec.from_list(s) for s in d["shards"]), committed_at_unix_ms)
+    def from_bytes(raw: bytes, committed_at_unix_ms: int = 0, where: str = "manifest") -> "Manifest":
+        """A manifest as the index stores it. A stored manifest that is not one (a corrupt or altered index entry)
+        is DataLoss, like corrupt blob bytes: a reader falls back with reason digest_mismatch, never
+        store_unavailable (the store is reachable; what it holds is wrong)."""
+        try:
+            d = msgpack.unpackb(raw, raw=False)
+            if d["format"] != 1:
+                raise ValueError(f"format {d['format']!r}")
+            m = Manifest(DocumentKey.from_dict(d["key"]).check(), check_generation(d["generation"], allow_zero=False),
+                         tuple(ShardSpec.from_list(s) for s in d["shards"]), committed_at_unix_ms)
+        except Exception as e:      # noqa: BLE001 - whatever a corrupt entry makes msgpack or the checks raise
+            raise DataLoss(f"the index's {where} is corrupt ({type(e).__name__}: {e})"[:500]) from None
+        return m
 
     def select(self, rank: int, layers: Range | None = None, channels: Range | None = None,
                names: Iterable[str] = ()) -> list[ShardSpec]:

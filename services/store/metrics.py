@@ -26,6 +26,8 @@ class StoreMetrics:
                                        "Bytes that did not match their digest (stage: write, read)", ["stage"],
                                        registry=r)
         self.gc_blobs_deleted = Counter("redknot_store_gc_blobs_deleted", "Blobs deleted by GC", registry=r)
+        self.gc_runs = Counter("redknot_store_gc_runs", "Periodic GC passes over every tenant by result (ok, error)",
+                               ["result"], registry=r)
         self.rpcs = Counter("redknot_store_rpcs", "RPCs by method and status code", ["method", "code"], registry=r)
         self.latency = Histogram("redknot_store_rpc_seconds", "RPC latency by method", ["method"],
                                  buckets=_LATENCY_BUCKETS, registry=r)
@@ -36,3 +38,5 @@ class StoreMetrics:
             self.shards_served.labels(path)
         for result in ("ok", "already_exists", "incomplete", "not_found", "error"):
             self.commits.labels(result)
+        for result in ("ok", "error"):
+            self.gc_runs.labels(result)

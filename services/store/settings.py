@@ -43,6 +43,17 @@ class Settings:
     spool_stale_s: float = _s(3600.0, "REDKNOT_STORE_SPOOL_STALE_S",
                               "GC removes spool files untouched this long (abandoned uploads)")
     grace_s: float = _s(10.0, "REDKNOT_STORE_GRACE_S", "on SIGTERM, in-flight RPCs get this long to finish")
+    stream_idle_s: float = _s(60.0, "REDKNOT_STORE_STREAM_IDLE_S",
+                              "a PutShards or FetchShards stream that moves no message this long ends with "
+                              "DEADLINE_EXCEEDED (0: no bound)")
+    stream_deadline_s: float = _s(3600.0, "REDKNOT_STORE_STREAM_DEADLINE_S",
+                                  "a PutShards or FetchShards stream still open this long after it began ends with "
+                                  "DEADLINE_EXCEEDED (0: no bound)")
+    gc_interval_s: float = _s(900.0, "REDKNOT_STORE_GC_INTERVAL_S",
+                              "collect garbage of every tenant this often: expired uploads' pins, unreferenced "
+                              "blobs, stale spool files (0: only on CollectGarbage calls)")
+    redis_health_check_s: float = _s(5.0, "REDKNOT_STORE_REDIS_HEALTH_CHECK_S",
+                                     "a pooled index connection idle this long is pinged before it is used")
     local_socket: str = _s("", "REDKNOT_STORE_LOCAL_SOCKET",
                            "fs backend: also serve fetches to co-located readers on this Unix socket path, as open "
                            "blob descriptors (empty: off)")
@@ -64,6 +75,9 @@ class Settings:
             raise ValueError(f"--local-socket-mode {self.local_socket_mode!r} is not 0600 or 0660")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("--tls-client-ca (mTLS) needs --tls-cert and --tls-key")
+        for name in ("stream_idle_s", "stream_deadline_s", "gc_interval_s", "redis_health_check_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)!r} is negative")
 
     @staticmethod
     def add_arguments(p: argparse.ArgumentParser) -> None:

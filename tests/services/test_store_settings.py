@@ -25,6 +25,11 @@ def test_flags_over_env_over_defaults():
         Settings(backend="ftp")
     with pytest.raises(ValueError):
         Settings(tls_client_ca="ca.pem")
+    s = Settings.from_args(None, env={"REDKNOT_STORE_STREAM_IDLE_S": "2.5", "REDKNOT_STORE_GC_INTERVAL_S": "0"})
+    assert (s.stream_idle_s, s.stream_deadline_s, s.gc_interval_s) == (2.5, 3600.0, 0.0)
+    for name in ("stream_idle_s", "stream_deadline_s", "gc_interval_s", "redis_health_check_s"):
+        with pytest.raises(ValueError):
+            Settings(**{name: -1.0})
 
 
 def test_token_table(tmp_path):
