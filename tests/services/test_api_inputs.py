@@ -337,7 +337,11 @@ def test_hostile_inputs_get_a_clear_4xx_and_change_nothing(app, checkpoint):
     before = snapshot(app)
     problems, fivexx, changed = [], 0, 0
     for name, send, want in cases:
-        status, headers, body = send()
+        try:
+            status, headers, body = send()
+        except (httpx.HTTPError, OSError) as e:       # no answer at all (a hang past the client's timeout, a reset)
+            problems.append(f"{name}: no answer: {e!r}"[:300])
+            continue
         fivexx += status >= 500
         try:
             parsed = json.loads(body)
