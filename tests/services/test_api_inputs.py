@@ -31,6 +31,7 @@ MAX_GENERATE = 16 << 10
 MAX_BODY = 1 << 10
 MAX_TOKENS = 2048
 BODY_TIMEOUT_S = 1.5
+HEAD_TIMEOUT_S = 1.5
 MAX_ERROR_BYTES = 4096          # an error body is short: it never echoes the input back whole
 
 
@@ -53,7 +54,8 @@ def api_service(workdir: Path, checkpoint: Path, redis_url: str, prefix: str) ->
     s = ApiSettings(redis_url=redis_url, redis_prefix=prefix, tokens_file=str(tokens), model=str(checkpoint),
                     listen=f"127.0.0.1:{port}", worker_url=f"http://127.0.0.1:{free_port()}",
                     store=f"127.0.0.1:{free_port()}", max_upload_bytes=MAX_UPLOAD, max_generate_bytes=MAX_GENERATE,
-                    max_body_bytes=MAX_BODY, max_document_tokens=MAX_TOKENS, body_timeout_s=BODY_TIMEOUT_S)
+                    max_body_bytes=MAX_BODY, max_document_tokens=MAX_TOKENS, body_timeout_s=BODY_TIMEOUT_S,
+                    head_timeout_s=HEAD_TIMEOUT_S)
     url = f"http://127.0.0.1:{port}"
     svc = Service("api", [sys.executable, "-m", "services.cli", "api", "serve"],
                   {"PYTHONUNBUFFERED": "1", **s.to_env()}, workdir / "api.log", lambda: http_ok(url + "/healthz"))
@@ -421,6 +423,27 @@ def test_slow_body_gets_408_and_the_connection_closed(app):
     assert snapshot(app) == before
     with client(app) as c:      # the server still serves
         assert c.get("/v1/documents").status_code == 200
+
+
+def test_slow_head_gets_408_and_a_silent_connection_is_closed(app):
+    t0 = time.monotonic()
+    status, headers, resp = raw_http(app["port"], b"GET /v1/documents HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+    assert status == 408 and json.loads(resp)["error"] == "RequestTimeout", resp
+    assert HEAD_TIMEOUT_S * 0.9 <= time.monotonic() - t0 < HEAD_TIMEOUT_S + 5
+    with socket.create_connection(("127.0.0.1", app["port"]), timeout=HEAD_TIMEOUT_S + 5) as sock:
+        t0 = time.monotonic()
+        assert sock.recv(100) == b""                # closed without a word: it never asked anything
+        assert time.monotonic() - t0 < HEAD_TIMEOUT_S + 5
+    # after a response, a keep-alive connection that starts a head and stalls is closed too
+    with socket.create_connection(("127.0.0.1", app["port"]), timeout=HEAD_TIMEOUT_S + 5) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        first = sock.recv(65536)
+        assert first.startswith(b"HTTP/1.1 200"), first
+        sock.sendall(b"GET /healthz HTTP/1.1\r\n")
+        rest = b""
+        while chunk := sock.recv(65536):
+            rest += chunk
+        assert rest.startswith(b"HTTP/1.1 408"), rest
 
 
 # ---------------------------------------------------------------------------------------------- metrics
