@@ -23,6 +23,7 @@ from .errors import BrokenDocument, Conflict, DocumentNotFound, InvalidInput, No
 from .metrics import ApiMetrics
 from .models import (BrokenDocumentInfo, Document, DocumentPage, FallbackInfo, GeneratedDocument, GenerateRequest,
                      GenerateResult, Ledger)
+from .worker_client import WorkerClient
 
 MAX_PAGE_TOKEN = 10**9
 # Unicode categories that draw nothing: controls (NUL included), format characters (zero-width space, joiners,
@@ -36,7 +37,6 @@ def visible(text: str) -> bool:
     """Whether the text holds one character that draws something (stops at the first one)."""
     return any(c not in _BLANK_LETTERS and unicodedata.category(c) not in _INVISIBLE_CATEGORIES
                for c in text if not c.isspace())
-from .worker_client import WorkerClient
 
 
 @dataclass(frozen=True)
