@@ -14,7 +14,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.formparsers import MultiPartException, MultiPartParser
 
 from runtime.model.checkpoint import load_tokenizer
 from services.common.registry import Registry
@@ -23,15 +23,17 @@ from services.common.tenants import Tenants
 from services.store.redis_client import sync_client
 
 from .core import ArtifactApi, Limits, UploadParams, store_client_factory
-from .errors import HTTP_STATUS, InvalidInput, PayloadTooLarge, Unauthenticated, UnsupportedMediaType, http_status
-from .metrics import ApiMetrics
+from .errors import HTTP_STATUS, InvalidInput, PayloadTooLarge, Unauthenticated, UnsupportedMediaType, error_response
+from .guard import BodyGuard
+from .metrics import ApiMetrics, ResponseCounter
 from .models import DOC_ID, Document, DocumentPage, DocumentUpload, GenerateRequest, GenerateResult, Health
 from .settings import ApiSettings
 from .worker_client import WorkerClient
 
 ERRORS = {code: {"description": "error", "content": {"application/json": {"schema": {
     "type": "object", "properties": {"detail": {}}, "required": ["detail"]}}}}
-    for code in (401, 404, 409, 413, 415, 422, 502, 503)}
+    for code in (401, 404, 408, 409, 413, 415, 422, 502, 503)}
+ECHO_CHARS = 64         # a validation error shows at most this much of the input it refused
 
 UPLOAD_BODY = {"requestBody": {"required": True, "content": {
     "application/json": {"schema": DocumentUpload.model_json_schema()},
@@ -61,10 +63,26 @@ def _utf8(data: bytes, what: str) -> str:
         raise InvalidInput(f"{what} is not UTF-8 text: {e.reason} at byte {e.start}") from None
 
 
+class _StrictMultiPart(MultiPartParser):
+    """starlette's parser, except that a text field must be UTF-8: starlette decodes an undecodable field as
+    Latin-1, which would accept any bytes as some text."""
+
+    def on_part_end(self) -> None:
+        part = self._current_part
+        if part.file is None:
+            try:
+                self.items.append((part.field_name, part.data.decode("utf-8")))
+            except UnicodeDecodeError as e:
+                raise MultiPartException(f"field {part.field_name[:32]!r} is not UTF-8 text: {e.reason} at byte "
+                                         f"{e.start}") from None
+            return
+        super().on_part_end()
+
+
 async def parse_upload(request: Request, limit: int) -> UploadParams:
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype == "application/json":
-        raw = await read_body(request, limit)
+        raw = await read_body(request, limit)       # strict JSON already (guard.py); the model checks types
         try:
             body = DocumentUpload.model_validate_json(raw)
         except ValidationError as e:        # the body is parsed here, not by FastAPI (several content types)
@@ -77,17 +95,42 @@ async def parse_upload(request: Request, limit: int) -> UploadParams:
         if declared is None or not declared.isdigit() or int(declared) > limit:
             raise PayloadTooLarge(f"a multipart upload needs a Content-Length of at most {limit} bytes")
         try:
-            form = await request.form(max_files=1, max_fields=2, max_part_size=limit)
-        except StarletteHTTPException as e:     # malformed multipart (starlette reports it as a 400)
-            raise InvalidInput(f"malformed multipart body: {e.detail}") from None
-        part = form.get("file")
-        if part is not None and not isinstance(part, str):
-            return UploadParams(text=_utf8(await part.read(), "the file"))
-        if isinstance(form.get("text"), str):
-            return UploadParams(text=form["text"])
-        raise InvalidInput("a multipart upload carries the document in a 'file' part or a 'text' field")
-    raise UnsupportedMediaType(f"content type {ctype or '(none)'!r}: use application/json, multipart/form-data "
-                               "or text/plain")
+            form = await _StrictMultiPart(request.headers, request.stream(), max_files=1, max_fields=1,
+                                          max_part_size=limit).parse()
+        except MultiPartException as e:
+            raise InvalidInput(f"malformed multipart body: {e.message}") from None
+        try:
+            items = form.multi_items()
+            if len(items) == 1 and items[0][0] == "file" and not isinstance(items[0][1], str):
+                return UploadParams(text=_utf8(await items[0][1].read(), "the file"))
+            if len(items) == 1 and items[0][0] == "text" and isinstance(items[0][1], str):
+                return UploadParams(text=items[0][1])
+        finally:
+            await form.close()
+        raise InvalidInput("a multipart upload carries the document in one part: a 'file' part or a 'text' field")
+    raise UnsupportedMediaType(f"content type {ctype[:64] or '(none)'!r}: use application/json, "
+                               "multipart/form-data or text/plain")
+
+
+def _echo(v) -> str | None:
+    """What a validation error shows of the input it refused: a short, ASCII-safe rendering (a lone surrogate or
+    a 50 MB body is never sent back whole)."""
+    if isinstance(v, (bytes, bytearray)):
+        v = bytes(v[:ECHO_CHARS]).decode("utf-8", "replace")
+    elif isinstance(v, str):
+        v = v[:ECHO_CHARS + 1]
+    elif isinstance(v, (list, tuple)):
+        v = list(v[:8])
+    elif isinstance(v, dict):
+        v = dict(list(v.items())[:8])
+    text = json.dumps(v, ensure_ascii=True, default=lambda x: f"<{type(x).__name__}>")
+    return text if len(text) <= ECHO_CHARS else text[:ECHO_CHARS] + f"... ({len(text)} chars)"
+
+
+def validation_errors(errors) -> list[dict]:
+    return [{"loc": [x if isinstance(x, (str, int)) else str(x) for x in e.get("loc", ())],
+             "msg": str(e.get("msg", ""))[:200], "type": str(e.get("type", "")), "input": _echo(e.get("input"))}
+            for e in list(errors)[:16]]
 
 
 def create_app(s: ApiSettings) -> FastAPI:
@@ -115,17 +158,20 @@ def create_app(s: ApiSettings) -> FastAPI:
                               "(SPEC §6-8). Every /v1 route needs `Authorization: Bearer <tenant token>`.")
     app.state.core = core
 
-    def error_response(_request: Request, exc: Exception) -> JSONResponse:
-        detail = exc.args[0] if len(exc.args) == 1 and isinstance(exc.args[0], (list, dict)) else str(exc)
-        return JSONResponse({"detail": detail, "error": type(exc).__name__}, status_code=http_status(exc))
+    def domain_error(_request: Request, exc: Exception) -> JSONResponse:
+        return error_response(exc)
 
     def invalid_request(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse({"detail": json.loads(json.dumps(exc.errors(), default=str)), "error": "InvalidRequest"},
-                            status_code=422)
+        return JSONResponse({"detail": validation_errors(exc.errors()), "error": "InvalidRequest"}, status_code=422)
 
     for cls in HTTP_STATUS:
-        app.add_exception_handler(cls, error_response)
+        app.add_exception_handler(cls, domain_error)
     app.add_exception_handler(RequestValidationError, invalid_request)
+    # outermost first: count every response (the guard's refusals too), then read the body under its limits
+    app.add_middleware(BodyGuard, limits={("POST", "/v1/documents"): s.max_upload_bytes,
+                                          ("POST", "/v1/generate"): s.max_generate_bytes},
+                       default_limit=s.max_body_bytes, timeout_s=s.body_timeout_s)
+    app.add_middleware(ResponseCounter, routes=app.router.routes, metrics=metrics)
 
     bearer = HTTPBearer(auto_error=False, description="a tenant token")
 

@@ -6,21 +6,37 @@ operation is scoped by the caller's tenant; an upload is acknowledged only once 
 script creates the record and enqueues the build)."""
 from __future__ import annotations
 
+import unicodedata
 from dataclasses import dataclass
 
 import redis
+from pydantic import ValidationError
 
-from services.common.registry import Registry
+from services.common.registry import CorruptRecord, DocumentRecord, Registry
 from services.common.serving import document_id
 from services.store.client import StoreClient
 from services.store.errors import NotFound
 from services.store.keys import DocumentKey
 from services.worker.protocol import WorkerDocument, WorkerRequest
 
-from .errors import Conflict, DocumentNotFound, InvalidInput, NotReady, PayloadTooLarge
+from .errors import BrokenDocument, Conflict, DocumentNotFound, InvalidInput, NotReady, PayloadTooLarge
 from .metrics import ApiMetrics
-from .models import Document, DocumentPage, FallbackInfo, GeneratedDocument, GenerateRequest, GenerateResult, Ledger
+from .models import (BrokenDocumentInfo, Document, DocumentPage, FallbackInfo, GeneratedDocument, GenerateRequest,
+                     GenerateResult, Ledger)
 from .worker_client import WorkerClient
+
+MAX_PAGE_TOKEN = 10**9
+# Unicode categories that draw nothing: controls (NUL included), format characters (zero-width space, joiners,
+# direction marks, BOM), surrogates, unassigned code points, separators; plus the fillers that are letters
+# or symbols by category but blank by design
+_INVISIBLE_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Cn", "Zs", "Zl", "Zp"})
+_BLANK_LETTERS = frozenset("\u115f\u1160\u3164\uffa0\u2800")
+
+
+def visible(text: str) -> bool:
+    """Whether the text holds one character that draws something (stops at the first one)."""
+    return any(c not in _BLANK_LETTERS and unicodedata.category(c) not in _INVISIBLE_CATEGORIES
+               for c in text if not c.isspace())
 
 
 @dataclass(frozen=True)
@@ -61,6 +77,9 @@ class ArtifactApi:
                 raise InvalidInput("the document is empty")
             if any(0xD800 <= ord(c) <= 0xDFFF for c in p.text):
                 raise InvalidInput("the text is not valid Unicode (lone surrogates)")
+            if not visible(p.text):
+                raise InvalidInput("the document has no visible character (only spaces, controls such as NUL, or "
+                                   "format characters such as zero-width spaces)")
             return self.tokenizer.encode(p.text).ids, "text"
         if not p.tokens:
             raise InvalidInput("the document is empty")
@@ -75,24 +94,60 @@ class ArtifactApi:
         bad = sorted({t for t in tokens if not 0 <= t < self.vocab_size})
         if bad:
             raise InvalidInput(f"token ids {bad[:8]} are outside the vocabulary [0, {self.vocab_size})")
-        rec, queued = self.registry.create(tenant, document_id(tokens, self.tok_fp), tokens, source)
-        return UploadResult(Document.of(rec), queued)
+        doc_id = document_id(tokens, self.tok_fp)
+        try:
+            self.registry.get(tenant, doc_id)       # a broken record is reported before anything is written
+        except CorruptRecord as e:
+            raise BrokenDocument(str(e)) from None
+        rec, queued = self.registry.create(tenant, doc_id, tokens, source)
+        return UploadResult(self._view(rec), queued)
 
-    def _record(self, tenant: str, doc_id: str):
-        rec = self.registry.get(tenant, doc_id)
+    def _record(self, tenant: str, doc_id: str) -> DocumentRecord:
+        """The record, read whole; DocumentNotFound, or BrokenDocument when it cannot be read or shown."""
+        try:
+            rec = self.registry.get(tenant, doc_id)
+        except CorruptRecord as e:
+            raise BrokenDocument(str(e)) from None
         if rec is None:
             raise DocumentNotFound(f"no document {doc_id}")
         return rec
 
+    def _view(self, rec: DocumentRecord) -> Document:
+        try:
+            return Document.of(rec)
+        except ValidationError as e:
+            raise BrokenDocument(f"the record of document {rec.id} does not make a document: "
+                                 f"{e.error_count()} bad field(s), first {e.errors()[0]['loc']}") from None
+
+    def _tokens(self, tenant: str, rec: DocumentRecord) -> list[int]:
+        try:
+            tokens = self.registry.tokens(tenant, rec.id)
+        except CorruptRecord as e:
+            raise BrokenDocument(f"{e}; uploading the same content again restores them") from None
+        if len(tokens) != rec.n_tokens:
+            raise BrokenDocument(f"document {rec.id} holds {len(tokens)} tokens, its record says {rec.n_tokens}")
+        return tokens
+
     def get(self, tenant: str, doc_id: str) -> Document:
-        return Document.of(self._record(tenant, doc_id))
+        return self._view(self._record(tenant, doc_id))
 
     def page(self, tenant: str, page_size: int, page_token: str | None) -> DocumentPage:
-        if page_token is not None and not page_token.isdigit():
-            raise InvalidInput(f"page_token {page_token!r} is not a token from this listing")
-        recs, nxt = self.registry.page(tenant, int(page_token or 0), page_size)
-        return DocumentPage(documents=[Document.of(r) for r in recs],
-                            next_page_token=str(nxt) if nxt is not None else None, total=self.registry.count(tenant))
+        """One page; a document whose record cannot be read is named in `broken` and the others are listed."""
+        token = page_token if page_token is not None else "0"
+        # ASCII digits only: str.isdigit() also takes "²", which int() refuses
+        if not (token.isascii() and token.isdigit() and int(token) <= MAX_PAGE_TOKEN):
+            raise InvalidInput(f"page_token {token[:24]!r} is not a token from this listing")
+        ids, nxt = self.registry.page_ids(tenant, int(token), page_size)
+        docs, broken = [], []
+        for doc_id in ids:
+            try:
+                docs.append(self._view(self._record(tenant, doc_id)))
+            except BrokenDocument as e:
+                broken.append(BrokenDocumentInfo(id=doc_id, reason=str(e)))
+            except DocumentNotFound:            # deleted between the listing and the read
+                pass
+        return DocumentPage(documents=docs, broken=broken, next_page_token=str(nxt) if nxt is not None else None,
+                            total=self.registry.count(tenant))
 
     def retire(self, tenant: str, doc_id: str) -> Document:
         """Retire the current generation: the store stops serving it first, then the registry forgets it, so a
@@ -101,15 +156,20 @@ class ArtifactApi:
         if rec.status in ("queued", "building"):
             raise Conflict(f"document {doc_id} is {rec.status}; retire it once it is ready")
         if rec.status == "ready":
+            try:
+                key = DocumentKey.from_dict(rec.key)
+            except (KeyError, TypeError, ValueError, AttributeError) as e:
+                raise BrokenDocument(f"the store key in the record of document {doc_id} does not parse: "
+                                     f"{type(e).__name__}") from None
             with self.store_client(tenant) as client:
                 try:
-                    client.retire(DocumentKey.from_dict(rec.key), rec.generation)
+                    client.retire(key, rec.generation)
                 except NotFound:        # retired before, the registry update did not happen: finish it now
                     pass
             self.registry.mark_retired(tenant, doc_id, rec.generation)
         elif rec.status == "failed":
             self.registry.mark_retired(tenant, doc_id, 0)
-        return Document.of(self._record(tenant, doc_id))
+        return self._view(self._record(tenant, doc_id))
 
     # ----------------------------------------------------------------------------------------- generation
     def generate(self, tenant: str, p: GenerateRequest) -> GenerateResult:
@@ -133,12 +193,13 @@ class ArtifactApi:
             raise InvalidInput("the question is empty")
         if any(0xD800 <= ord(c) <= 0xDFFF for c in p.question):
             raise InvalidInput("the question is not valid Unicode (lone surrogates)")
+        if not visible(p.question):
+            raise InvalidInput("the question has no visible character")
         question = self.tokenizer.encode(p.question).ids
         if not question:
             raise InvalidInput("the question encodes to no tokens")
         recs = [self._record(tenant, d) for d in p.documents]
-        docs = [WorkerDocument(id=r.id, tokens=self.registry.tokens(tenant, r.id), generation=r.generation)
-                for r in recs]
+        docs = [WorkerDocument(id=r.id, tokens=self._tokens(tenant, r), generation=r.generation) for r in recs]
         resp = self.worker.generate(WorkerRequest(tenant=tenant, documents=docs, question=question,
                                                   max_new_tokens=p.max_new_tokens, arm=p.arm))
         return GenerateResult(

@@ -2,7 +2,12 @@
 statuses. Handlers and the core raise; `app.py` installs one exception handler per row of `HTTP_STATUS`."""
 from __future__ import annotations
 
+import redis
+from starlette.responses import JSONResponse
+
 from services.store import errors as store_errors
+
+RETRY_AFTER_S = 1           # what a 503 tells the caller to wait before retrying (Retry-After)
 
 
 class ApiError(Exception):
@@ -22,6 +27,10 @@ class UnsupportedMediaType(ApiError):
     """An upload in a content type other than JSON, multipart/form-data or text/plain."""
 
 
+class RequestTimeout(ApiError):
+    """The request body did not arrive within the body read timeout; nothing changed, the connection is closed."""
+
+
 class Unauthenticated(ApiError):
     """No bearer token, or one no tenant holds."""
 
@@ -32,6 +41,12 @@ class DocumentNotFound(ApiError):
 
 class Conflict(ApiError):
     """The document's state does not allow this now (e.g. retire while it is still building); retry later."""
+
+
+class BrokenDocument(Conflict):
+    """The document's registry record or its tokens are unreadable (a deleted key, a field that does not parse).
+    Only that document is affected: listing skips it (and names it), other documents serve as usual. Uploading the
+    same content again restores deleted tokens; a bad record needs the operator."""
 
 
 class NotReady(ApiError):
@@ -45,6 +60,7 @@ class WorkerFailed(ApiError):
 HTTP_STATUS: dict[type[Exception], int] = {
     InvalidInput: 422,
     PayloadTooLarge: 413,
+    RequestTimeout: 408,
     UnsupportedMediaType: 415,
     Unauthenticated: 401,
     DocumentNotFound: 404,
@@ -52,6 +68,8 @@ HTTP_STATUS: dict[type[Exception], int] = {
     NotReady: 503,
     WorkerFailed: 502,
     store_errors.Unavailable: 503,
+    redis.exceptions.ConnectionError: 503,     # Redis down or restarting (BusyLoadingError is one too)
+    redis.exceptions.TimeoutError: 503,
     store_errors.StoreError: 502,
     ApiError: 500,
 }
@@ -62,3 +80,17 @@ def http_status(err: Exception) -> int:
         if cls in HTTP_STATUS:
             return HTTP_STATUS[cls]
     return 500
+
+
+def error_response(exc: Exception, headers: dict[str, str] | None = None) -> JSONResponse:
+    """The one error body: `detail` (a message, or a list of validation errors) and `error` (the class name).
+    A 503 carries Retry-After."""
+    status = http_status(exc)
+    detail = exc.args[0] if len(exc.args) == 1 and isinstance(exc.args[0], (list, dict)) else str(exc)
+    if isinstance(exc, redis.RedisError):       # never pass a driver's message (host, port) to the caller
+        detail = f"the registry (Redis) is unavailable: {type(exc).__name__}"
+    headers = dict(headers or {})
+    if status == 503:
+        headers.setdefault("Retry-After", str(RETRY_AFTER_S))
+    return JSONResponse({"detail": detail or type(exc).__name__, "error": type(exc).__name__},
+                        status_code=status, headers=headers)

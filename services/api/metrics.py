@@ -1,7 +1,13 @@
-"""Every Prometheus metric of the API (docs/metrics.md), on a registry `create_app` builds."""
+"""Every Prometheus metric of the API (docs/metrics.md), on a registry `create_app` builds, and the ASGI layer
+that counts every response."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter
+from starlette.routing import BaseRoute, Match
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+METHODS = ("GET", "POST", "DELETE", "PUT", "PATCH", "HEAD", "OPTIONS")
+UNMATCHED = "unmatched"         # the route label of a path no route serves (bounded: never the raw path)
 
 
 class ApiMetrics:
@@ -12,3 +18,48 @@ class ApiMetrics:
         for arm in ("reuse", "recompute"):
             for outcome in ("ok", "error"):
                 self.requests.labels(arm, outcome)
+        self.responses = Counter("redknot_api_responses", "Every HTTP response of the API by method, route "
+                                 "template and status code", ["method", "route", "status"], registry=self.registry)
+
+
+def route_template(routes: list[BaseRoute], scope: Scope) -> str:
+    """The path template of the route serving `scope` ("/v1/documents/{doc_id}"), a partial match's (wrong
+    method) when no route matches fully, else UNMATCHED."""
+    partial = None
+    for route in routes:
+        match, _ = route.matches(scope)
+        if match is Match.FULL:
+            return getattr(route, "path", UNMATCHED)
+        if match is Match.PARTIAL and partial is None:
+            partial = getattr(route, "path", UNMATCHED)
+    return partial or UNMATCHED
+
+
+class ResponseCounter:
+    """Outermost ASGI layer: counts each response once it has started, by method, route template and status;
+    an exception no handler turned into a response counts as the 500 it becomes."""
+
+    def __init__(self, app: ASGIApp, routes: list[BaseRoute], metrics: ApiMetrics):
+        self.app, self.routes, self.metrics = app, routes, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status: int | None = None
+
+        async def counted(msg) -> None:
+            nonlocal status
+            if msg["type"] == "http.response.start":
+                status = msg["status"]
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, counted)
+        except Exception:
+            status = status or 500
+            raise
+        finally:
+            if status is not None:          # None: the caller left before any answer
+                method = scope["method"] if scope["method"] in METHODS else "other"
+                self.metrics.responses.labels(method, route_template(self.routes, scope), str(status)).inc()

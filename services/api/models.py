@@ -1,9 +1,9 @@
 """Bodies of the HTTP API (pydantic: validated at the edge, and the OpenAPI document's schemas)."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 
 from services.common.registry import DocumentRecord
 
@@ -12,10 +12,11 @@ Status = Literal["queued", "building", "ready", "failed", "retired"]
 
 
 class DocumentUpload(BaseModel):
-    """A document as text (tokenized with the served checkpoint's tokenizer) or as token ids; exactly one."""
-    model_config = ConfigDict(extra="forbid")
-    text: str | None = Field(None, description="UTF-8 text")
-    tokens: list[int] | None = Field(None, description="token ids of the served checkpoint's vocabulary")
+    """A document as text (tokenized with the served checkpoint's tokenizer) or as token ids; exactly one.
+    Strict types: a token id is a JSON integer (not true, 3.0 or "3")."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    text: StrictStr | None = Field(None, description="UTF-8 text")
+    tokens: list[StrictInt] | None = Field(None, description="token ids of the served checkpoint's vocabulary")
 
     @model_validator(mode="after")
     def _one(self) -> "DocumentUpload":
@@ -50,18 +51,26 @@ class Document(BaseModel):
                         error=r.error, build_seconds=r.build_s, created_ms=r.created_ms, updated_ms=r.updated_ms)
 
 
+class BrokenDocumentInfo(BaseModel):
+    id: str
+    reason: str = Field(description="why its registry record cannot be read")
+
+
 class DocumentPage(BaseModel):
     documents: list[Document]
+    broken: list[BrokenDocumentInfo] = Field(default_factory=list, description="documents of this page whose "
+                                             "registry record cannot be read (listed here instead)")
     next_page_token: str | None = Field(description="pass as page_token for the next page; null at the end")
     total: int
 
 
 class GenerateRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    documents: list[str] = Field(min_length=1, description="document ids; the first is the prefix, the others "
-                                                            "are relocated in this order")
-    question: str = Field(min_length=1)
-    max_new_tokens: int = Field(16, ge=1)
+    """Strict types: max_new_tokens is a JSON integer (not true, 4.0 or "4")."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    documents: list[Annotated[StrictStr, Field(pattern=DOC_ID)]] = Field(
+        min_length=1, description="document ids; the first is the prefix, the others are relocated in this order")
+    question: StrictStr = Field(min_length=1)
+    max_new_tokens: StrictInt = Field(16, ge=1)
     arm: Literal["reuse", "recompute"] = "reuse"
 
 

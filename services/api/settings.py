@@ -8,6 +8,12 @@ class ApiSettings(CommonSettings):
     listen: str = setting("127.0.0.1:8000", "REDKNOT_API_LISTEN", "host:port of the HTTP API")
     worker_url: str = setting("http://127.0.0.1:8100", "REDKNOT_WORKER_URL", "rank 0 of the inference worker")
     max_upload_bytes: int = setting(4 << 20, "REDKNOT_API_MAX_UPLOAD_BYTES", "largest upload body")
+    max_generate_bytes: int = setting(256 << 10, "REDKNOT_API_MAX_GENERATE_BYTES", "largest generate body")
+    max_body_bytes: int = setting(16 << 10, "REDKNOT_API_MAX_BODY_BYTES", "largest body of any other route")
+    body_timeout_s: float = setting(20.0, "REDKNOT_API_BODY_TIMEOUT_S", "longest time to receive a request body "
+                                                                        "(from its first read); then 408")
+    head_timeout_s: float = setting(10.0, "REDKNOT_API_HEAD_TIMEOUT_S", "longest time to receive a request line and "
+                                                                        "headers; then 408 and the connection closed")
     max_document_tokens: int = setting(131072, "REDKNOT_API_MAX_DOCUMENT_TOKENS", "longest document, in tokens")
     max_documents: int = setting(16, "REDKNOT_API_MAX_DOCUMENTS", "most documents in one generate request")
     max_question_chars: int = setting(16384, "REDKNOT_API_MAX_QUESTION_CHARS", "longest question")

@@ -14,6 +14,7 @@ tokens, and a crash between the two leaves tokens that the next upload of the sa
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -92,6 +93,12 @@ return 1
 """
 
 
+class CorruptRecord(ValueError):
+    """A document's record or its tokens in Redis cannot be read (a field missing or unparsable, the tokens key
+    deleted or truncated): that one document cannot be served; others are unaffected. Callers report it for that
+    document (the API: 409 with this message; the builder: a failed attempt)."""
+
+
 def now_ms() -> int:
     return int(time.time() * 1000)
 
@@ -120,16 +127,36 @@ class DocumentRecord:
 
     @staticmethod
     def from_hash(h: dict[bytes, bytes]) -> "DocumentRecord":
-        d = {k.decode(): v.decode() for k, v in h.items()}
-        return DocumentRecord(
-            id=d["id"], tenant=d["tenant"], status=d["status"], stage=d["stage"], progress=float(d["progress"]),
-            n_tokens=int(d["n_tokens"]), source=d["source"], created_ms=int(d["created_ms"]),
-            updated_ms=int(d["updated_ms"]), attempts=int(d["attempts"]), error=d["error"],
-            generation=int(d["generation"]), target_generation=int(d["target_generation"]),
-            # Redis's cjson writes an empty Lua table as {}: read it as the empty list it is
-            generations=list(json.loads(d["generations"]) or []), retired=list(json.loads(d["retired"]) or []),
-            key=json.loads(d["key"]) if d["key"] else None, bytes=int(d["bytes"]), shards=int(d["shards"]),
-            build_s=float(d["build_s"]))
+        """The record of a hash; CorruptRecord when a field is missing or does not parse."""
+        try:
+            d = {k.decode(): v.decode() for k, v in h.items()}
+            rec = DocumentRecord(
+                id=d["id"], tenant=d["tenant"], status=d["status"], stage=d["stage"], progress=float(d["progress"]),
+                n_tokens=int(d["n_tokens"]), source=d["source"], created_ms=int(d["created_ms"]),
+                updated_ms=int(d["updated_ms"]), attempts=int(d["attempts"]), error=d["error"],
+                generation=int(d["generation"]), target_generation=int(d["target_generation"]),
+                # Redis's cjson writes an empty Lua table as {}: read it as the empty list it is
+                generations=list(json.loads(d["generations"]) or []), retired=list(json.loads(d["retired"]) or []),
+                key=json.loads(d["key"]) if d["key"] else None, bytes=int(d["bytes"]), shards=int(d["shards"]),
+                build_s=float(d["build_s"]))
+        except KeyError as e:
+            raise CorruptRecord(f"field {e.args[0]!r} is missing") from None
+        except (ValueError, TypeError) as e:        # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise CorruptRecord(f"a field does not parse: {type(e).__name__}: {str(e)[:120]}") from None
+        rec._check()
+        return rec
+
+    def _check(self) -> None:
+        def ints(xs) -> bool:
+            return all(type(x) is int for x in xs)
+        problems = [what for what, ok in (
+            ("status", self.status in STATUSES), ("source", self.source in ("text", "tokens")),
+            ("progress", 0.0 <= self.progress <= 1.0), ("n_tokens", self.n_tokens >= 0),
+            ("generation", self.generation >= 0), ("generations", ints(self.generations)),
+            ("retired", ints(self.retired)), ("key", self.key is None or isinstance(self.key, dict)),
+            ("build_s", math.isfinite(self.build_s))) if not ok]
+        if problems:
+            raise CorruptRecord(f"bad value of {', '.join(problems)}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -164,20 +191,34 @@ class Registry:
         return rec, bool(queued)
 
     def get(self, tenant: str, doc_id: str) -> DocumentRecord | None:
+        """The record, None when there is none; CorruptRecord when it cannot be read."""
         h = self.r.hgetall(self._doc(tenant, doc_id))
-        return DocumentRecord.from_hash(h) if h else None
+        if not h:
+            return None
+        try:
+            return DocumentRecord.from_hash(h)
+        except CorruptRecord as e:
+            raise CorruptRecord(f"the record of document {doc_id} is unreadable: {e}") from None
 
     def tokens(self, tenant: str, doc_id: str) -> list[int]:
+        """The document's token ids; CorruptRecord when the key is gone or its length is no whole number of ids."""
         raw = self.r.get(self._tokens(tenant, doc_id))
-        assert raw is not None, f"document {tenant}/{doc_id} has a record but no tokens"
+        if raw is None:
+            raise CorruptRecord(f"document {doc_id} has a record but its tokens are missing")
+        if len(raw) % 4:
+            raise CorruptRecord(f"the tokens of document {doc_id} are truncated ({len(raw)} bytes)")
         return np.frombuffer(raw, dtype="<i4").tolist()
+
+    def page_ids(self, tenant: str, offset: int, limit: int) -> tuple[list[str], int | None]:
+        """Ids by creation time; the offset of the next page, or None at the end."""
+        ids = self.r.zrange(self._docs(tenant), offset, offset + limit)      # one extra: is there a next page?
+        return [i.decode() for i in ids[:limit]], (offset + limit if len(ids) > limit else None)
 
     def page(self, tenant: str, offset: int, limit: int) -> tuple[list[DocumentRecord], int | None]:
         """Documents by creation time; the offset of the next page, or None at the end."""
-        ids = self.r.zrange(self._docs(tenant), offset, offset + limit)      # one extra: is there a next page?
-        more = len(ids) > limit
-        recs = [self.get(tenant, i.decode()) for i in ids[:limit]]
-        return [r for r in recs if r is not None], (offset + limit if more else None)
+        ids, nxt = self.page_ids(tenant, offset, limit)
+        recs = [self.get(tenant, i) for i in ids]
+        return [r for r in recs if r is not None], nxt
 
     def count(self, tenant: str) -> int:
         return int(self.r.zcard(self._docs(tenant)))
