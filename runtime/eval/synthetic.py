@@ -4,16 +4,18 @@ ones: short documents that stand alone (each makes sense, and tokenizes, without
 a question, the gold answers, the indices of the documents holding the evidence. Example i of a task depends
 only on (task, seed, i): a generator seeded by that string draws it, so it does not depend on `limit`.
 
-- kv_retrieval: each document lists a few "The code for KEY is VALUE." lines (keys distinct across the
+- kv_retrieval: each document holds a few "The code for KEY is VALUE." sentences (keys distinct across the
   request, values 4-digit numbers); the question asks one key's code.
-- var_tracking: one document assigns a value to a variable, later documents copy it along a chain
-  (`VAR B = VAR A.`); other chains carry other values as distractors; the question asks the value of the
-  chain's last variable.
+- var_tracking: one document gives a variable's value ("The password of A is V."), later documents copy it
+  along a chain ("The password of B is the password of A."); other chains carry other values as
+  distractors; the question asks the value of the chain's last variable.
 - aggregation: each document is one short note naming the animal seen that day; one animal appears in most
   notes, the others once each; the question asks which animal was seen most often.
 
-The formats were tuned on SmolLM2-135M-Instruct's recompute arm (docs/QUALITY.md, "Synthetic tasks"): the
-number of documents, facts and hops are the knobs, kept where that model mostly answers right.
+Gold answers: the bare value, and the sentence that states it in the documents' own wording ("The code for
+apple is 4821"), because a 135M instruct model answers in that sentence far more often than with the bare
+value. The formats were measured on SmolLM2-135M-Instruct's recompute arm (docs/QUALITY.md, "Synthetic tasks"):
+kv_retrieval is easy for it, var_tracking (one hop) is hard, aggregation it cannot do (it copies a document).
 """
 from __future__ import annotations
 
@@ -41,12 +43,14 @@ def _rng(task: str, seed: int, index: int) -> random.Random:
 
 
 def kv_retrieval(rng: random.Random, docs: int = 4, pairs: int = 2) -> QAExample:
+    """`docs` documents of `pairs` sentences each; one key asked."""
     keys = rng.sample(KEYS, docs * pairs)
     values = rng.sample(range(1000, 10000), docs * pairs)
     paragraphs = tuple(" ".join(f"The code for {keys[d * pairs + j]} is {values[d * pairs + j]}."
                                 for j in range(pairs)) for d in range(docs))
     ask = rng.randrange(docs * pairs)
-    return QAExample(id="", question=f"What is the code for {keys[ask]}?", answers=(str(values[ask]),),
+    return QAExample(id="", question=f"What is the code for {keys[ask]}?",
+                     answers=(str(values[ask]), f"The code for {keys[ask]} is {values[ask]}"),
                      paragraphs=paragraphs, task="kv_retrieval", gold=(ask // pairs,))
 
 
@@ -69,10 +73,13 @@ def var_tracking(rng: random.Random, hops: int = 1, chains: int = 2) -> QAExampl
     for h in range(hops + 1):
         for c in order:
             v = names[c]
-            paragraphs.append(f"VAR {v[0]} = {values[c]}." if h == 0 else f"VAR {v[h]} = VAR {v[h - 1]}.")
+            paragraphs.append(f"The password of {v[0]} is {values[c]}." if h == 0 else
+                              f"The password of {v[h]} is the password of {v[h - 1]}.")
     ask = rng.randrange(chains)
     col = order.index(ask)
-    return QAExample(id="", question=f"What is the value of VAR {names[ask][-1]}?", answers=(str(values[ask]),),
+    last = names[ask][-1]
+    return QAExample(id="", question=f"What is the password of {last}?",
+                     answers=(str(values[ask]), f"The password of {last} is {values[ask]}"),
                      paragraphs=tuple(paragraphs), task="var_tracking",
                      gold=tuple(chains * h + col for h in range(hops + 1)))
 
@@ -85,7 +92,8 @@ def aggregation(rng: random.Random, docs: int = 5, majority: int = 3) -> QAExamp
     rng.shuffle(seen)
     days = rng.sample(DAYS, docs)
     paragraphs = tuple(f"On {d}, I saw a {a}." for d, a in zip(days, seen))
-    return QAExample(id="", question="Which animal did I see most often?", answers=(animals[0],),
+    return QAExample(id="", question="Which animal did I see most often?",
+                     answers=(animals[0], f"I saw a {animals[0]} most often"),
                      paragraphs=paragraphs, task="aggregation",
                      gold=tuple(i for i, a in enumerate(seen) if a == animals[0]))
 
