@@ -12,7 +12,10 @@ from pathlib import Path
 
 
 def add_arguments(e: argparse.ArgumentParser) -> None:
-    e.add_argument("--task", default="hotpotqa", choices=["hotpotqa", "squad", "longbench"])
+    from .data import TASKS
+    e.add_argument("--task", default="hotpotqa", choices=list(TASKS),
+                   help="a loaded task, or a synthetic one generated from a seed (kv_retrieval, var_tracking, "
+                        "aggregation: runtime/eval/synthetic.py)")
     e.add_argument("--data", default=None, help="data file: LongBench JSONL, or an examples file written by "
                                                 "scripts/prepare_devq.py (default: the bundled HotpotQA / SQuAD)")
     e.add_argument("--model", default=None, help="checkpoint dir; default: SmolLM2-135M-Instruct converted from GGUF")
@@ -26,6 +29,8 @@ def add_arguments(e: argparse.ArgumentParser) -> None:
                                                   "select=attention|mixed|deviation, signal=k|kv, join=N, recent=N "
                                                   "(runtime/eval/arms.py)")
     e.add_argument("--max-new-tokens", type=int, default=32)
+    e.add_argument("--teacher-tokens", type=int, default=32,
+                   help="positions of the teacher-forced metrics: the recompute arm's continuation fed to every arm")
     e.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="model dtype; float32 keeps the recompute arm faithful (attention scores are float32 in "
@@ -63,7 +68,8 @@ def run_eval_cli(args) -> int:
     if args.merge:
         summary = merge_runs([json.loads(open(p).read()) for p in args.merge])
         meta = {k: v for k, v in json.loads(open(args.merge[0]).read()).items()
-                if k in ("task", "model", "budgets", "fences", "variants", "max_new_tokens", "dtype", "device")}
+                if k in ("task", "model", "budgets", "fences", "variants", "max_new_tokens", "teacher_tokens", "dtype",
+                         "device")}
         summary.update(meta, offset=None)
     else:
         model_dir = args.model
@@ -75,7 +81,8 @@ def run_eval_cli(args) -> int:
                        budgets=tuple(float(b) for b in args.budgets.split(",") if b),
                        fences=tuple(int(f) for f in args.fences.split(",")), max_new_tokens=args.max_new_tokens,
                        device=device, dtype=args.dtype,
-                       variants=tuple(v for v in args.variants.split(",") if v.strip()))
+                       variants=tuple(v for v in args.variants.split(",") if v.strip()),
+                       teacher_tokens=args.teacher_tokens)
         assert len(spec.fences) == 2, f"--fences {args.fences}: give first,last"
         try:
             arms = arm_list(list(spec.budgets), list(spec.variants), spec.fences)
@@ -97,7 +104,8 @@ def run_eval_cli(args) -> int:
             return 3
         summary = merge_runs(r.summaries) if len(r.summaries) > 1 else r.summaries[0]
         summary.update(task=args.task, model=model_dir, offset=args.offset, budgets=list(spec.budgets),
-                       fences=list(spec.fences), variants=list(spec.variants), max_new_tokens=args.max_new_tokens, dtype=args.dtype, device=device,
+                       fences=list(spec.fences), variants=list(spec.variants), max_new_tokens=args.max_new_tokens,
+                       teacher_tokens=args.teacher_tokens, dtype=args.dtype, device=device,
                        procs=procs, chunks_reused=r.reused,
                        pending=[[c.offset, c.limit] for c in r.pending])
         if r.pending:

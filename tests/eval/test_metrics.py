@@ -1,9 +1,13 @@
-"""LongBench answer normalization, F1 and EM on hand-computed cases; the paired bootstrap CI."""
+"""LongBench answer normalization, F1 and EM on hand-computed cases; the near-tie metrics against the recompute
+arm on hand-computed logits; the bootstrap CIs."""
+import math
+
 import numpy as np
 import pytest
+import torch
 
-from runtime.eval.metrics import (answers_agree, best_em, best_f1, exact_match, normalize_answer,
-                                  paired_bootstrap_ci, qa_f1_score)
+from runtime.eval.metrics import (answer_f1, answers_agree, best_em, best_f1, bootstrap_ci, exact_match, first_span,
+                                  normalize_answer, paired_bootstrap_ci, qa_f1_score, spans_agree, teacher_forced)
 
 
 def test_normalize_like_longbench():
@@ -57,3 +61,45 @@ def test_bootstrap_ci_matches_normal_theory():
 def test_bootstrap_refuses_unpaired():
     with pytest.raises(AssertionError, match="unpaired"):
         paired_bootstrap_ci([1.0, 0.0], [1.0])
+
+
+def test_first_span_and_its_agreement():
+    assert first_span("Paris. It is the capital.") == "Paris" + "."
+    assert first_span("3.5 kg\nmore text") == "3.5 kg"                           # a decimal point ends nothing
+    assert first_span("  yes!  No.") == "yes!" and first_span("") == ""
+    assert spans_agree("Paris.", "paris. The capital of France is Paris.")
+    assert not spans_agree("Paris", "Lyon. Paris")
+
+
+def test_answer_f1_against_the_recompute_answer():
+    assert answer_f1("Paris, France", "Paris") == pytest.approx(2 / 3)
+    assert answer_f1("", "") == 1.0 and answer_f1("the", "") == 1.0              # the same non-answer
+    assert answer_f1("", "Paris") == 0.0
+
+
+def test_teacher_forced_on_hand_computed_logits():
+    """Position 0: reference p = (1/4, 3/4), arm q = (2/3, 1/3): top-1 differ, KL = 1/4 ln(3/8) + 3/4 ln(9/4).
+    Position 1: equal logits: top-1 agree, KL 0. Means over the two positions."""
+    ln = math.log
+    ref = torch.tensor([[0.0, ln(3)], [ln(3), 0.0]])
+    arm = torch.tensor([[ln(2), 0.0], [ln(3), 0.0]])
+    top1, kl = teacher_forced(ref, arm)
+    assert top1 == 0.5
+    assert kl == pytest.approx((0.25 * ln(3 / 8) + 0.75 * ln(9 / 4)) / 2, abs=1e-6)
+    assert teacher_forced(ref, ref) == (1.0, 0.0)
+    # a shift of all logits of a position changes nothing
+    assert teacher_forced(ref, arm + torch.tensor([[5.0], [-2.0]])) == pytest.approx((top1, kl), abs=1e-6)
+    with pytest.raises(AssertionError, match="logits"):
+        teacher_forced(ref, arm[:1])
+
+
+def test_bootstrap_ci_of_a_mean():
+    assert _triple(bootstrap_ci([0.5] * 7)) == (0.5, 0.5, 0.5)
+    v = [1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0]
+    ci = bootstrap_ci(v, seed=5)
+    assert ci.mean == 0.75 and 0.0 <= ci.low < 0.75 < ci.high <= 1.0
+    assert ci == paired_bootstrap_ci([0.0] * len(v), v, seed=5)
+
+
+def _triple(ci):
+    return ci.mean, ci.low, ci.high
