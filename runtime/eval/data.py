@@ -20,31 +20,19 @@ import importlib.util
 import json
 import random
 import re
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from .example import QAExample
+from .synthetic import SYNTHETIC_TASKS, load_synthetic
+
 LOADED_TASKS = ("hotpotqa", "squad", "longbench")
-SYNTHETIC_TASKS = ("kv_retrieval", "var_tracking", "aggregation")          # synthetic.py generates these
 TASKS = LOADED_TASKS + SYNTHETIC_TASKS
 
 
 class DataError(ValueError):
     """A data file that is missing or not in the expected format. The harness cannot run that task and
     reports the message (it names the file and what was wrong)."""
-
-
-@dataclass(frozen=True)
-class QAExample:
-    id: str
-    question: str
-    answers: tuple[str, ...]                  # every accepted gold answer; metrics take the best match
-    paragraphs: tuple[str, ...]               # the documents, in request order
-    task: str
-    gold: tuple[int, ...] = ()                # indices of paragraphs holding the evidence, when known
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def bundled_file(name: str) -> Path:
@@ -230,7 +218,6 @@ def load_task(task: str, path: str | Path | None = None, limit: int | None = Non
     if task in SYNTHETIC_TASKS:
         if path is not None:
             raise DataError(f"{path}: {task} is generated, not read (give an examples file or no --data)")
-        from .synthetic import load_synthetic
         return load_synthetic(task, limit, **kw)
     if task == "longbench":
         if path is None:

@@ -23,7 +23,7 @@ import random
 import string
 from typing import Callable, Iterator
 
-from .data import SYNTHETIC_TASKS, QAExample
+from .example import QAExample
 
 SIZE = 1000                             # examples per task unless `limit` says otherwise
 
@@ -100,7 +100,7 @@ def aggregation(rng: random.Random, docs: int = 5, majority: int = 3) -> QAExamp
 
 GENERATORS: dict[str, Callable[..., QAExample]] = {"kv_retrieval": kv_retrieval, "var_tracking": var_tracking,
                                                    "aggregation": aggregation}
-assert tuple(GENERATORS) == SYNTHETIC_TASKS, "data.SYNTHETIC_TASKS names every generator"
+SYNTHETIC_TASKS = tuple(GENERATORS)
 
 
 def example(task: str, seed: int, index: int, **kw) -> QAExample:
@@ -114,45 +114,3 @@ def load_synthetic(task: str, limit: int | None = None, seed: int = 0, **kw) -> 
     assert task in GENERATORS, f"unknown synthetic task {task!r}"
     for i in range(SIZE if limit is None else limit):
         yield example(task, seed, i, **kw)
-
-
-def score_recompute(model_dir: str, tasks: tuple[str, ...] = SYNTHETIC_TASKS, limit: int = 30, seed: int = 0,
-                    max_new_tokens: int = 32) -> dict[str, dict[str, float]]:
-    """The recompute arm alone (the plain model on the harness's layout and chat template, greedy, the harness's
-    stop tokens) over the first `limit` examples of each task: EM and F1 against gold. A quick check that a
-    model can do a task at all, far cheaper than the whole harness on CPU."""
-    import torch
-
-    from runtime.llama.loader import load_llama
-    from runtime.llama.tokenizer import ChatTokenizer
-    from .harness import _greedy, layout, stop_tokens
-    from .metrics import best_em, best_f1
-
-    model, tok = load_llama(model_dir), ChatTokenizer.from_dir(model_dir)
-    stop, out = stop_tokens(model, tok), {}
-    with torch.backends.mkldnn.flags(enabled=False):           # no oneDNN kernel compile per new shape on CPU
-        for task in tasks:
-            em = f1 = 0.0
-            for ex in load_synthetic(task, limit, seed):
-                lay = layout(tok, ex)
-                (ids, _), _ = _greedy(model, [t for s in lay.segments for t in s] + lay.question, max_new_tokens,
-                                      stop)
-                text = tok.decode(ids).strip()
-                em, f1 = em + best_em(text, ex.answers), f1 + best_f1(text, ex.answers)
-            out[task] = {"n": limit, "em": em / limit, "f1": f1 / limit}
-            print(f"{task}: recompute EM {em / limit:.3f} F1 {f1 / limit:.3f} (n = {limit}, seed {seed})", flush=True)
-    return out
-
-
-if __name__ == "__main__":
-    import argparse
-
-    p = argparse.ArgumentParser(prog="python -m runtime.eval.synthetic",
-                                description="score the recompute arm alone on the synthetic tasks")
-    p.add_argument("--model", required=True, help="checkpoint dir (redknot models convert-gguf)")
-    p.add_argument("--tasks", default=",".join(SYNTHETIC_TASKS))
-    p.add_argument("--limit", type=int, default=30)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    a = p.parse_args()
-    score_recompute(a.model, tuple(a.tasks.split(",")), a.limit, a.seed, a.max_new_tokens)
