@@ -17,13 +17,9 @@ from runtime.reuse.engine import ReuseEngine
 from runtime.reuse.producer import produce
 from runtime.reuse.profile import ReuseProfile, degenerate
 
-TOL = 1e-4            # the tolerance of tests/reuse/test_reuse_exactness.py (float32, relative to the max logit)
+from .test_reuse_exactness import BASE, TOL, rel_err
+
 CFG = tiny_reuse().replace(index_topk=4096)
-BASE = dict(first_fences=2, last_fences=2, align=16)
-
-
-def rel_err(a, b):
-    return ((a - b).abs().max() / b.abs().max()).item()
 
 
 @pytest.fixture(scope="module")

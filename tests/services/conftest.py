@@ -27,6 +27,18 @@ START_TIMEOUT_S = 30.0
 S3_BUCKET = "redknot-tests"
 
 
+def write_tiny_checkpoint(tmp_path_factory) -> Path:
+    """The services tests' model: the tiny DeepSeek-V4 config over the demo tokenizer's vocabulary, random weights
+    from seed 5, written as an official (unquantized) checkpoint with its tokenizer."""
+    from runtime.model.checkpoint import build_demo_tokenizer, load_tokenizer, random_state, write_official_checkpoint
+    from runtime.model.config import tiny
+    d, tok = tmp_path_factory.mktemp("ckpt"), tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    build_demo_tokenizer(512, tok)
+    cfg = tiny(vocab_size=load_tokenizer(tok).get_vocab_size())
+    write_official_checkpoint(d, cfg, random_state(cfg, seed=5), quantize=False, tokenizer_json=tok)
+    return d
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -18,11 +18,12 @@ import httpx
 import pytest
 import redis
 
-from runtime.model.checkpoint import build_demo_tokenizer, load_tokenizer, random_state, write_official_checkpoint
-from runtime.model.config import tiny
+from runtime.model.checkpoint import load_tokenizer
 from services.api.settings import ApiSettings
 from services.common.build_queue import queue_tag
 from services.common.stack import Service, free_port, http_ok, redis_service
+
+from .conftest import write_tiny_checkpoint
 
 TENANTS = {"acme": "acme-token-0123456789abcdef", "globex": "globex-token-0123456789abcdef",
            "broken": "broken-token-0123456789abcdef", "counted": "counted-token-0123456789abcdef"}
@@ -39,11 +40,7 @@ MAX_ERROR_BYTES = 4096          # an error body is short: it never echoes the in
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    d, tok = tmp_path_factory.mktemp("ckpt"), tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    build_demo_tokenizer(512, tok)
-    cfg = tiny(vocab_size=load_tokenizer(tok).get_vocab_size())
-    write_official_checkpoint(d, cfg, random_state(cfg, seed=5), quantize=False, tokenizer_json=tok)
-    return d
+    return write_tiny_checkpoint(tmp_path_factory)
 
 
 def api_service(workdir: Path, checkpoint: Path, redis_url: str, prefix: str) -> tuple[Service, str]:

@@ -16,8 +16,7 @@ import httpx
 import pytest
 import redis
 
-from runtime.model.checkpoint import build_demo_tokenizer, load_tokenizer, random_state, write_official_checkpoint
-from runtime.model.config import tiny
+from runtime.model.checkpoint import load_tokenizer
 from runtime.reuse.certificate import FallbackReason
 from services.common.build_queue import stream_key
 from services.common.serving import Binding, checkpoint_identity, load_profile
@@ -25,6 +24,8 @@ from services.common.stack import LocalStack, StackConfig, free_port
 from services.store.client import StoreClient
 from services.store.errors import NotFound
 from services.store.keys import DocumentKey, ShardKind
+
+from .conftest import write_tiny_checkpoint
 
 TENANTS = {"acme": "acme-token-0123456789abcdef", "globex": "globex-token-0123456789abcdef",
            "fuzz": "fuzz-token-0123456789abcdef"}
@@ -47,11 +48,7 @@ QUESTION = "Where does the river begin?"
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    d, tok = tmp_path_factory.mktemp("ckpt"), tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    build_demo_tokenizer(512, tok)
-    cfg = tiny(vocab_size=load_tokenizer(tok).get_vocab_size())
-    write_official_checkpoint(d, cfg, random_state(cfg, seed=5), quantize=False, tokenizer_json=tok)
-    return d
+    return write_tiny_checkpoint(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
