@@ -32,6 +32,7 @@ import dataclasses
 import gc
 import itertools
 import json
+import math
 import os
 import statistics
 import sys
@@ -164,8 +165,7 @@ def doc_lengths(L: int, n_docs: int, spread: tuple[int, int] | None, seed: int) 
         return [blocks // n_docs * 128] * n_docs
     g = torch.Generator().manual_seed(seed)
     lo, hi = spread
-    draw = torch.exp(torch.empty(n_docs, dtype=torch.float64).uniform_(float(torch.tensor(lo).log()),
-                                                                         float(torch.tensor(hi).log()), generator=g))
+    draw = torch.exp(torch.empty(n_docs, dtype=torch.float64).uniform_(math.log(lo), math.log(hi), generator=g))
     x = draw / draw.sum() * (blocks - n_docs)            # >= 1 block each, then the rest by largest remainder
     share = x.floor().long() + 1
     share[torch.argsort(x - x.floor(), descending=True)[:blocks - int(share.sum())]] += 1
