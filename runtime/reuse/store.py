@@ -11,8 +11,11 @@ shard's exact bytes (the manifest included, under the name "manifest"); `load_ar
 the bytes it then parses, so what is verified is what is used."""
 from __future__ import annotations
 
+import json
+import math
 import os
 import re
+import warnings
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -190,9 +193,14 @@ def _read_certificate(directory: Path) -> Certificate:
         raise _reject(R.MISSING_SHARD, f"certificate unreadable: {e}") from None
 
 
-def _read_shard(directory: Path, name: str) -> bytes | None:
+def _read_shard(directory: Path, name: str) -> bytearray | None:
+    """The file's bytes, writable: the parsed tensors are views of them (`_safetensors_views`), and a caller may own
+    the artifact `load_artifact` returns."""
     try:
-        return (directory / shard_file(name)).read_bytes()
+        with open(directory / shard_file(name), "rb") as f:
+            data = bytearray(os.fstat(f.fileno()).st_size)
+            n = f.readinto(data)
+            return data if n == len(data) else data[:n]
     except FileNotFoundError:
         return None
     except OSError as e:
@@ -236,10 +244,64 @@ def _check_manifest(raw: bytes, cert: Certificate) -> dict:
     return m
 
 
-def _parse_shard(name: str, raw: bytes, entry: dict) -> dict[str, torch.Tensor]:
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+if hasattr(torch, "float8_e8m0fnu"):
+    _ST_DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
+
+
+def _safetensors_views(raw) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file held in `raw` (bytes, bytearray or a memoryview), as VIEWS of its bytes:
+    no copy. `safetensors.torch.load` copies every tensor out of the file's bytes while it holds the GIL, so the
+    worker's staging threads copied one at a time (`bench/staging.py` measures both). The header is checked as strictly as
+    safetensors checks it: JSON of tensors with a known dtype, a shape of non-negative ints and data offsets that
+    tile the data section exactly, in order. A tensor whose offset is not a multiple of its element size is copied
+    (safetensors' writer aligns them; this keeps any valid file readable). Views of read-only bytes must not be
+    written: whoever writes copies first (`StagedSource.read` pins every layer, `load_artifact` reads into a
+    bytearray)."""
+    mv = memoryview(raw).cast("B")
+    if len(mv) < 8:
+        raise ValueError("shorter than its header length")
+    n = int.from_bytes(mv[:8], "little")
+    if n > len(mv) - 8:
+        raise ValueError(f"header length {n} past the end ({len(mv)} bytes)")
+    header = json.loads(bytes(mv[8:8 + n]))
+    if not isinstance(header, dict):
+        raise ValueError("header is not an object")
+    header.pop("__metadata__", None)
+    base, size = 8 + n, len(mv) - 8 - n
+    spans = []
+    for k, e in header.items():
+        if not isinstance(e, dict) or e.get("dtype") not in _ST_DTYPES:
+            raise ValueError(f"tensor {k!r}: unknown dtype {e.get('dtype') if isinstance(e, dict) else e!r}")
+        shape, offs = e.get("shape"), e.get("data_offsets")
+        if (not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape)
+                or not isinstance(offs, list) or len(offs) != 2 or not all(isinstance(o, int) for o in offs)):
+            raise ValueError(f"tensor {k!r}: bad shape or data_offsets")
+        dt = _ST_DTYPES[e["dtype"]]
+        if offs[1] - offs[0] != math.prod(shape) * dt.itemsize:
+            raise ValueError(f"tensor {k!r}: {offs[1] - offs[0]} bytes for shape {shape} {e['dtype']}")
+        spans.append((offs[0], offs[1], k, dt, shape))
+    spans.sort()
+    if [b for b, *_ in spans] != [0] + [e for _, e, *_ in spans[:-1]] or (spans[-1][1] if spans else 0) != size:
+        raise ValueError("data offsets do not tile the data section")
+    with warnings.catch_warnings():         # read-only bytes: the views are never written (see above)
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(mv, dtype=torch.uint8) if len(mv) else torch.empty(0, dtype=torch.uint8)
+    out = {}
+    for b, e, k, dt, shape in spans:
+        t = flat[base + b:base + e]
+        if (base + b) % dt.itemsize:
+            t = t.clone()
+        out[k] = t.view(dt).view(shape)
+    return out
+
+
+def _parse_shard(name: str, raw, entry: dict) -> dict[str, torch.Tensor]:
     try:
-        tensors = safetensors.torch.load(raw)
-    except Exception as e:      # safetensors raises its own error type on bad headers
+        tensors = _safetensors_views(raw)
+    except (ValueError, RuntimeError) as e:     # json's errors are ValueErrors
         raise _reject(FallbackReason.DIGEST_MISMATCH, f"shard {name} does not parse: {e}") from None
     got = {k: [list(v.shape), _dtype_name(v)] for k, v in tensors.items()}
     if got != entry["tensors"]:
