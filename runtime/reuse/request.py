@@ -107,7 +107,7 @@ def _prefetched(model: Transformer, arts: list) -> list:
 
 def _reuse(model: Transformer, profile: ReuseProfile, docs: list, question: list[int], verdict: Verdict) -> Outcome:
     """The reuse arm over `docs` as the engine reads them (prefetched host artifacts, or a GroupStager's documents,
-    already staged on the device: not wrapped again)."""
+    which it stages itself: not wrapped again)."""
     engine = ReuseEngine(model, profile)
     res = engine.prefill(docs, question)
     return Outcome(res.logits, "reuse", verdict, res.ledger, step=lambda t: engine.decode(res.state, t))

@@ -1,12 +1,13 @@
 """`GroupStager` (the worker): one request's documents arriving layer group by layer group (from the store or the
 host tier, `StagedSource`; or already verified in the tier, `HotSource`). A pool of staging threads takes each group
-as soon as its bytes are there, verifies every shard against the already validated certificate (`read_layers`) and
-pins it (`pin_layers`; both once per fetch, shared with the worker's tier: `StagedSource.read`), and on CUDA issues
-its host->device copies on a side stream, then records the group's CUDA event; on CPU the same pipeline runs with
-threads and no copies. The forward asks for layer i; the stager waits (host side) only until group(i) was staged,
-lets the TP ranks agree on that group's verdict (one small collective on the control group, the same point on every
-rank), then makes the compute stream wait on the group's event. A group any rank rejected raises `StagingRejected`
-on every rank at the same layer: the caller restarts the request in the recompute arm (docs/services.md).
+as soon as its bytes are there, verifies every shard against the already validated certificate (`read_layers`: the
+tensors are views of the fetched bytes) and pins it (`pin_layers`: the one copy; both once per fetch, shared with the
+worker's tier: `StagedSource.read`). The forward asks for layer i; the stager waits (host side) only until group(i)
+was staged, and lets the TP ranks agree on that group's verdict (one small collective on the control group, the
+same point on every rank). On CUDA the agreed host layers reach the device as a tier hit's do (`LayerPrefetcher`:
+one buffer per layer for every document, one layer ahead on a copy stream; the copy of layer i+1 is issued when
+the forward takes layer i, so group g+1 is agreed there). A group any rank rejected raises `StagingRejected` on
+every rank at the same layer: the caller restarts the request in the recompute arm (docs/services.md).
 
 Ownership: a device copy made here is this request's own (`Owner.REQUEST`, overlaid in place); on CPU the layers
 are the tier's (`Owner.CALLER`, as `pin_layers` made them), which the engine copies before writing."""
@@ -20,9 +21,10 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.model.parallel import Parallel
-from .artifact import DocumentArtifact, LayerArtifact, Owner
+from .artifact import DocumentArtifact, LayerArtifact
 from .certificate import FallbackReason, Verdict, agree
-from .packing import map_layer, pin_layers
+from .packing import pin_layers
+from .prefetcher import LayerPrefetcher
 from .store import ArtifactHead, read_layers
 
 
@@ -116,17 +118,23 @@ class Trace:
 @dataclass
 class _Staged:
     verdict: Verdict
-    layers: list[list[LayerArtifact]] | None = None      # per document, the group's layers (on the device)
-    event: object = None                                 # torch.cuda.Event on CUDA
+    layers: list[list[LayerArtifact]] | None = None      # per document, the group's layers (verified, in host memory)
 
 
-STAGE_THREADS = 4
+STAGE_THREADS = 8
 
 
 class GroupStager:
     """`sources`: per document a StagedSource (bytes arriving group by group) or a HotSource (its layers already
     verified in host memory, taken group by group in the same order). `groups`: the layer groups (default: the
-    StagedSources' grouping, which every StagedSource shares; required where every document is hot)."""
+    StagedSources' grouping, which every StagedSource shares; required where every document is hot).
+
+    Staging threads only verify, parse and pin (host work). The device copies are the hot path's: on CUDA,
+    `documents()` hands the staged layers to a `LayerPrefetcher`, which packs every document's layer into ONE
+    device buffer from the compute stream's pool, one copy per document, one layer ahead on its copy stream, so the
+    engine reads every document's rows of a field through one view (`views.rows_view`), as on a tier hit. (Copies
+    issued tensor by tensor per document from the staging threads, each from the copy stream's own pool, gave the
+    engine per-document layers and the allocator a second pool.)"""
 
     def __init__(self, heads: Sequence[ArtifactHead], sources: Sequence[StagedSource | HotSource],
                  device: torch.device, control: Parallel, trace: Trace | None = None,
@@ -139,20 +147,23 @@ class GroupStager:
         assert all([g for g, _ in s.groups] == self.groups for s in staged), "every document uses one grouping"
         self.n_layers = self.groups[-1].stop
         self.device = torch.device(device)
-        self.cuda = self.device.type == "cuda"
-        self.stream = torch.cuda.Stream(device=self.device) if self.cuda else None
-        self._futures: list[Future] = []
+        self._futures: list[list[Future]] = []
         self._agreed = -1                               # groups 0.._agreed passed the cross-rank agreement
-        self._waited: set[int] = set()
-        # groups are staged STAGE_THREADS at a time (hashing, parsing and pinning release the GIL): one thread
-        # staged 0.9-1.2 GB/s while the forward waited on it
-        self._pool = ThreadPoolExecutor(min(STAGE_THREADS, len(self.groups)), thread_name_prefix="stage")
+        self._consumed: set[int] = set()
         self._count = threading.Lock()
-        self.bytes_copied = 0
+        self._left = [len(self.sources)] * len(self.groups)       # per group: documents not yet staged
+        self._noted: set[int] = set()
+        self._groups_done: dict[int, _Staged] = {}
+        # (group, document) parts are staged STAGE_THREADS at a time (parsing makes views; pinning copies, which
+        # releases the GIL)
+        self._pool = ThreadPoolExecutor(STAGE_THREADS, thread_name_prefix="stage")
 
     def start(self) -> "GroupStager":
-        """Stage every group in order, each as soon as its bytes arrived; never waits."""
-        self._futures = [self._pool.submit(self._stage, g) for g in range(len(self.groups))]
+        """Stage every (group, document) in group order, each as soon as its bytes arrived; never waits. Documents
+        of one group are staged in parallel (the fetch delivers them group-major too, `Prefetcher.open_all`), so
+        group 0 of every document is on the host first and the forward starts while later groups arrive."""
+        self._futures = [[self._pool.submit(self._stage, g, j) for j in range(len(self.sources))]
+                         for g in range(len(self.groups))]
         self._pool.shutdown(wait=False)
         return self
 
@@ -160,62 +171,57 @@ class GroupStager:
         if self.trace is not None:
             self.trace.add(event, group)
 
-    def _stage(self, g: int) -> _Staged:
-        layers = self.groups[g]
-        per_doc = []
-        for head, src in zip(self.heads, self.sources):
-            if isinstance(src, HotSource):
-                per_doc.append([src.doc.layers[i] for i in layers])
-                continue
-            arts, v = src.read(g, head)
-            if not v.ok:
+    def _stage(self, g: int, j: int) -> tuple[list[LayerArtifact] | None, Verdict]:
+        """Document j's layers of group g, verified, parsed and pinned; the last of the group to finish notes
+        `staged` (a rejected document notes it at once: the group's verdict is known)."""
+        src = self.sources[j]
+        if isinstance(src, HotSource):
+            out = [src.doc.layers[i] for i in self.groups[g]], Verdict.accept()
+        else:
+            out = src.read(g, self.heads[j])
+        with self._count:
+            self._left[g] -= 1
+            if (self._left[g] == 0 or not out[1].ok) and g not in self._noted:
+                self._noted.add(g)
                 self._note("staged", g)
-                return _Staged(v)
-            per_doc.append(arts)
-        if not self.cuda:
-            self._note("staged", g)
-            return _Staged(Verdict.accept(), per_doc)
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            def copy(t: torch.Tensor) -> torch.Tensor:
-                with self._count:
-                    self.bytes_copied += t.numel() * t.element_size()
-                # pinned already (tier documents, `StagedSource.read`): pin_memory() returns them as they are
-                return (t if t.is_pinned() else t.pin_memory()).to(self.device, non_blocking=True)
-            staged = [[map_layer(la, copy, Owner.REQUEST) for la in arts] for arts in per_doc]
-            ev = torch.cuda.Event()
-            ev.record(self.stream)
-        self._note("staged", g)
-        return _Staged(Verdict.accept(), staged, ev)
+        return out
+
+    def _group(self, g: int) -> _Staged:
+        """Group g once every document's part is staged: the first reject in document order, else its layers."""
+        if g not in self._groups_done:
+            parts = [f.result() for f in self._futures[g]]
+            bad = next((v for _, v in parts if not v.ok), None)
+            self._groups_done[g] = _Staged(bad) if bad is not None else \
+                _Staged(Verdict.accept(), [arts for arts, _ in parts])
+        return self._groups_done[g]
 
     def group_of(self, layer: int) -> int:
         return next(g for g, r in enumerate(self.groups) if layer in r)
 
     def get(self, layer: int) -> list[LayerArtifact]:
-        """Every document's layer `layer`, ready for the compute stream; raises StagingRejected."""
+        """Every document's layer `layer` in host memory, verified and agreed on by every rank; raises
+        StagingRejected. Waits (host side) until its group was staged."""
         g = self.group_of(layer)
         while self._agreed < g:                 # groups are agreed in order, each once, on every rank alike
             h = self._agreed + 1
-            verdict = agree(self._futures[h].result().verdict, self.control)
+            verdict = agree(self._group(h).verdict, self.control)
             if not verdict.ok:
                 raise StagingRejected(h, verdict)
             self._agreed = h
-        st = self._futures[g].result()
-        if g not in self._waited:
-            self._waited.add(g)
-            if st.event is not None:
-                cur = torch.cuda.current_stream(self.device)
-                cur.wait_event(st.event)        # a device-side wait: the host does not block on the copy
-                for arts in st.layers:
-                    for la in arts:
-                        map_layer(la, lambda t: (t.record_stream(cur), t)[1])
+        st = self._group(g)
+        if g not in self._consumed:
+            self._consumed.add(g)
             self._note("ready", g)
             self._note("consume", g)
         i = layer - self.groups[g].start
         return [arts[i] for arts in st.layers]
 
     def documents(self) -> list[DocumentArtifact]:
-        """The documents whose `layers[i]` comes through `get(i)`."""
-        return [h.document(_GroupLayers(self, j)) for j, h in enumerate(self.heads)]
+        """The documents whose `layers[i]` comes through `get(i)`: on CUDA staged to the device by a
+        `LayerPrefetcher` (this request's own copies, `Owner.REQUEST`), elsewhere the host layers as they are
+        (`Owner.CALLER`)."""
+        docs = [h.document(_GroupLayers(self, j)) for j, h in enumerate(self.heads)]
+        return LayerPrefetcher(docs, self.device).documents() if self.device.type == "cuda" else docs
 
 
 class _GroupLayers(Sequence):

@@ -115,11 +115,12 @@ class RankEngine:
         return logits, lambda t: self.model(torch.tensor([t], device=dev), cache)
 
     def _open(self, req: WorkerRequest) -> tuple[list[StagedSource], list[TierKey], list[Future]]:
+        keys = [self.key(d.tokens) for d in req.documents]
+        current = iter(self.prefetcher.open_all([(req.tenant, key, d.generation)
+                                                 for d, key in zip(req.documents, keys) if d.generation]))
         sources, pinned, published = [], [], []
-        for d in req.documents:
-            key = self.key(d.tokens)
-            opened = self.prefetcher.open(req.tenant, key, d.generation) if d.generation else \
-                self.prefetcher.open_older(req.tenant, key)
+        for d, key in zip(req.documents, keys):
+            opened = next(current) if d.generation else self.prefetcher.open_older(req.tenant, key)
             if opened is None:
                 sources.append(self.prefetcher.failed(FallbackReason.MISSING_SHARD,
                                                       f"document {d.id} has no current generation"))

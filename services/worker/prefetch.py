@@ -118,16 +118,22 @@ class Prefetcher:
         names = sorted({shard_file(e["name"]) for e in head_art.manifest["shards"] if e["layer"] in layers} - skip)
         return self._stream(tenant, key, generation, group, names)
 
-    def _fetch(self, tenant: str, key: DocumentKey, generation: int, shared: bool) -> StagedSource:
-        head = self._streams.submit(self._stream, tenant, key, generation, None)
-        if shared:              # every rank runs this, in the same order: the exchange jobs line up
-            groups = tuple((range(g.lo, g.hi), self.exchange.submit(
-                self._streams.submit(self._own_share, tenant, key, generation, i, head), range(g.lo, g.hi)))
-                for i, g in enumerate(self.groups))
-        else:
-            groups = tuple((range(g.lo, g.hi), self._streams.submit(self._stream, tenant, key, generation, i))
-                           for i, g in enumerate(self.groups))
-        return StagedSource(head, groups)
+    def _fetch_all(self, items: list[tuple[str, DocumentKey, int, bool]]) -> list[StagedSource]:
+        """Start fetching (tenant, key, generation, shared) documents: every head first, then layer group by layer
+        group across the documents (group 0 of every document, then group 1, ...), so the forward's first groups
+        arrive first whatever the number of documents (document by document, group 0 of the last one came with the
+        last bytes and the forward waited for nearly the whole fetch)."""
+        heads = [self._streams.submit(self._stream, t, k, gen, None) for t, k, gen, _ in items]
+        groups: list[list[tuple[range, Future]]] = [[] for _ in items]
+        for i, g in enumerate(self.groups):
+            layers = range(g.lo, g.hi)
+            for d, ((t, k, gen, shared), head) in enumerate(zip(items, heads)):
+                if shared:      # every rank runs this, in the same order: the exchange jobs line up
+                    fut = self.exchange.submit(self._streams.submit(self._own_share, t, k, gen, i, head), layers)
+                else:
+                    fut = self._streams.submit(self._stream, t, k, gen, i)
+                groups[d].append((layers, fut))
+        return [StagedSource(h, tuple(gs)) for h, gs in zip(heads, groups)]
 
     def _publish_when_done(self, tkey: TierKey, src: StagedSource, t0: float) -> None:
         """Once every stream of a fetch arrived: every shard verified against the certificate, the document parsed
@@ -161,15 +167,19 @@ class Prefetcher:
             with self._lock:
                 self._inflight.pop(tkey, None)
 
-    def _start(self, tenant: str, key: DocumentKey, generation: int, shared: bool = False
-               ) -> tuple[StagedSource, Future]:
-        tkey = (tenant, key.doc_id, generation)
+    def _start_all(self, items: list[tuple[str, DocumentKey, int, bool]]) -> list[tuple[StagedSource, Future]]:
+        """Each (tenant, key, generation, shared) document's fetch and its tier publication: joined where already in
+        flight, started (together, `_fetch_all`) where not."""
         with self._lock:
-            if tkey not in self._inflight:
-                src = self._fetch(tenant, key, generation, shared)
-                self._inflight[tkey] = src, self._publish.submit(self._publish_when_done, tkey, src,
-                                                                 time.perf_counter())
-            return self._inflight[tkey]
+            new: dict[TierKey, tuple] = {}
+            for t, k, gen, shared in items:
+                tkey = (t, k.doc_id, gen)
+                if tkey not in self._inflight and tkey not in new:
+                    new[tkey] = (t, k, gen, shared)
+            t0 = time.perf_counter()
+            for tkey, src in zip(new, self._fetch_all(list(new.values()))):
+                self._inflight[tkey] = src, self._publish.submit(self._publish_when_done, tkey, src, t0)
+            return [self._inflight[(t, k.doc_id, gen)] for t, k, gen, _ in items]
 
     # ------------------------------------------------------------------------------------------- requests
     def _lacks(self, tkey: TierKey) -> bool:
@@ -194,23 +204,33 @@ class Prefetcher:
         rank calls it with the same documents."""
         docs = [d for d in docs if d[2] > 0]
         lacks = [self._lacks((tenant, key.doc_id, gen)) for tenant, key, gen in docs]
-        for (tenant, key, gen), lack, shared in zip(docs, lacks, self._shared(lacks)):
-            if lack:
-                self._start(tenant, key, gen, shared)
+        self._start_all([(tenant, key, gen, shared) for (tenant, key, gen), lack, shared
+                         in zip(docs, lacks, self._shared(lacks)) if lack])
+
+    def open_all(self, docs: list[tuple[str, DocumentKey, int]]) -> list[Opened]:
+        """Each (tenant, key, generation) document's source: its tier entry (pinned: `tier.release(opened.pinned)`
+        when done) or a fetch from the store (joined when already in flight; those started here are fetched
+        together, group-major: `_fetch_all`). Never waits and never raises: failures arrive through the sources'
+        futures. Under TP a collective: every rank opens the same documents in the same order."""
+        tkeys = [(tenant, key.doc_id, gen) for tenant, key, gen in docs]
+        entries = [self.tier.lookup(tkey) for tkey in tkeys]
+        with self._lock:
+            lacks = [e is None and tkey not in self._inflight for e, tkey in zip(entries, tkeys)]
+        shared = self._shared(lacks)
+        started = iter(self._start_all([(t, k, gen, sh) for (t, k, gen), e, sh in zip(docs, entries, shared)
+                                        if e is None]))
+        out = []
+        for tkey, e in zip(tkeys, entries):
+            if e is not None:
+                out.append(Opened(HotSource(e.head, e.doc), tkey))
+            else:
+                src, published = next(started)
+                out.append(Opened(src, None, published))
+        return out
 
     def open(self, tenant: str, key: DocumentKey, generation: int) -> Opened:
-        """The document's source: its tier entry (pinned: `tier.release(opened.pinned)` when done) or a fetch
-        from the store (joined when already in flight). Never waits and never raises: failures arrive through
-        the source's futures. Under TP a collective: every rank opens the same documents in the same order."""
-        tkey = (tenant, key.doc_id, generation)
-        entry = self.tier.lookup(tkey)
-        with self._lock:
-            lack = entry is None and tkey not in self._inflight
-        shared = self._shared([lack])[0]
-        if entry is not None:
-            return Opened(HotSource(entry.head, entry.doc), tkey)
-        src, published = self._start(tenant, key, generation, shared)
-        return Opened(src, None, published)
+        """`open_all` of one document."""
+        return self.open_all([(tenant, key, generation)])[0]
 
     def open_older(self, tenant: str, key: DocumentKey) -> Opened | None:
         """The newest tier entry of a document that has no current generation (the certificate check names it

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from runtime.reuse.artifact import DocumentArtifact, LayerArtifact
-from runtime.reuse.stager import SourceError
+from runtime.reuse.stager import SourceError, Trace
 from runtime.reuse.store import ArtifactHead
 from services.common.tenants import Tenants
 from services.worker.engine import RankReport, root_cause
@@ -98,3 +98,27 @@ def test_root_cause_names_the_rank_that_rejected_on_its_own():
     both = [RankReport(0, "rank_disagreement", "bindings differ", f, t, 0),
             RankReport(1, "rank_disagreement", "bindings differ", f, t, 0)]
     assert root_cause(both)[0] == "rank_disagreement"
+
+
+def test_open_all_fetches_every_head_then_group_by_group_across_documents(store, client):
+    """One fetch stream: the store is asked for every document's head first, then group 0 of every document,
+    then group 1, ... (document by document, the forward's first group of the last document came with the last
+    bytes, and the forward waited for nearly the whole fetch)."""
+    keys = [doc_key(f"order{i}", tp_size=2) for i in range(3)]
+    for k in keys:
+        client.put_generation(k, make_generation(k, layers=5, channels=64), 1)
+    trace = Trace()
+    pf = Prefetcher(PinnedTier(0), Tenants(TOKENS), store.target, rank=0, channels=(0, 64), n_layers=5,
+                    layer_group=2, threads=1, trace=trace)
+    try:
+        opened = pf.open_all([("acme", k, 1) for k in keys])
+        assert [o.pinned for o in opened] == [None] * 3
+        for o in opened:
+            [f.result() for _, f in o.source.groups]
+        starts = [g for e, g in trace.events if e == "fetch_start"]
+        assert starts == [-1] * 3 + [0] * 3 + [1] * 3 + [2] * 3
+        # a document named twice is fetched once; one already in flight is joined
+        again = pf.open_all([("acme", keys[0], 1), ("acme", keys[0], 1)])
+        assert again[0].source is again[1].source
+    finally:
+        pf.close()
