@@ -145,15 +145,15 @@ def main() -> int:
         # the worker's request queue may hold a long build's worth of requests; one API call may take minutes
         worker_env={"REDKNOT_WORKER_REQUEST_TIMEOUT_S": "1800"}, api_env={"REDKNOT_API_GENERATE_TIMEOUT_S": "1800"}))
     t = time.perf_counter()
-    stack.start(progress=lambda n: print(f"  {n} ready ({time.perf_counter() - t:.0f} s)", flush=True))
+    # builds first, with no worker: one GPU holds one Flash-sized model and its work at a time (two models and a
+    # builder's forward beside them ran out of the H200's memory); in a deployment builders have GPUs of their own.
+    # The cold case needs both at once: the worker starts before it, the builder stays.
+    stack.start(progress=lambda n: print(f"  {n} ready ({time.perf_counter() - t:.0f} s)", flush=True),
+                defer=("worker",))
     rows: dict[int, dict] = {}
     builder_code = None
     try:
         with _client(stack) as c:
-            # builds first, with the worker stopped: one GPU holds one Flash-sized model and its work at a time (two
-            # models and a builder's forward beside them ran out of the H200's memory); in a deployment builders have
-            # GPUs of their own. The cold case needs both at once: the worker starts before it, the builder stays.
-            stack.services["worker"].stop()
             for L in lengths:
                 docs, _ = request(cfg, L, args.docs, 1, seed=L, spread=args.doc_lengths)
                 row = rows[L] = dict(length=L, tokens=sum(map(len, docs)) + n_q, docs=args.docs)
