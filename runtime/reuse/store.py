@@ -254,7 +254,7 @@ if hasattr(torch, "float8_e8m0fnu"):
 def _safetensors_views(raw) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors file held in `raw` (bytes, bytearray or a memoryview), as VIEWS of its bytes:
     no copy. `safetensors.torch.load` copies every tensor out of the file's bytes while it holds the GIL, so the
-    worker's staging threads copied one at a time (`bench/staging.py` measures both). The header is checked as strictly as
+    worker's staging threads copied one at a time. The header is checked as strictly as
     safetensors checks it: JSON of tensors with a known dtype, a shape of non-negative ints and data offsets that
     tile the data section exactly, in order. A tensor whose offset is not a multiple of its element size is copied
     (safetensors' writer aligns them; this keeps any valid file readable). Views of read-only bytes must not be
