@@ -1,6 +1,9 @@
 """One build: every TP rank runs the producer on the document (its own heads and channel range), rank 0 uploads
 all ranks' shards to the store as one generation and commits it, then marks the document ready and
-acknowledges the queue entry. A job that fails is retried with exponential backoff, then dead-lettered.
+acknowledges the queue entry. A job that fails is retried with exponential backoff, then dead-lettered; a job whose
+registry record is unreadable is dead-lettered at once with that reason. A lost Redis connection never stops the
+builder: the loop backs off (REDIS_RETRY_S doubling to REDIS_RETRY_MAX_S) and carries on once Redis answers again;
+the job it held stays pending in the stream and is claimed again.
 
 Invariants:
 - nothing is visible before the store's atomic commit; a builder killed at any step leaves at most an
@@ -18,12 +21,14 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+import redis
+
 from runtime.model.deepseek_v4 import Transformer
 from runtime.reuse.profile import ReuseProfile
 from runtime.reuse.request import ServingIdentity, build
 from services.common.build_queue import BuildQueue, Job
 from services.common.failpoints import Failpoints
-from services.common.registry import Registry
+from services.common.registry import CorruptRecord, Registry
 from services.common.tenants import Tenants
 from services.common.tp import STOP, RankGroup
 from services.store.artifact_dir import read_generation
@@ -34,6 +39,8 @@ from .metrics import BuilderMetrics
 from .settings import BuilderSettings
 
 log = logging.getLogger("redknot.builder")
+REDIS_RETRY_S, REDIS_RETRY_MAX_S = 0.25, 5.0      # back within seconds of Redis (the target: 30 s)
+REDIS_LOST = (redis.ConnectionError, redis.TimeoutError)     # BusyLoadingError (Redis replaying its AOF) included
 
 
 @dataclass(frozen=True)
@@ -79,20 +86,39 @@ class Builder:
     def run(self) -> None:
         shutil.rmtree(self.workdir, ignore_errors=True)        # leftovers of a killed builder: never uploaded
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.queue.ensure_group()
         print(f"redknot builder: consuming as {self.s.consumer!r} (tp {self.group.size})", flush=True)
+        lost, grouped = 0, False                    # consecutive passes without Redis; the consumer group exists
         while not self.stop.is_set():
-            self.metrics.queue_depth.set(self.queue.depth())
-            job = self.queue.claim(self.s.consumer, block_ms=500)
-            if job is None:
-                self.group.broadcast(None)          # followers wait in the broadcast; an idle tick keeps it short
-                continue
-            self.process(job)
+            try:
+                if not grouped:
+                    self.queue.ensure_group()
+                    grouped = True
+                self.metrics.queue_depth.set(self.queue.depth())
+                job = self.queue.claim(self.s.consumer, block_ms=500)
+                if job is None:
+                    self.group.broadcast(None)      # followers wait in the broadcast; an idle tick keeps it short
+                else:
+                    self.process(job)
+                lost = 0
+            except REDIS_LOST as e:
+                lost += 1
+                delay = min(REDIS_RETRY_S * 2 ** (lost - 1), REDIS_RETRY_MAX_S)
+                self.metrics.redis_errors.inc()
+                log.warning("Redis unavailable (%s: %s); retrying in %.2fs", type(e).__name__, e, delay)
+                self.group.broadcast(None)
+                self.stop.wait(delay)
         self.group.broadcast(STOP)
 
     # -------------------------------------------------------------------------------------------------
     def process(self, job: Job) -> None:
-        rec = self.registry.get(job.tenant, job.doc)
+        try:
+            rec = self.registry.get(job.tenant, job.doc)
+        except CorruptRecord as e:                 # nothing to build from: say why, and go on with the queue
+            err = f"{type(e).__name__}: {e}"
+            self.queue.dead_letter(job, 0, err)
+            self.metrics.builds.labels("dead_letter").inc()
+            log.error("job %s/%s dead-lettered: its registry record is unreadable: %s", job.tenant, job.doc, e)
+            return
         if rec is None or rec.status == "retired" or (rec.status == "ready" and
                                                        rec.generation >= rec.target_generation):
             self.queue.done(job)                    # nothing to build, or a duplicate of a finished job
@@ -119,7 +145,7 @@ class Builder:
             err = f"{type(e).__name__}: {e}"
             log.warning("build of %s/%s failed (attempt %d): %s\n%s", job.tenant, job.doc, attempt, err,
                         traceback.format_exc())
-            if attempt < self.s.max_attempts:
+            if attempt < self.s.max_attempts and not isinstance(e, CorruptRecord):    # a broken record stays broken
                 delay = min(self.s.backoff_s * 2 ** (attempt - 1), self.s.backoff_max_s)
                 self.registry.update(job.tenant, job.doc, status="queued", stage=f"retry in {delay:.1f}s",
                                      error=err)

@@ -15,5 +15,7 @@ class BuilderMetrics:
         self.builds = Counter("redknot_builds", "Build attempts by result", ["result"], registry=r)
         self.seconds = Histogram("redknot_build_seconds", "Producer + upload time per document",
                                  buckets=(.1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800), registry=r)
+        self.redis_errors = Counter("redknot_builder_redis_errors", "Build-loop passes that lost Redis (the loop "
+                                    "backs off and retries; it never exits on a lost connection)", registry=r)
         for res in RESULTS:
             self.builds.labels(res)

@@ -32,7 +32,8 @@ def rank_main(group: RankGroup, s: BuilderSettings) -> None:
     if not group.leader:
         follow(group, model, profile, ident)
         return
-    r = sync_client(s.redis_url, socket_timeout=30, socket_connect_timeout=5)
+    # pooled connections idle for 30 s are checked before use (a Redis restart leaves them dead)
+    r = sync_client(s.redis_url, socket_timeout=30, socket_connect_timeout=5, health_check_interval=30)
     metrics = BuilderMetrics()
     http = None
     if s.metrics_listen:

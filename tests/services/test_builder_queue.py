@@ -3,6 +3,7 @@ redelivery after a crash, retries with backoff, the dead-letter stream, idempote
 from __future__ import annotations
 
 import json
+import threading
 import time
 import uuid
 
@@ -18,6 +19,7 @@ from services.builder.settings import BuilderSettings
 from services.common.build_queue import BuildQueue
 from services.common.registry import Registry
 from services.common.serving import checkpoint_identity, load_profile
+from services.common.stack import free_port, redis_service
 from services.common.tenants import Tenants
 from services.common.tp import RankGroup
 from services.store.keys import DocumentKey
@@ -116,3 +118,65 @@ def test_builder_retries_with_backoff_then_dead_letters_then_builds_idempotently
     rec = reg.get("acme", "d" * 32)
     assert rec.status == "ready" and rec.generation == 1 and rec.attempts == 2
     assert up.metrics.builds.labels("ok")._value.get() == 2
+
+
+def _until(cond, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"not within {timeout_s}s: {what}"
+        time.sleep(0.05)
+
+
+def test_builder_outlives_a_redis_kill_and_a_corrupt_record(checkpoint, tmp_path, store):
+    """The builder's loop on its own real redis-server (AOF, as the local stack and the chart run it): SIGKILL of
+    Redis while the loop runs does not stop it (it backs off, counted), a document uploaded after Redis is back is
+    built, and a job whose registry record is unreadable is dead-lettered with that reason while the next job
+    builds."""
+    port = free_port()
+    rs = redis_service(port, tmp_path / "redis", tmp_path / "redis.log")
+    rs.start(tmp_path)
+    rs.wait_ready(30)
+    r = redis.Redis(port=port, socket_timeout=5, socket_connect_timeout=2, health_check_interval=1)
+    prefix = "rkbuilder"
+    b = make_builder(checkpoint, r, prefix, tmp_path, store.target)
+    loop = threading.Thread(target=b.run, daemon=True)
+    loop.start()
+    reg = Registry(r, prefix)
+    tokenizer = load_tokenizer(checkpoint)
+    try:
+        reg.create("acme", "d" * 32, tokenizer.encode("The ferry crosses at dawn and at dusk. " * 2).ids, "text")
+        _until(lambda: reg.get("acme", "d" * 32).status == "ready", 120, "a build before the kill")
+        rs.kill()
+        _until(lambda: b.metrics.redis_errors._value.get() >= 2, 30, "the loop meets the dead Redis")
+        assert loop.is_alive()
+        rs.start(tmp_path)
+        rs.wait_ready(30)
+        tokens = tokenizer.encode("A lock keeper logs every barge that passes the weir. " * 2).ids
+        reg.create("acme", "e" * 32, tokens, "text")
+        _until(lambda: reg.get("acme", "e" * 32).status == "ready", 120, "the document uploaded after the restart")
+        assert loop.is_alive()
+
+        r.hset(reg._doc("acme", "d" * 32), "generation", "one")       # d's record no longer parses
+        r.xadd(b.queue.stream, {"tenant": "acme", "doc": "d" * 32})      # a redelivery of d's job
+        reg.create("acme", "g" * 32, tokens[3:], "text")
+        _until(lambda: reg.get("acme", "g" * 32).status == "ready", 120, "the job after the corrupt one")
+        dead = b.queue.dead_letters()
+        assert [d["doc"] for d in dead] == ["d" * 32] and "unreadable" in dead[0]["error"]
+        assert loop.is_alive() and b.queue.depth() == 0
+    finally:
+        b.stop.set()
+        loop.join(30)
+        rs.stop()
+    assert not loop.is_alive()
+
+
+def test_a_job_whose_tokens_are_gone_is_dead_lettered_at_once(checkpoint, r, prefix, tmp_path, store):
+    reg = Registry(r, prefix)
+    reg.create("acme", "h" * 32, [5, 6, 7, 8], "tokens")
+    r.delete(reg._tokens("acme", "h" * 32))
+    b = make_builder(checkpoint, r, prefix, tmp_path, store.target, max_attempts=4)
+    b.process(b.queue.claim("b0", block_ms=10))
+    dead = b.queue.dead_letters()
+    assert [d["doc"] for d in dead] == ["h" * 32] and "tokens are missing" in dead[0]["error"]
+    rec = reg.get("acme", "h" * 32)
+    assert rec.status == "failed" and rec.attempts == 1 and b.queue.depth() == 0      # no retry of what cannot heal
