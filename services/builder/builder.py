@@ -68,6 +68,11 @@ def follow(group: RankGroup, model: Transformer, profile: ReuseProfile, ident: S
             group.gather(build_rank(group, model, profile, ident, task))
 
 
+def retry_delay(s: BuilderSettings, attempt: int) -> float:
+    """The wait after failed attempt `attempt` (1-based): backoff_s doubling, capped at backoff_max_s."""
+    return min(s.backoff_s * 2 ** (attempt - 1), s.backoff_max_s)
+
+
 class BuildError(RuntimeError):
     """A rank failed to produce its artifact; the job is retried."""
 
@@ -146,7 +151,7 @@ class Builder:
             log.warning("build of %s/%s failed (attempt %d): %s\n%s", job.tenant, job.doc, attempt, err,
                         traceback.format_exc())
             if attempt < self.s.max_attempts and not isinstance(e, CorruptRecord):    # a broken record stays broken
-                delay = min(self.s.backoff_s * 2 ** (attempt - 1), self.s.backoff_max_s)
+                delay = retry_delay(self.s, attempt)
                 self.registry.update(job.tenant, job.doc, status="queued", stage=f"retry in {delay:.1f}s",
                                      error=err)
                 self.queue.retry(job, attempt, delay)

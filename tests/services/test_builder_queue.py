@@ -13,7 +13,7 @@ import redis
 from runtime.model.checkpoint import build_demo_tokenizer, load_tokenizer, random_state, write_official_checkpoint
 from runtime.model.config import tiny
 from runtime.model.loader import load_model
-from services.builder.builder import Builder
+from services.builder.builder import Builder, retry_delay
 from services.builder.metrics import BuilderMetrics
 from services.builder.settings import BuilderSettings
 from services.common.build_queue import BuildQueue
@@ -180,3 +180,12 @@ def test_a_job_whose_tokens_are_gone_is_dead_lettered_at_once(checkpoint, r, pre
     assert [d["doc"] for d in dead] == ["h" * 32] and "tokens are missing" in dead[0]["error"]
     rec = reg.get("acme", "h" * 32)
     assert rec.status == "failed" and rec.attempts == 1 and b.queue.depth() == 0      # no retry of what cannot heal
+
+
+def test_default_retries_outlast_a_store_restart():
+    """With the default settings a build waits two minutes in all before its last attempt (a store restart takes
+    seconds), the waits doubling and bounded."""
+    s = BuilderSettings()
+    waits = [retry_delay(s, a) for a in range(1, s.max_attempts)]
+    assert sum(waits) >= 120 and all(w <= s.backoff_max_s for w in waits)
+    assert waits == sorted(waits) and waits[0] == s.backoff_s
