@@ -44,6 +44,9 @@ class Outcome:
     # continues this request by one token in the arm that ran (reuse: ReuseEngine.decode over the kept request
     # state; recompute: the native cache of the full prefill) and returns the next logits; no second prefill
     step: Callable[[int], torch.Tensor] | None = field(default=None, repr=False)
+    # on a fallback: the index of the document whose artifact THIS rank rejected (its certificate, manifest or a
+    # shard; None where the rank only followed another's reject or nothing of one document was at fault)
+    document: int | None = None
 
     @property
     def fell_back(self) -> bool:
@@ -88,14 +91,14 @@ def _validate(model: Transformer, profile: ReuseProfile, ident: ServingIdentity,
 
 
 def _recompute(model: Transformer, padded: list[list[int]], question: list[int], verdict: Verdict,
-               counter: FallbackCounter | None) -> Outcome:
+               counter: FallbackCounter | None, document: int | None = None) -> Outcome:
     if counter is not None:
         counter.observe(verdict)
     dev = model.embed.weight.device
     full = torch.tensor([t for p in padded for t in p] + list(question), device=dev)
     cache = model.new_cache()
     return Outcome(model(full, cache), "recompute", verdict, None,
-                   step=lambda t: model(torch.tensor([t], device=dev), cache))
+                   step=lambda t: model(torch.tensor([t], device=dev), cache), document=document)
 
 
 def _prefetched(model: Transformer, arts: list) -> list:
@@ -160,6 +163,8 @@ def answer_staged(model: Transformer, profile: ReuseProfile, docs: list[list[int
         head, v = read_head(files, expect) if v.ok else (None, v)
         return head, head.certificate if v.ok else None, v
     heads, bindings, verdict = _validate(model, profile, ident, padded, sources, current_generation, read)
+    document = None if verdict.ok else len(heads)      # `_validate` stops at the first document it rejects
+    own = verdict
     hot = all(isinstance(s, HotSource) for s in sources)
     if model.par.size > 1:      # every rank takes the same path (the staged one runs per-group agreements)
         hot = all((control or model.par).all_gather_object(hot))
@@ -173,5 +178,7 @@ def answer_staged(model: Transformer, profile: ReuseProfile, docs: list[list[int
         try:
             return _reuse(model, profile, stager.documents(), question, verdict)
         except StagingRejected as r:
-            verdict = r.verdict
-    return _recompute(model, padded, question, verdict, counter)
+            verdict, document = r.verdict, r.document
+    elif own.ok:
+        document = None                                 # this rank accepted every document: it follows
+    return _recompute(model, padded, question, verdict, counter, document)

@@ -86,9 +86,10 @@ class StagingRejected(Exception):
     """A layer group that some rank could not verify, raised on every rank at the same layer. `verdict` is the
     agreed one (this rank's own reason when it rejected, rank_disagreement otherwise)."""
 
-    def __init__(self, group: int, verdict: Verdict):
+    def __init__(self, group: int, verdict: Verdict, document: int | None = None):
         super().__init__(f"layer group {group}: {verdict.reason.value}: {verdict.detail}")
         self.group, self.verdict = group, verdict
+        self.document = document        # the index of the document whose shards THIS rank rejected (None: it followed)
 
 
 class Trace:
@@ -119,6 +120,7 @@ class Trace:
 class _Staged:
     verdict: Verdict
     layers: list[list[LayerArtifact]] | None = None      # per document, the group's layers (verified, in host memory)
+    document: int | None = None                          # the first document whose part was rejected
 
 
 STAGE_THREADS = 8
@@ -190,8 +192,8 @@ class GroupStager:
         """Group g once every document's part is staged: the first reject in document order, else its layers."""
         if g not in self._groups_done:
             parts = [f.result() for f in self._futures[g]]
-            bad = next((v for _, v in parts if not v.ok), None)
-            self._groups_done[g] = _Staged(bad) if bad is not None else \
+            bad = next((j for j, (_, v) in enumerate(parts) if not v.ok), None)
+            self._groups_done[g] = _Staged(parts[bad][1], document=bad) if bad is not None else \
                 _Staged(Verdict.accept(), [arts for arts, _ in parts])
         return self._groups_done[g]
 
@@ -204,9 +206,10 @@ class GroupStager:
         g = self.group_of(layer)
         while self._agreed < g:                 # groups are agreed in order, each once, on every rank alike
             h = self._agreed + 1
-            verdict = agree(self._group(h).verdict, self.control)
+            own = self._group(h)
+            verdict = agree(own.verdict, self.control)
             if not verdict.ok:
-                raise StagingRejected(h, verdict)
+                raise StagingRejected(h, verdict, own.document)
             self._agreed = h
         st = self._group(g)
         if g not in self._consumed:

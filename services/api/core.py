@@ -6,6 +6,7 @@ operation is scoped by the caller's tenant; an upload is acknowledged only once 
 script creates the record and enqueues the build)."""
 from __future__ import annotations
 
+import logging
 import unicodedata
 from dataclasses import dataclass
 
@@ -20,10 +21,12 @@ from services.store.keys import DocumentKey
 from services.worker.protocol import WorkerDocument, WorkerRequest
 
 from .errors import BrokenDocument, Conflict, DocumentNotFound, InvalidInput, NotReady, PayloadTooLarge
-from .metrics import ApiMetrics
+from .metrics import REBUILD_REASONS, ApiMetrics
 from .models import (BrokenDocumentInfo, Document, DocumentPage, FallbackInfo, GeneratedDocument, GenerateRequest,
                      GenerateResult, Ledger)
 from .worker_client import WorkerClient
+
+log = logging.getLogger("redknot.api")
 
 MAX_PAGE_TOKEN = 10**9
 # Unicode categories that draw nothing: controls (NUL included), format characters (zero-width space, joiners,
@@ -202,12 +205,26 @@ class ArtifactApi:
         docs = [WorkerDocument(id=r.id, tokens=self._tokens(tenant, r), generation=r.generation) for r in recs]
         resp = self.worker.generate(WorkerRequest(tenant=tenant, documents=docs, question=question,
                                                   max_new_tokens=p.max_new_tokens, arm=p.arm))
+        self._heal(tenant, recs, resp)
         return GenerateResult(
             answer=self.tokenizer.decode(resp.tokens), tokens=resp.tokens, arm_requested=p.arm, arm=resp.arm,
             ttft_s=resp.ttft_s, fetch_s=resp.fetch_s,
             ledger=Ledger.model_validate(resp.ledger) if resp.ledger is not None else None,
             fallback=FallbackInfo.model_validate(resp.fallback.model_dump()) if resp.fallback else None,
             documents=[GeneratedDocument(id=r.id, generation=r.generation) for r in recs])
+
+    def _heal(self, tenant: str, recs: list[DocumentRecord], resp) -> None:
+        """A request that fell back because one document's artifact is broken (digest, missing shard or layer)
+        queues that document for a rebuild under a new generation (once, however many requests meet it); until it
+        is ready, requests fall back, counted, as before."""
+        fb = resp.fallback
+        if fb is None or fb.reason not in REBUILD_REASONS or fb.document is None:
+            return
+        rec = next((r for r in recs if r.id == fb.document), None)
+        if rec is not None and self.registry.rebuild(tenant, rec.id, rec.generation, fb.reason):
+            self.metrics.rebuilds.labels(fb.reason).inc()
+            log.warning("document %s/%s generation %d: %s: queued for a rebuild", tenant, rec.id, rec.generation,
+                        fb.reason)
 
     # ------------------------------------------------------------------------------------------- health
     def ready(self) -> None:

@@ -7,6 +7,7 @@ from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 METHODS = ("GET", "POST", "DELETE", "PUT", "PATCH", "HEAD", "OPTIONS")
+REBUILD_REASONS = ("digest_mismatch", "missing_shard", "missing_layer")    # a broken artifact: build it again
 UNMATCHED = "unmatched"         # the route label of a path no route serves (bounded: never the raw path)
 
 
@@ -18,6 +19,11 @@ class ApiMetrics:
         for arm in ("reuse", "recompute"):
             for outcome in ("ok", "error"):
                 self.requests.labels(arm, outcome)
+        self.rebuilds = Counter("redknot_rebuilds", "Documents queued for a rebuild because a request met their "
+                                "artifact broken (digest, missing shard or layer), by that reason", ["reason"],
+                                registry=self.registry)
+        for reason in REBUILD_REASONS:
+            self.rebuilds.labels(reason)
         self.responses = Counter("redknot_api_responses", "Every HTTP response of the API by method, route "
                                  "template and status code", ["method", "route", "status"], registry=self.registry)
 

@@ -104,6 +104,9 @@ class FallbackInfo(BaseModel):
     reason: str = Field(description="root cause over every rank (a FallbackReason value)")
     detail: str
     ranks: list[str | None] = Field(description="each TP rank's own verdict")
+    document: str | None = Field(None, description="the document whose artifact failed verification, where one "
+                                                   "did; a broken artifact (digest, missing shard or layer) is "
+                                                   "rebuilt automatically under a new generation")
 
 
 class GeneratedDocument(BaseModel):

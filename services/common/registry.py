@@ -85,6 +85,25 @@ redis.call('HSET', KEYS[1], 'status', 'retired', 'stage', 'retired', 'generation
 return 1
 """
 
+# KEYS: doc, stream. ARGV: tenant, id, broken generation, reason, now_ms. A ready document whose current generation
+# is the broken one is queued for a build under a new generation (above every retired one); return 1. Anything else
+# (not ready, another generation current, a rebuild already queued): nothing changes, return 0.
+_REBUILD = """
+if redis.call('HGET', KEYS[1], 'status') ~= 'ready' then return 0 end
+local broken = tonumber(ARGV[3])
+if tonumber(redis.call('HGET', KEYS[1], 'generation')) ~= broken then return 0 end
+local target = tonumber(redis.call('HGET', KEYS[1], 'target_generation'))
+if target > broken then return 0 end
+target = broken + 1
+for _, g in ipairs(cjson.decode(redis.call('HGET', KEYS[1], 'retired'))) do
+  if g >= target then target = g + 1 end
+end
+redis.call('HSET', KEYS[1], 'status', 'queued', 'stage', 'rebuild: ' .. ARGV[4], 'progress', '0', 'attempts', '0',
+           'error', '', 'target_generation', tostring(target), 'updated_ms', ARGV[5])
+redis.call('XADD', KEYS[2], '*', 'tenant', ARGV[1], 'doc', ARGV[2])
+return 1
+"""
+
 # KEYS: doc. ARGV: field, value, ... Set fields of a record that exists; never create one.
 _UPDATE = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
@@ -170,6 +189,7 @@ class Registry:
         self._ready = r.register_script(_READY)
         self._retired = r.register_script(_RETIRED)
         self._update = r.register_script(_UPDATE)
+        self._rebuild = r.register_script(_REBUILD)
 
     def _doc(self, tenant: str, doc_id: str) -> str:
         return f"{queue_tag(self.prefix)}:doc:{tenant}:{doc_id}"
@@ -225,6 +245,13 @@ class Registry:
 
     def mark_retired(self, tenant: str, doc_id: str, generation: int) -> None:
         self._retired(keys=[self._doc(tenant, doc_id)], args=[generation, now_ms()])
+
+    def rebuild(self, tenant: str, doc_id: str, broken_generation: int, reason: str) -> bool:
+        """Queue a ready document whose current generation `broken_generation` failed verification for a build
+        under a new generation; False where nothing changed (not ready, another generation current, a rebuild
+        already queued: many requests that meet one broken artifact queue one rebuild)."""
+        return bool(self._rebuild(keys=[self._doc(tenant, doc_id), self.stream],
+                                  args=[tenant, doc_id, broken_generation, reason, now_ms()]))
 
     # -------------------------------------------------------------------------------------------- builder
     def update(self, tenant: str, doc_id: str, **fields) -> None:

@@ -56,13 +56,15 @@ class RankReport:
     fetch: FetchStats
     tier: TierCounts
     tier_bytes: int
+    document: int | None = None         # the index of the document whose artifact this rank rejected on its own
 
 
-def root_cause(reports: list[RankReport]) -> tuple[str, str]:
-    """A rank that rejected for its own reason names the fallback; the others only followed it."""
+def root_cause(reports: list[RankReport]) -> tuple[str, str, int | None]:
+    """A rank that rejected for its own reason names the fallback (and the document at fault, where one was);
+    the others only followed it."""
     own = [r for r in reports if r.reason and r.reason != FallbackReason.RANK_DISAGREEMENT.value]
     r = (own or [x for x in reports if x.reason])[0]
-    return r.reason, f"rank {r.rank}: {r.detail}"
+    return r.reason, f"rank {r.rank}: {r.detail}", r.document
 
 
 def greedy(logits: torch.Tensor, step: Callable[[int], torch.Tensor], n: int, eos: int) -> list[int]:
@@ -142,7 +144,7 @@ class RankEngine:
         t0 = time.perf_counter()
         if req.arm == "recompute":
             logits, step = self._recompute(docs, req.question)
-            arm, ledger, verdict = "recompute", None, Verdict.accept()
+            arm, ledger, verdict, document = "recompute", None, Verdict.accept(), None
         else:
             sources, pinned, published = self._open(req)
             stamps = _stamp(sources)
@@ -152,7 +154,7 @@ class RankEngine:
                                     self.binding.ident, [d.generation for d in req.documents],
                                     control=self.group.control, trace=self.trace,
                                     groups=[range(g.lo, g.hi) for g in self.prefetcher.groups])
-                logits, step, arm, verdict = out.logits, out.step, out.arm, out.verdict
+                logits, step, arm, verdict, document = out.logits, out.step, out.arm, out.verdict, out.document
                 ledger = out.ledger.summary() if out.ledger is not None else None
                 if verdict.reason in _DROP_ON:      # this rank's own copy failed (others say rank_disagreement)
                     for k in pinned:
@@ -171,13 +173,14 @@ class RankEngine:
         self.failpoints.hit("after_fetch")
         reports = self.group.gather(RankReport(self.group.rank, verdict.reason.value if verdict.reason else None,
                                                verdict.detail, self.prefetcher.take_stats(), self.tier.take_counts(),
-                                               self.tier.used))
+                                               self.tier.used, document))
         if not self.group.leader:
             return None, reports
         fallback = None
         if arm != req.arm:
-            reason, detail = root_cause(reports)
-            fallback = Fallback(reason=reason, detail=detail, ranks=[r.reason for r in reports])
+            reason, detail, doc = root_cause(reports)
+            fallback = Fallback(reason=reason, detail=detail, ranks=[r.reason for r in reports],
+                                document=req.documents[doc].id if doc is not None else None)
             log.info("fallback to recomputation: %s (%s)", reason, detail)
         if ledger is not None:
             ledger["ttft_s"] = {arm: ttft}

@@ -28,6 +28,7 @@ class Fallback(BaseModel):
     reason: str                         # a FallbackReason value: the root cause over every rank
     detail: str
     ranks: list[str | None]             # each rank's own verdict reason
+    document: str | None = None         # the id of the document whose artifact the root-cause rank rejected
 
 
 class WorkerResponse(BaseModel):

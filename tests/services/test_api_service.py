@@ -206,6 +206,16 @@ def test_corrupted_shard_is_a_counted_fallback_with_the_recompute_answer(stack, 
     after = fallbacks(stack)
     assert after["digest_mismatch"] == before["digest_mismatch"] + 1
     assert sum(after.values()) == sum(before.values()) + 1
+    # self-healing: the broken document (named by the fallback) is rebuilt under a new generation, once, and then
+    # the same request reuses
+    assert out["fallback"]["document"] == ids[1]
+    assert scrape(stack.metrics_targets()["api"])['redknot_rebuilds_total{reason="digest_mismatch"}'] == 1
+    with api(stack) as c:
+        doc = wait_status(c, ids[1], {"ready"}, generation=2)
+        assert doc["generation"] == 2 and c.get(f"/v1/documents/{ids[0]}").json()["generation"] == 1
+        healed = generate(c, ids, "reuse")
+    assert healed["arm"] == "reuse" and healed["fallback"] is None
+    assert scrape(stack.metrics_targets()["api"])['redknot_rebuilds_total{reason="digest_mismatch"}'] == 1
 
 
 def test_retired_generation_is_a_counted_fallback_with_the_recompute_answer(stack, checkpoint, built):

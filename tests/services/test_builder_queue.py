@@ -189,3 +189,29 @@ def test_default_retries_outlast_a_store_restart():
     waits = [retry_delay(s, a) for a in range(1, s.max_attempts)]
     assert sum(waits) >= 120 and all(w <= s.backoff_max_s for w in waits)
     assert waits == sorted(waits) and waits[0] == s.backoff_s
+
+
+def test_registry_rebuild_queues_a_broken_generation_once(r, prefix):
+    reg, q = Registry(r, prefix), BuildQueue(r, prefix)
+    q.ensure_group()
+    reg.create("acme", "k" * 32, [5, 6, 7], "tokens")
+    q.done(q.claim("b0", block_ms=10))
+    assert not reg.rebuild("acme", "k" * 32, 1, "digest_mismatch")          # queued, not ready: nothing to heal
+    reg.mark_ready("acme", "k" * 32, 1, {"doc_id": "x"}, 10, 2, 0.1)
+    assert not reg.rebuild("acme", "k" * 32, 2, "digest_mismatch")          # not the current generation
+    assert reg.rebuild("acme", "k" * 32, 1, "digest_mismatch")
+    assert not reg.rebuild("acme", "k" * 32, 1, "missing_shard")            # already queued: one rebuild
+    rec = reg.get("acme", "k" * 32)
+    assert (rec.status, rec.generation, rec.target_generation) == ("queued", 1, 2)
+    assert rec.stage == "rebuild: digest_mismatch" and q.depth() == 1
+    q.done(q.claim("b0", block_ms=10))
+    reg.mark_ready("acme", "k" * 32, 2, {"doc_id": "x"}, 10, 2, 0.1)
+    reg.mark_retired("acme", "k" * 32, 2)
+    reg.create("acme", "k" * 32, [5, 6, 7], "tokens")                         # uploaded again: generation 3
+    q.done(q.claim("b0", block_ms=10))
+    reg.mark_ready("acme", "k" * 32, 3, {"doc_id": "x"}, 10, 2, 0.1)
+    r.hset(reg._doc("acme", "k" * 32), "retired", "[2, 7]")                  # a retired number above: never reused
+    assert reg.rebuild("acme", "k" * 32, 3, "missing_layer")
+    assert reg.get("acme", "k" * 32).target_generation == 8
+    assert not reg.rebuild("nobody", "k" * 32, 3, "missing_layer")           # no record: nothing is created
+    assert reg.get("nobody", "k" * 32) is None

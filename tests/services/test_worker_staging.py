@@ -131,6 +131,7 @@ def test_a_corrupted_late_group_restarts_the_request_in_the_recompute_arm(setup,
                             counter=counter, trace=trace)
     assert out.arm == "recompute" and out.ledger is None
     assert out.verdict.reason is FallbackReason.DIGEST_MISMATCH and "layer05" in out.verdict.detail
+    assert out.document == 1                                              # the document at fault, for a rebuild
     assert counter.snapshot()["digest_mismatch"] == 1 and sum(counter.snapshot().values()) == 1
     assert torch.equal(out.logits, rec)
     nxt = int(rec.argmax())
@@ -211,6 +212,7 @@ def test_the_worker_streams_groups_from_the_store_then_the_tier_and_falls_back_o
     try:
         out, _ = fresh.run(_request(docs, question))
         assert out.arm == "recompute" and out.fallback.reason == "digest_mismatch" and out.tokens == rec.tokens
+        assert out.fallback.document == "d1"                          # the worker names the document at fault
         assert len(fresh.tier.keys()) <= 1                            # the corrupt fetch was never published
     finally:
         fresh.prefetcher.close()

@@ -93,8 +93,8 @@ def test_root_cause_names_the_rank_that_rejected_on_its_own():
     f = FetchStats()
     t = TierCounts()
     reports = [RankReport(0, "rank_disagreement", "rejected by rank 1", f, t, 0),
-               RankReport(1, "digest_mismatch", "shard layer02.local altered", f, t, 0)]
-    assert root_cause(reports) == ("digest_mismatch", "rank 1: shard layer02.local altered")
+               RankReport(1, "digest_mismatch", "shard layer02.local altered", f, t, 0, document=3)]
+    assert root_cause(reports) == ("digest_mismatch", "rank 1: shard layer02.local altered", 3)
     both = [RankReport(0, "rank_disagreement", "bindings differ", f, t, 0),
             RankReport(1, "rank_disagreement", "bindings differ", f, t, 0)]
     assert root_cause(both)[0] == "rank_disagreement"
