@@ -84,6 +84,6 @@ def main(s: ApiSettings) -> int:
     protocol = type("HeadDeadline", (_HeadDeadline,), {"head_timeout_s": s.head_timeout_s})
     print(f"redknot api: serving on {host}:{port}", flush=True)
     _Server(uvicorn.Config(app, host=host.strip("[]") or "0.0.0.0", port=int(port), log_level="warning",
-                           timeout_graceful_shutdown=10, http=protocol)).run()
+                           timeout_graceful_shutdown=10, http=protocol, limit_concurrency=s.max_connections)).run()
     print("redknot api: stopped", flush=True)
     return 0

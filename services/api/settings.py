@@ -14,6 +14,8 @@ class ApiSettings(CommonSettings):
                                                                         "(from its first read); then 408")
     head_timeout_s: float = setting(10.0, "REDKNOT_API_HEAD_TIMEOUT_S", "longest time to receive a request line and "
                                                                         "headers; then 408 and the connection closed")
+    max_connections: int = setting(1024, "REDKNOT_API_MAX_CONNECTIONS", "open connections (and requests in "
+                                                                        "flight) beyond which requests get 503")
     max_document_tokens: int = setting(131072, "REDKNOT_API_MAX_DOCUMENT_TOKENS", "longest document, in tokens")
     max_documents: int = setting(16, "REDKNOT_API_MAX_DOCUMENTS", "most documents in one generate request")
     max_question_chars: int = setting(16384, "REDKNOT_API_MAX_QUESTION_CHARS", "longest question")

@@ -43,7 +43,7 @@ def checkpoint(tmp_path_factory) -> Path:
     return write_tiny_checkpoint(tmp_path_factory)
 
 
-def api_service(workdir: Path, checkpoint: Path, redis_url: str, prefix: str) -> tuple[Service, str]:
+def api_service(workdir: Path, checkpoint: Path, redis_url: str, prefix: str, **settings) -> tuple[Service, str]:
     workdir.mkdir(parents=True, exist_ok=True)
     tokens = workdir / "tokens"
     tokens.write_text("".join(f"{t} {tok}\n" for t, tok in TENANTS.items()))
@@ -52,7 +52,7 @@ def api_service(workdir: Path, checkpoint: Path, redis_url: str, prefix: str) ->
                     listen=f"127.0.0.1:{port}", worker_url=f"http://127.0.0.1:{free_port()}",
                     store=f"127.0.0.1:{free_port()}", max_upload_bytes=MAX_UPLOAD, max_generate_bytes=MAX_GENERATE,
                     max_body_bytes=MAX_BODY, max_document_tokens=MAX_TOKENS, body_timeout_s=BODY_TIMEOUT_S,
-                    head_timeout_s=HEAD_TIMEOUT_S)
+                    head_timeout_s=HEAD_TIMEOUT_S, **settings)
     url = f"http://127.0.0.1:{port}"
     svc = Service("api", [sys.executable, "-m", "services.cli", "api", "serve"],
                   {"PYTHONUNBUFFERED": "1", **s.to_env()}, workdir / "api.log", lambda: http_ok(url + "/healthz"))
@@ -554,3 +554,37 @@ def test_redis_down_is_503_with_retry_after(tmp_path, checkpoint):
         if api is not None:
             assert api.stop() == 0, api.log()
         rs.kill()
+
+
+def test_connections_beyond_the_limit_get_503_and_the_api_recovers(tmp_path, checkpoint, redis_url):
+    """At most `max_connections` connections (or requests in flight) at once: one more is answered 503 at once, not
+    queued behind the others; once they close, requests are served again."""
+    limit = 4
+    svc, url = api_service(tmp_path / "api", checkpoint, redis_url, f"rkconn-{uuid.uuid4().hex[:8]}",
+                           max_connections=limit)
+    port = int(url.rsplit(":", 1)[1])
+    held = []
+    try:
+        with httpx.Client(base_url=url, timeout=10) as c:
+            assert c.get("/healthz").status_code == 200
+        for _ in range(limit):
+            s = socket.create_connection(("127.0.0.1", port), timeout=5)
+            s.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\n")        # a head not finished: the connection stays
+            held.append(s)
+        time.sleep(0.2)
+        with httpx.Client(base_url=url, timeout=10) as c:
+            assert c.get("/healthz").status_code == 503
+        for s in held:
+            s.close()
+        held.clear()
+        deadline = time.monotonic() + 10
+        while True:
+            with httpx.Client(base_url=url, timeout=10) as c:
+                if c.get("/healthz").status_code == 200:
+                    break
+            assert time.monotonic() < deadline, "the API did not recover after the connections closed"
+            time.sleep(0.05)
+    finally:
+        for s in held:
+            s.close()
+        svc.stop()
