@@ -120,7 +120,8 @@ def rank_main(group, args, store_target: str, token: str, workdir: str) -> None:
             dist.barrier()
             dirs = []
             for i, d in enumerate(built):                # this rank's shards only, through the store client
-                key = document_key(read_rank_dir(d).certificate)
+                rd = read_rank_dir(d)
+                key = document_key(rd.certificate, rd.n_content)
                 r = client.fetch_rank(key, group.rank, root / f"L{L}" / f"fetched{i}" / f"rank{group.rank}")
                 assert all(f".local.r{group.rank}." in n for n in r.files if ".local." in n), r.files
                 fetched_bytes += r.bytes

@@ -15,7 +15,7 @@ from runtime.reuse.certificate import digest_bytes, token_hash
 from runtime.reuse.producer import pad_document
 from runtime.reuse.profile import PROFILES, ReuseProfile
 from runtime.reuse.request import ServingIdentity
-from services.store.keys import DocumentKey, profile_id
+from services.store.keys import DocumentKey, content_hash, profile_id
 
 # the demo model has 8 layers: two fences at each end leave four reusable layers
 DEMO_PROFILE = ReuseProfile(name="demo", first_fences=2, last_fences=2, budget=0.25)
@@ -83,5 +83,6 @@ class Binding:
         """The key the store files this document's artifacts under (the same one `artifact_dir.document_key`
         derives from their certificate)."""
         padded = pad_document(tokens, self.profile.align, self.eos)
-        return DocumentKey(token_hash(padded, self.ident.tokenizer_fingerprint), self.ident.fingerprint,
+        return DocumentKey(content_hash(token_hash(padded, self.ident.tokenizer_fingerprint), len(tokens)),
+                           self.ident.fingerprint,
                            profile_id(self.profile.to_dict()), self.tp)

@@ -17,7 +17,7 @@ import msgpack
 from runtime.reuse.certificate import Certificate, digest_bytes
 from runtime.reuse.store import CERTIFICATE_FILE, MANIFEST, MANIFEST_FILE, shard_file, write_atomic
 
-from .keys import DocumentKey, Range, ShardKind, ShardSpec, profile_id
+from .keys import DocumentKey, Range, ShardKind, ShardSpec, content_hash, profile_id
 
 
 @dataclass(frozen=True)
@@ -25,10 +25,14 @@ class RankDir:
     path: Path
     certificate: Certificate
     shards: tuple[tuple[ShardSpec, Path], ...]
+    n_content: int                      # the document's unpadded length (its manifest's)
 
 
-def document_key(cert: Certificate) -> DocumentKey:
-    return DocumentKey(cert.token_hash, cert.checkpoint_fingerprint, profile_id(cert.profile), cert.tp_size)
+def document_key(cert: Certificate, n_content: int) -> DocumentKey:
+    """The store key of the artifact `cert` certifies, for a document of `n_content` unpadded tokens
+    (`keys.content_hash`: the same key `serving.Binding.store_key` gives its tokens)."""
+    return DocumentKey(content_hash(cert.token_hash, n_content), cert.checkpoint_fingerprint,
+                       profile_id(cert.profile), cert.tp_size)
 
 
 def read_rank_dir(path: str | os.PathLike) -> RankDir:
@@ -51,7 +55,7 @@ def read_rank_dir(path: str | os.PathLike) -> RankDir:
         channels = Range(*cert.channel_range) if kind is ShardKind.LOCAL else Range()
         shards.append(spec(shard_file(s["name"]), kind, cert.shard_digests[s["name"]],
                            Range(s["layer"], s["layer"] + 1), channels))
-    return RankDir(path, cert, tuple(shards))
+    return RankDir(path, cert, tuple(shards), m["n_content"])
 
 
 def read_generation(dirs: Iterable[str | os.PathLike]) -> tuple[DocumentKey, int, list[tuple[ShardSpec, Path]]]:
@@ -70,7 +74,9 @@ def read_generation(dirs: Iterable[str | os.PathLike]) -> tuple[DocumentKey, int
         raise ValueError(f"ranks {have} do not cover tp_size {first.tp_size} exactly once")
     if first.generation < 1:
         raise ValueError(f"certificate generation {first.generation}: the store numbers generations from 1")
-    return document_key(first), first.generation, [s for r in ranks for s in r.shards]
+    if len({r.n_content for r in ranks}) != 1:
+        raise ValueError(f"the ranks' manifests disagree on the document's length: {[r.n_content for r in ranks]}")
+    return document_key(first, ranks[0].n_content), first.generation, [s for r in ranks for s in r.shards]
 
 
 def write_rank_dir(directory: str | os.PathLike, files: Sequence[tuple[str, bytes]]) -> Path:

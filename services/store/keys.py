@@ -141,6 +141,18 @@ def uncovered(points: Iterable[int], union: list[Range]) -> list[int]:
     return out
 
 
+def content_hash(padded_token_hash: str, n_content: int) -> str:
+    """A DocumentKey's `doc_hash`: the token hash of a document's PADDED ids (what its certificate binds) together
+    with its content length, so the key is a function of exactly the unpadded ids. (The padded hash alone gave
+    T and T+[pad] one key, so deleting one broke the other.)"""
+    if not isinstance(n_content, int) or n_content < 0:
+        raise InvalidArgument(f"n_content {n_content!r} is not a non-negative int")
+    h = blake3.blake3(b"redknot.store.content.v1\0")
+    h.update(len(padded_token_hash).to_bytes(4, "little") + padded_token_hash.encode())
+    h.update(n_content.to_bytes(8, "little"))
+    return h.hexdigest()
+
+
 @dataclass(frozen=True)
 class DocumentKey:
     doc_hash: str

@@ -218,6 +218,25 @@ def test_corrupted_shard_is_a_counted_fallback_with_the_recompute_answer(stack, 
     assert scrape(stack.metrics_targets()["api"])['redknot_rebuilds_total{reason="digest_mismatch"}'] == 1
 
 
+def test_a_document_and_the_same_ids_plus_a_pad_token_are_apart(stack, checkpoint):
+    """T and T+[pad] pad to the same ids; their store keys differ (a key is a function of exactly the unpadded ids),
+    so deleting one leaves the other served by reuse, and uploading T again changes nothing."""
+    t = doc_tokens(checkpoint, TEXTS[1] + TEXTS[3])
+    t = t[:len(t) - len(t) % 16 + 5]                          # 5 past a multiple of the profile's align: padded
+    b = binding(checkpoint)
+    assert b.store_key(t) != b.store_key(t + [b.eos])
+    with api(stack) as c:
+        ids = [c.post("/v1/documents", json={"tokens": toks}).json()["id"] for toks in (t, t + [b.eos])]
+        assert ids[0] != ids[1]
+        for i in ids:
+            wait_status(c, i, {"ready"})
+        assert c.delete(f"/v1/documents/{ids[1]}").status_code == 200
+        out = generate(c, [ids[0]], "reuse")
+        assert out["arm"] == "reuse" and out["fallback"] is None
+        again = c.post("/v1/documents", json={"tokens": t})
+        assert again.status_code == 200 and again.json()["id"] == ids[0] and again.json()["status"] == "ready"
+
+
 def test_retired_generation_is_a_counted_fallback_with_the_recompute_answer(stack, checkpoint, built):
     text = TEXTS[2] + TEXTS[0]
     with api(stack) as c:

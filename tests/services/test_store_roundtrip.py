@@ -79,6 +79,6 @@ def test_runtime_artifact_directories_round_trip(client, tmp_path):
                             generation=5, certificate_digest=digest_bytes((out / "certificate.msgpack").read_bytes()),
                             deep=True)
         assert v.ok, v
-        assert document_key(cert) == key
+        assert document_key(cert, art.n_content) == key
     with pytest.raises(FileExistsError):
         client.fetch_rank(key, 0, tmp_path / "fetched-r0")
