@@ -7,6 +7,7 @@ import json
 from contextlib import asynccontextmanager
 from typing import Annotated
 
+import anyio
 from fastapi import Depends, FastAPI, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -173,6 +174,7 @@ def create_app(s: ApiSettings) -> FastAPI:
                        default_limit=s.max_body_bytes, timeout_s=s.body_timeout_s)
     app.add_middleware(ResponseCounter, routes=app.router.routes, metrics=metrics)
 
+    generate_threads = anyio.CapacityLimiter(s.generate_concurrency)
     bearer = HTTPBearer(auto_error=False, description="a tenant token")
 
     def tenant(cred: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> str:
@@ -212,11 +214,13 @@ def create_app(s: ApiSettings) -> FastAPI:
     @app.post("/v1/generate", response_model=GenerateResult, responses=ERRORS,
               summary="Answer a question over documents, in the reuse arm (certified artifacts, explicit "
                       "fallback) or the recompute arm (the plain model)")
-    def generate(body: GenerateRequest, who: Tenant) -> GenerateResult:
-        return core.generate(who, body)
+    async def generate(body: GenerateRequest, who: Tenant) -> GenerateResult:
+        # on threads of their own: requests waiting on the worker never take the threads the other routes run on
+        return await anyio.to_thread.run_sync(core.generate, who, body, limiter=generate_threads)
 
     @app.get("/healthz", response_model=Health, summary="The process is up")
-    def healthz() -> Health:
+    async def healthz() -> Health:
+        # on the event loop, no thread: answered at once however many requests are in flight (a liveness probe)
         return Health(status="ok")
 
     @app.get("/readyz", response_model=Health, responses=ERRORS, summary="Redis and the worker are ready")
@@ -225,7 +229,7 @@ def create_app(s: ApiSettings) -> FastAPI:
         return Health(status="ready")
 
     @app.get("/metrics", summary="Prometheus metrics", response_class=Response)
-    def prometheus_metrics() -> Response:
+    async def prometheus_metrics() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -16,6 +16,8 @@ class ApiSettings(CommonSettings):
                                                                         "headers; then 408 and the connection closed")
     max_connections: int = setting(1024, "REDKNOT_API_MAX_CONNECTIONS", "open connections (and requests in "
                                                                         "flight) beyond which requests get 503")
+    generate_concurrency: int = setting(64, "REDKNOT_API_GENERATE_CONCURRENCY", "generate requests waiting on the "
+                                        "worker at once, on threads of their own (more wait their turn)")
     max_document_tokens: int = setting(131072, "REDKNOT_API_MAX_DOCUMENT_TOKENS", "longest document, in tokens")
     max_documents: int = setting(16, "REDKNOT_API_MAX_DOCUMENTS", "most documents in one generate request")
     max_question_chars: int = setting(16384, "REDKNOT_API_MAX_QUESTION_CHARS", "longest question")

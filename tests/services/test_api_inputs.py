@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import socket
 import sys
+import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -48,11 +50,12 @@ def api_service(workdir: Path, checkpoint: Path, redis_url: str, prefix: str, **
     tokens = workdir / "tokens"
     tokens.write_text("".join(f"{t} {tok}\n" for t, tok in TENANTS.items()))
     port = free_port()
-    s = ApiSettings(redis_url=redis_url, redis_prefix=prefix, tokens_file=str(tokens), model=str(checkpoint),
-                    listen=f"127.0.0.1:{port}", worker_url=f"http://127.0.0.1:{free_port()}",
-                    store=f"127.0.0.1:{free_port()}", max_upload_bytes=MAX_UPLOAD, max_generate_bytes=MAX_GENERATE,
-                    max_body_bytes=MAX_BODY, max_document_tokens=MAX_TOKENS, body_timeout_s=BODY_TIMEOUT_S,
-                    head_timeout_s=HEAD_TIMEOUT_S, **settings)
+    s = ApiSettings(**{**dict(redis_url=redis_url, redis_prefix=prefix, tokens_file=str(tokens), model=str(checkpoint),
+                              listen=f"127.0.0.1:{port}", worker_url=f"http://127.0.0.1:{free_port()}",
+                              store=f"127.0.0.1:{free_port()}", max_upload_bytes=MAX_UPLOAD,
+                              max_generate_bytes=MAX_GENERATE, max_body_bytes=MAX_BODY,
+                              max_document_tokens=MAX_TOKENS, body_timeout_s=BODY_TIMEOUT_S,
+                              head_timeout_s=HEAD_TIMEOUT_S), **settings})
     url = f"http://127.0.0.1:{port}"
     svc = Service("api", [sys.executable, "-m", "services.cli", "api", "serve"],
                   {"PYTHONUNBUFFERED": "1", **s.to_env()}, workdir / "api.log", lambda: http_ok(url + "/healthz"))
@@ -587,4 +590,74 @@ def test_connections_beyond_the_limit_get_503_and_the_api_recovers(tmp_path, che
     finally:
         for s in held:
             s.close()
+        svc.stop()
+
+
+class StalledWorker:
+    """A peer on loopback that accepts the API's worker connections and never answers (a worker stuck in a long
+    forward), until `release()` closes every connection."""
+
+    def __init__(self):
+        self.srv = socket.create_server(("127.0.0.1", 0))
+        self.srv.settimeout(0.2)
+        self.port = self.srv.getsockname()[1]
+        self.conns: list[socket.socket] = []
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self) -> None:
+        while not self.done.is_set():
+            try:
+                conn, _ = self.srv.accept()
+            except TimeoutError:
+                continue
+            self.conns.append(conn)
+
+    def release(self) -> None:
+        self.done.set()
+        self.thread.join(5)
+        for c in self.conns:
+            c.close()
+        self.srv.close()
+
+
+def test_health_and_reads_stay_quick_with_many_generate_requests_waiting_on_the_worker(tmp_path, checkpoint,
+                                                                                       redis_url):
+    """50 generate requests wait on a worker that does not answer; /healthz (the liveness probe) and document reads
+    answer at once: generate runs on threads of its own (REDKNOT_API_GENERATE_CONCURRENCY), /healthz on none (it
+    took 17 s with 50 requests in flight on one shared pool of 40 threads)."""
+    stalled = StalledWorker()
+    svc, url = api_service(tmp_path / "api", checkpoint, redis_url, f"rkbusy-{uuid.uuid4().hex[:8]}",
+                           worker_url=f"http://127.0.0.1:{stalled.port}", generate_timeout_s=60.0)
+    headers = {"Authorization": f"Bearer {TENANTS['acme']}"}
+    pool = ThreadPoolExecutor(50)
+    try:
+        with httpx.Client(base_url=url, headers=headers, timeout=30) as c:
+            doc = upload(c, "A document whose generate requests wait on a stuck worker. " * 2)
+        body = {"documents": [doc], "question": "What waits?", "max_new_tokens": 2}
+
+        def one():
+            with httpx.Client(base_url=url, headers=headers, timeout=90) as c:
+                return c.post("/v1/generate", json=body).status_code
+        waiting = [pool.submit(one) for _ in range(50)]
+        deadline = time.monotonic() + 30
+        while len(stalled.conns) < 40:              # the requests reached the worker and wait on it
+            assert time.monotonic() < deadline, f"only {len(stalled.conns)} requests reached the worker"
+            time.sleep(0.05)
+        with httpx.Client(base_url=url, headers=headers, timeout=30) as c:
+            worst = 0.0
+            for _ in range(10):
+                for path in ("/healthz", f"/v1/documents/{doc}", "/v1/documents", "/metrics"):
+                    t = time.perf_counter()
+                    assert c.get(path).status_code == 200, path
+                    worst = max(worst, time.perf_counter() - t)
+        assert worst < 2.0, worst                   # was 17.1 s for /healthz
+        assert not any(f.done() for f in waiting)  # and the generate requests were still waiting all along
+        stalled.release()                           # the worker goes away: each request gets its answer
+        codes = [f.result(timeout=60) for f in waiting]
+        assert set(codes) <= {502, 503}, codes
+    finally:
+        stalled.release()
+        pool.shutdown(wait=False, cancel_futures=True)
         svc.stop()
