@@ -4,6 +4,7 @@ table (errors.HTTP_STATUS), so no handler holds a try/except. `create_app` build
 tenant dependency is a closure inside `create_app`.)"""
 
 import json
+import time
 from contextlib import asynccontextmanager
 from typing import Annotated
 
@@ -215,8 +216,9 @@ def create_app(s: ApiSettings) -> FastAPI:
               summary="Answer a question over documents, in the reuse arm (certified artifacts, explicit "
                       "fallback) or the recompute arm (the plain model)")
     async def generate(body: GenerateRequest, who: Tenant) -> GenerateResult:
+        arrived = time.perf_counter()
         # on threads of their own: requests waiting on the worker never take the threads the other routes run on
-        return await anyio.to_thread.run_sync(core.generate, who, body, limiter=generate_threads)
+        return await anyio.to_thread.run_sync(core.generate, who, body, arrived, limiter=generate_threads)
 
     @app.get("/healthz", response_model=Health, summary="The process is up")
     async def healthz() -> Health:

@@ -7,6 +7,7 @@ script creates the record and enqueues the build)."""
 from __future__ import annotations
 
 import logging
+import time
 import unicodedata
 from dataclasses import dataclass
 
@@ -175,16 +176,18 @@ class ArtifactApi:
         return self._view(self._record(tenant, doc_id))
 
     # ----------------------------------------------------------------------------------------- generation
-    def generate(self, tenant: str, p: GenerateRequest) -> GenerateResult:
+    def generate(self, tenant: str, p: GenerateRequest, arrived: float | None = None) -> GenerateResult:
+        """`arrived`: the perf_counter time the request reached the API (its latency metrics count from there)."""
         outcome = "error"
+        arrived = time.perf_counter() if arrived is None else arrived
         try:
-            result = self._generate(tenant, p)
+            result = self._generate(tenant, p, arrived)
             outcome = "ok"
             return result
         finally:
             self.metrics.requests.labels(p.arm, outcome).inc()
 
-    def _generate(self, tenant: str, p: GenerateRequest) -> GenerateResult:
+    def _generate(self, tenant: str, p: GenerateRequest, arrived: float) -> GenerateResult:
         L = self.limits
         if len(p.documents) > L.max_documents:
             raise InvalidInput(f"{len(p.documents)} documents exceed the limit of {L.max_documents}")
@@ -203,8 +206,14 @@ class ArtifactApi:
             raise InvalidInput("the question encodes to no tokens")
         recs = [self._record(tenant, d) for d in p.documents]
         docs = [WorkerDocument(id=r.id, tokens=self._tokens(tenant, r), generation=r.generation) for r in recs]
+        sent = time.perf_counter()
         resp = self.worker.generate(WorkerRequest(tenant=tenant, documents=docs, question=question,
                                                   max_new_tokens=p.max_new_tokens, arm=p.arm))
+        done = time.perf_counter()
+        m = self.metrics
+        m.queue_seconds.labels(resp.arm).observe(sent - arrived + resp.queue_s)
+        m.first_token_seconds.labels(resp.arm).observe(max(0.0, done - arrived - resp.decode_s))
+        m.e2e_seconds.labels(resp.arm).observe(done - arrived)
         self._heal(tenant, recs, resp)
         return GenerateResult(
             answer=self.tokenizer.decode(resp.tokens), tokens=resp.tokens, arm_requested=p.arm, arm=resp.arm,

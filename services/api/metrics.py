@@ -2,12 +2,13 @@
 that counts every response."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 METHODS = ("GET", "POST", "DELETE", "PUT", "PATCH", "HEAD", "OPTIONS")
 REBUILD_REASONS = ("digest_mismatch", "missing_shard", "missing_layer")    # a broken artifact: build it again
+LATENCY_BUCKETS = (.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 UNMATCHED = "unmatched"         # the route label of a path no route serves (bounded: never the raw path)
 
 
@@ -19,6 +20,18 @@ class ApiMetrics:
         for arm in ("reuse", "recompute"):
             for outcome in ("ok", "error"):
                 self.requests.labels(arm, outcome)
+        # vLLM's latency set, from the request's arrival at the API, by the arm that ran
+        self.queue_seconds = Histogram("redknot_request_queue_seconds", "Arrival at the API to the worker starting "
+                                       "the request (waits at the API and in the worker's queue)", ["arm"],
+                                       buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.first_token_seconds = Histogram("redknot_time_to_first_token_seconds", "Arrival at the API to the "
+                                             "first token (queueing included)", ["arm"], buckets=LATENCY_BUCKETS,
+                                             registry=self.registry)
+        self.e2e_seconds = Histogram("redknot_e2e_request_latency_seconds", "Arrival at the API to the response",
+                                     ["arm"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        for h in (self.queue_seconds, self.first_token_seconds, self.e2e_seconds):
+            for arm in ("reuse", "recompute"):
+                h.labels(arm)
         self.rebuilds = Counter("redknot_rebuilds", "Documents queued for a rebuild because a request met their "
                                 "artifact broken (digest, missing shard or layer), by that reason", ["reason"],
                                 registry=self.registry)

@@ -168,6 +168,7 @@ class RankEngine:
             torch.cuda.synchronize(logits.device)
         first = time.perf_counter()
         tokens = greedy(logits, step, req.max_new_tokens, self.eos)
+        decode_s = time.perf_counter() - first
         ttft = first - t0
         wait(published)         # what this request fetched is in the tier before the next request looks
         self.failpoints.hit("after_fetch")
@@ -184,5 +185,5 @@ class RankEngine:
             log.info("fallback to recomputation: %s (%s)", reason, detail)
         if ledger is not None:
             ledger["ttft_s"] = {arm: ttft}
-        return WorkerResponse(tokens=tokens, arm=arm, ttft_s=ttft, fetch_s=fetch_s, ledger=ledger,
+        return WorkerResponse(tokens=tokens, arm=arm, ttft_s=ttft, fetch_s=fetch_s, ledger=ledger, decode_s=decode_s,
                               fallback=fallback), reports

@@ -38,3 +38,5 @@ class WorkerResponse(BaseModel):
     fetch_s: float                      # rank 0's wait for its shards before that
     ledger: dict | None                 # runtime.reuse.ledger.Ledger.summary() when the reuse arm ran
     fallback: Fallback | None
+    queue_s: float = 0.0                # waiting in the worker's queue before the forward began
+    decode_s: float = 0.0               # first token to last: the response left decode_s after the first token

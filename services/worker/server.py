@@ -11,6 +11,7 @@ import logging
 import queue
 import signal
 import threading
+import time
 from concurrent.futures import Future
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -50,7 +51,8 @@ class Frontend:
 
     def __init__(self, s: WorkerSettings, metrics: WorkerMetrics):
         self.s, self.metrics = s, metrics
-        self.requests: queue.Queue[tuple[WorkerRequest, Future]] = queue.Queue(maxsize=s.max_queue)
+        # (request, its future, when it was queued)
+        self.requests: queue.Queue[tuple[WorkerRequest, Future, float]] = queue.Queue(maxsize=s.max_queue)
         self.ready = threading.Event()
         self.vocab_size = 0
 
@@ -60,12 +62,13 @@ class Frontend:
         if bad:
             raise RejectedRequest(f"token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
         fut: Future = Future()
-        self.requests.put_nowait((req, fut))        # queue.Full: 503
+        self.requests.put_nowait((req, fut, time.perf_counter()))       # queue.Full: 503
+        self.metrics.waiting.set(self.requests.qsize())
         return fut
 
     def waiting(self) -> list[WorkerRequest]:
         with self.requests.mutex:
-            return [r for r, _ in list(self.requests.queue)[:2]]
+            return [r for r, _, _ in list(self.requests.queue)[:2]]
 
 
 def make_handler(front: Frontend):
@@ -184,15 +187,22 @@ def rank_main(group: RankGroup, s: WorkerSettings) -> None:
         print("redknot worker: ready", flush=True)
         while not stop.is_set():
             try:
-                req, fut = front.requests.get(timeout=0.5)
+                req, fut, queued = front.requests.get(timeout=0.5)
             except queue.Empty:
                 group.broadcast(None)
                 continue
+            queue_s = time.perf_counter() - queued
+            front.metrics.waiting.set(front.requests.qsize())
+            front.metrics.running.set(1)
             hints = [(r.tenant, engine.key(d.tokens), d.generation) for r in front.waiting() if r.arm == "reuse"
                      for d in r.documents]
             job = Job(req, hints)
             group.broadcast(job)
-            resp, reports = engine.run(job)
+            try:
+                resp, reports = engine.run(job)
+            finally:
+                front.metrics.running.set(0)
+            resp.queue_s = queue_s
             record(front.metrics, resp, reports)
             fut.set_result(resp)
         group.broadcast(STOP)

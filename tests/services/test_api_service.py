@@ -10,6 +10,7 @@ import threading
 import time
 import urllib.parse
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -216,6 +217,32 @@ def test_corrupted_shard_is_a_counted_fallback_with_the_recompute_answer(stack, 
         healed = generate(c, ids, "reuse")
     assert healed["arm"] == "reuse" and healed["fallback"] is None
     assert scrape(stack.metrics_targets()["api"])['redknot_rebuilds_total{reason="digest_mismatch"}'] == 1
+
+
+def test_parallel_requests_show_their_queueing_in_the_latency_metrics(stack, built):
+    """Three requests at once on one worker group (it computes one at a time): the API's histograms count from
+    arrival, so the waits show (queue time > 0, in the time to first token too), each first token comes before its
+    response, and the worker's running/waiting gauges are back to 0 after."""
+    def sums(m: dict, name: str) -> tuple[float, float]:
+        return m[f'{name}_sum{{arm="reuse"}}'], m[f'{name}_count{{arm="reuse"}}']
+    names = ("redknot_request_queue_seconds", "redknot_time_to_first_token_seconds",
+             "redknot_e2e_request_latency_seconds")
+    before = scrape(stack.metrics_targets()["api"])
+
+    def one(_):
+        with api(stack) as c:
+            return generate(c, built, "reuse", n=2)
+    with ThreadPoolExecutor(3) as pool:
+        outs = list(pool.map(one, range(3)))
+    assert all(o["arm"] == "reuse" for o in outs)
+    after = scrape(stack.metrics_targets()["api"])
+    (q, nq), (f, nf), (e, ne) = [tuple(a - b for a, b in zip(sums(after, n), sums(before, n))) for n in names]
+    assert nq == nf == ne == 3
+    assert q > 0 and f > q and e > f
+    # the two requests that waited waited at least one request's forward: more than the served TTFT of one
+    assert q > min(o["ttft_s"] for o in outs)
+    worker = scrape(stack.metrics_targets()["worker"])
+    assert worker["redknot_requests_running"] == 0 and worker["redknot_requests_waiting"] == 0
 
 
 def test_a_document_and_the_same_ids_plus_a_pad_token_are_apart(stack, checkpoint):
