@@ -34,7 +34,7 @@ from .worker_client import WorkerClient
 
 ERRORS = {code: {"description": "error", "content": {"application/json": {"schema": {
     "type": "object", "properties": {"detail": {}}, "required": ["detail"]}}}}
-    for code in (401, 404, 408, 409, 413, 415, 422, 502, 503)}
+    for code in (401, 404, 408, 409, 413, 415, 422, 429, 502, 503)}
 ECHO_CHARS = 64         # a validation error shows at most this much of the input it refused
 
 UPLOAD_BODY = {"requestBody": {"required": True, "content": {

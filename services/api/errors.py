@@ -53,6 +53,10 @@ class NotReady(ApiError):
     """A dependency (Redis, the worker) is not ready; the caller retries later."""
 
 
+class Busy(ApiError):
+    """The worker group's queue is full: the request was not taken; the caller retries after Retry-After."""
+
+
 class WorkerFailed(ApiError):
     """The worker answered with an error the API cannot pass on as the caller's fault."""
 
@@ -66,6 +70,7 @@ HTTP_STATUS: dict[type[Exception], int] = {
     DocumentNotFound: 404,
     Conflict: 409,
     NotReady: 503,
+    Busy: 429,
     WorkerFailed: 502,
     store_errors.Unavailable: 503,
     redis.exceptions.ConnectionError: 503,     # Redis down or restarting (BusyLoadingError is one too)
@@ -84,13 +89,13 @@ def http_status(err: Exception) -> int:
 
 def error_response(exc: Exception, headers: dict[str, str] | None = None) -> JSONResponse:
     """The one error body: `detail` (a message, or a list of validation errors) and `error` (the class name).
-    A 503 carries Retry-After."""
+    A 503 and a 429 carry Retry-After."""
     status = http_status(exc)
     detail = exc.args[0] if len(exc.args) == 1 and isinstance(exc.args[0], (list, dict)) else str(exc)
     if isinstance(exc, redis.RedisError):       # never pass a driver's message (host, port) to the caller
         detail = f"the registry (Redis) is unavailable: {type(exc).__name__}"
     headers = dict(headers or {})
-    if status == 503:
+    if status in (429, 503):
         headers.setdefault("Retry-After", str(RETRY_AFTER_S))
     return JSONResponse({"detail": detail or type(exc).__name__, "error": type(exc).__name__},
                         status_code=status, headers=headers)

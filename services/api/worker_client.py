@@ -5,7 +5,7 @@ import httpx
 
 from services.worker.protocol import WorkerRequest, WorkerResponse
 
-from .errors import InvalidInput, NotReady, WorkerFailed
+from .errors import Busy, InvalidInput, NotReady, WorkerFailed
 
 
 class WorkerClient:
@@ -23,6 +23,8 @@ class WorkerClient:
             raise NotReady(f"inference worker unreachable: {type(e).__name__}") from None
         if r.status_code == 422:
             raise InvalidInput(str(r.json().get("detail")))
+        if r.status_code == 429:
+            raise Busy(f"inference worker: {r.json().get('detail')}")
         if r.status_code == 503:
             raise NotReady(f"inference worker: {r.json().get('detail')}")
         if r.status_code != 200:

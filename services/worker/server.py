@@ -34,6 +34,7 @@ from .settings import WorkerSettings
 from .tier import PinnedTier
 
 log = logging.getLogger("redknot.worker")
+BUSY_RETRY_AFTER_S = 1      # what a 429 (the queue is full) tells the caller to wait
 MAX_BODY = 256 << 20
 
 
@@ -78,8 +79,11 @@ def make_handler(front: Frontend):
         def log_message(self, fmt, *args):      # access logs off: the API logs requests
             pass
 
-        def _send(self, code: int, body: bytes, ctype: str = "application/json") -> None:
+        def _send(self, code: int, body: bytes, ctype: str = "application/json",
+                  headers: dict[str, str] | None = None) -> None:
             self.send_response(code)
+            for k, v in (headers or {}).items():
+                self.send_header(k, v)
             self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -119,8 +123,9 @@ def make_handler(front: Frontend):
             except RejectedRequest as e:
                 self._json(422, {"detail": str(e)})
                 return
-            except queue.Full:
-                self._json(503, {"detail": f"{front.s.max_queue} requests already waiting"})
+            except queue.Full:          # busy, not down: 429, and when to come back
+                self._send(429, json.dumps({"detail": f"{front.s.max_queue} requests already waiting"}).encode(),
+                           headers={"Retry-After": str(BUSY_RETRY_AFTER_S)})
                 return
             resp: WorkerResponse = fut.result(timeout=front.s.request_timeout_s)
             self._send(200, resp.model_dump_json().encode())

@@ -661,3 +661,47 @@ def test_health_and_reads_stay_quick_with_many_generate_requests_waiting_on_the_
         stalled.release()
         pool.shutdown(wait=False, cancel_futures=True)
         svc.stop()
+
+
+def test_a_full_worker_queue_is_429_with_retry_after_and_takes_requests_again(tmp_path, checkpoint, redis_url):
+    """A real worker (CPU, the tiny checkpoint) that holds one request waiting at most and takes 2 s per request
+    (its after_fetch failpoint): of four requests at once, those beyond the queue get 429 with Retry-After at once
+    through the API (busy, not down: 503 was the old answer), and a request after them is served."""
+    from services.worker.settings import WorkerSettings
+    tokens = tmp_path / "tokens"
+    tokens.write_text("".join(f"{t} {tok}\n" for t, tok in TENANTS.items()))
+    port = free_port()
+    ws = WorkerSettings(model=str(checkpoint), profile="demo", tokens_file=str(tokens), listen=f"127.0.0.1:{port}",
+                        store=f"127.0.0.1:{free_port()}", redis_url=redis_url, max_queue=1,
+                        failpoints="after_fetch=2")
+    worker_url = f"http://127.0.0.1:{port}"
+    worker = Service("worker", [sys.executable, "-m", "services.cli", "worker"],
+                     {"PYTHONUNBUFFERED": "1", **ws.to_env()}, tmp_path / "worker.log",
+                     lambda: http_ok(worker_url + "/readyz"))
+    worker.start(Path(__file__).resolve().parents[2])
+    svc = None
+    try:
+        worker.wait_ready(120)
+        svc, url = api_service(tmp_path / "api", checkpoint, redis_url, f"rkfull-{uuid.uuid4().hex[:8]}",
+                               worker_url=worker_url)
+        headers = {"Authorization": f"Bearer {TENANTS['acme']}"}
+        with httpx.Client(base_url=url, headers=headers, timeout=60) as c:
+            doc = upload(c, "A short document for a busy worker. " * 2)
+        body = {"documents": [doc], "question": "Who is busy?", "max_new_tokens": 1, "arm": "recompute"}
+
+        def one():
+            with httpx.Client(base_url=url, headers=headers, timeout=60) as c:
+                r = c.post("/v1/generate", json=body)
+                return r.status_code, r.headers.get("Retry-After"), r.json()
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda _: one(), range(4)))
+        codes = sorted(code for code, _, _ in got)
+        assert codes.count(429) >= 2 and codes.count(200) >= 1 and set(codes) <= {200, 429}, got
+        busy = [(after, body) for code, after, body in got if code == 429]
+        assert all(after == "1" and b["error"] == "Busy" and "already waiting" in b["detail"] for after, b in busy)
+        code, _, out = one()                               # the queue drained: served again
+        assert code == 200 and out["arm"] == "recompute"
+    finally:
+        if svc is not None:
+            svc.stop()
+        worker.stop()
