@@ -143,7 +143,7 @@ def create_app(s: ApiSettings) -> FastAPI:
         raise SystemExit("redknot api: no tenants: give --tokens-file or REDKNOT_TOKENS")
     r = sync_client(s.redis_url, socket_timeout=30, socket_connect_timeout=5)
     metrics = ApiMetrics()
-    worker = WorkerClient(s.worker_url, s.generate_timeout_s)
+    worker = WorkerClient(s.worker_url, s.generate_timeout_s, tenants)
     core = ArtifactApi(Registry(r, s.redis_prefix), load_tokenizer(s.model), tokenizer_fingerprint(s.model),
                        model_config(s.model).vocab_size, store_client_factory(s.store, tenants), worker,
                        Limits(s.max_upload_bytes, s.max_document_tokens, s.max_documents, s.max_question_chars,

@@ -52,6 +52,7 @@ class Frontend:
 
     def __init__(self, s: WorkerSettings, metrics: WorkerMetrics):
         self.s, self.metrics = s, metrics
+        self.tenants = Tenants.load(s.tokens, s.tokens_file)     # who may generate as whom
         # (request, its future, when it was queued)
         self.requests: queue.Queue[tuple[WorkerRequest, Future, float]] = queue.Queue(maxsize=s.max_queue)
         self.ready = threading.Event()
@@ -113,6 +114,11 @@ def make_handler(front: Frontend):
                 return
             try:
                 req = WorkerRequest.model_validate_json(self.rfile.read(n))
+                scheme, _, token = (self.headers.get("Authorization") or "").partition(" ")
+                who = front.tenants.tenant(token) if scheme.lower() == "bearer" else None
+                if who is None or who != req.tenant:   # the tenant's own token, or nothing runs
+                    self._json(401, {"detail": "a bearer token of the request's tenant is required"})
+                    return
                 if not front.ready.is_set():
                     self._json(503, {"detail": "worker is loading"})
                     return

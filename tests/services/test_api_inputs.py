@@ -666,7 +666,8 @@ def test_health_and_reads_stay_quick_with_many_generate_requests_waiting_on_the_
 def test_a_full_worker_queue_is_429_with_retry_after_and_takes_requests_again(tmp_path, checkpoint, redis_url):
     """A real worker (CPU, the tiny checkpoint) that holds one request waiting at most and takes 2 s per request
     (its after_fetch failpoint): of four requests at once, those beyond the queue get 429 with Retry-After at once
-    through the API (busy, not down: 503 was the old answer), and a request after them is served."""
+    through the API (busy, not down: 503 was the old answer), and a request after them is served. On the worker's
+    own port a request runs only with the bearer token of its tenant (the API forwards the caller's)."""
     from services.worker.settings import WorkerSettings
     tokens = tmp_path / "tokens"
     tokens.write_text("".join(f"{t} {tok}\n" for t, tok in TENANTS.items()))
@@ -701,6 +702,14 @@ def test_a_full_worker_queue_is_429_with_retry_after_and_takes_requests_again(tm
         assert all(after == "1" and b["error"] == "Busy" and "already waiting" in b["detail"] for after, b in busy)
         code, _, out = one()                               # the queue drained: served again
         assert code == 200 and out["arm"] == "recompute"
+        # the worker's own port: nothing runs without the bearer token of the request's tenant
+        direct = {"tenant": "acme", "documents": [{"id": "d", "tokens": [5, 6, 7], "generation": 0}],
+                  "question": [8, 9], "max_new_tokens": 1, "arm": "recompute"}
+        with httpx.Client(base_url=worker_url, timeout=60) as w:
+            assert w.post("/v1/generate", json=direct).status_code == 401
+            for who in ("globex", "acme"):
+                r = w.post("/v1/generate", json=direct, headers={"Authorization": f"Bearer {TENANTS[who]}"})
+                assert r.status_code == (200 if who == "acme" else 401), (who, r.text)
     finally:
         if svc is not None:
             svc.stop()
