@@ -155,7 +155,9 @@ def create_app(s: ApiSettings) -> FastAPI:
         worker.close()
         r.close()
 
-    app = FastAPI(title="RedKnot-MLA artifact API", version="1", lifespan=lifespan,
+    # no /docs or /redoc: their pages load scripts from a CDN (blank on an air-gapped cluster); /openapi.json is the
+    # document every client generator and viewer reads
+    app = FastAPI(title="RedKnot-MLA artifact API", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Upload documents, follow their builds, generate with certified artifact reuse "
                               "(SPEC §6-8). Every /v1 route needs `Authorization: Bearer <tenant token>`.")
     app.state.core = core

@@ -107,7 +107,7 @@ def run_service_demo(args) -> int:
             fallbacks = _fallbacks(httpx.get(stack.worker_url + "/metrics", timeout=10).text)
         _table(console, recs, results, fallbacks, args)
         if args.hold > 0:
-            console.print(f"services stay up for {args.hold:.0f}s (API {stack.api_url}/docs)")
+            console.print(f"services stay up for {args.hold:.0f}s (API {stack.api_url}, its OpenAPI document at /openapi.json)")
             time.sleep(args.hold)
     finally:
         with console.status("stopping"):

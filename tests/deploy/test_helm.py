@@ -200,6 +200,9 @@ def test_gpu_values_pin_workers_to_the_gpu_pool(rendered):
     assert _container(builder)["image"].endswith("-cuda")
     ingress = find(objs, "Ingress", "-api")
     assert ingress["spec"]["tls"][0]["hosts"] == ["redknot.example.com"]
+    # the public API only: /metrics, the probes and the interactive docs are not routed from outside
+    paths = [p["path"] for rule in ingress["spec"]["rules"] for p in rule["http"]["paths"]]
+    assert paths == ["/v1", "/openapi.json"]
     secret = find(objs, "Secret", "-tenants")
     lines = secret["stringData"]["tokens"].splitlines()
     assert lines == [f"{t['tenant']} {t['token']}" for t in gv["tenants"]["tokens"]]

@@ -714,3 +714,13 @@ def test_a_full_worker_queue_is_429_with_retry_after_and_takes_requests_again(tm
         if svc is not None:
             svc.stop()
         worker.stop()
+
+
+def test_the_api_serves_its_openapi_document_and_no_cdn_backed_pages(app):
+    """/openapi.json is served; /docs and /redoc are not (their pages load scripts from a CDN: blank offline)."""
+    with httpx.Client(base_url=app["url"], timeout=30) as c:
+        doc = c.get("/openapi.json")
+        assert doc.status_code == 200 and doc.json()["info"]["title"] == "RedKnot-MLA artifact API"
+        assert "/v1/generate" in doc.json()["paths"]
+        for page in ("/docs", "/redoc"):
+            assert c.get(page).status_code == 404, page
