@@ -59,6 +59,9 @@ def test_alerts_cover_fallbacks_digests_store_errors_and_build_backlog():
     assert "redknot_store_digest_failures_total" in by_metric          # digest failures
     assert "redknot_store_rpcs_total" in by_metric                     # store errors
     assert "redknot_build_queue_depth" in by_metric                    # build queue backlog
+    assert "up" in by_metric                                           # a service down, no builder at all
+    assert "redknot_api_responses_total" in by_metric                  # 5xx share
+    assert "redknot_time_to_first_token_seconds_bucket" in by_metric   # the TTFT objective
 
 
 # ----------------------------------------------------------------------------------------------- dashboard
@@ -262,6 +265,12 @@ def _queries() -> list[tuple[str, str]]:
            [(f"panel {title!r}", expr) for title, expr in _dashboard_queries()]
 
 
+# series Prometheus makes itself for every target, with the labels our scrape configs give them
+# (deploy/prometheus.yml's static labels, the chart's ServiceMonitor relabeling)
+PROMETHEUS_SERIES = {"up": {"job", "instance", "component"}}
+COMPONENTS = {"api", "worker", "store", "builder"}
+
+
 def test_dashboard_and_alerts_query_only_exported_metrics(exported):
     names = {s: (n, f) for n, f in exported.items() for s in f.sample_names(n)}
     known = _known_values()
@@ -271,6 +280,14 @@ def test_dashboard_and_alerts_query_only_exported_metrics(exported):
         assert u.selectors, f"{where} queries no metric"
         labels_here = set()
         for sel in u.selectors:
+            if sel.metric in PROMETHEUS_SERIES:
+                labels_here |= PROMETHEUS_SERIES[sel.metric]
+                for label, op, value in sel.matchers:
+                    if label not in PROMETHEUS_SERIES[sel.metric]:
+                        problems.append(f"{where}: {sel.metric} has no label {label!r}")
+                    elif label == "component" and not set(value.split("|")) <= COMPONENTS:
+                        problems.append(f"{where}: no target has component {value!r}")
+                continue
             if sel.metric not in names:
                 problems.append(f"{where}: {sel.metric} is not exported by any service")
                 continue
