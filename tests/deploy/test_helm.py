@@ -294,3 +294,72 @@ def test_servicemonitor_scrapes_every_metrics_port(rendered):
     for s in scraped:
         assert endpoint["port"] in {p["name"] for p in s["spec"]["ports"]}, s["metadata"]["name"]
     assert all(o["metadata"]["labels"]["app.kubernetes.io/instance"] == RELEASE for o in scraped)
+
+
+def _pods(objs: list[dict]) -> dict[str, dict]:
+    """component -> its pod template's labels and container ports (Deployments and StatefulSets)."""
+    out = {}
+    for o in objs:
+        if o["kind"] in ("Deployment", "StatefulSet"):
+            t = o["spec"]["template"]
+            ports = {p["containerPort"] for c in t["spec"]["containers"] for p in c.get("ports", [])}
+            out[t["metadata"]["labels"]["app.kubernetes.io/component"]] = {"labels": t["metadata"]["labels"],
+                                                                          "ports": ports}
+    return out
+
+
+def _admits(policy: dict, src_labels: dict | None, port: int) -> bool:
+    """Whether `policy` lets a pod of this release with `src_labels` (None: a pod elsewhere) reach `port`."""
+    for rule in policy["spec"].get("ingress", []):
+        if port not in {p["port"] for p in rule.get("ports", [])}:
+            continue
+        peers = rule.get("from")
+        if peers is None:
+            return True
+        for peer in peers:
+            if "namespaceSelector" in peer and not peer["namespaceSelector"] and "podSelector" not in peer:
+                return True
+            sel = peer.get("podSelector", {}).get("matchLabels")
+            if src_labels is not None and sel is not None and sel.items() <= src_labels.items():
+                return True
+    return False
+
+
+MONITORING = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+
+
+@pytest.mark.parametrize("name", ["default", "gpu"])
+def test_network_policies_admit_only_the_callers_each_component_needs(name, rendered):
+    """With networkPolicy.metricsFrom narrowed to a monitoring namespace: each port admits exactly the components
+    that call it (the store's gRPC: API, builders, workers; Redis: store, API, builders; the workers' port: the API);
+    the API is public. With the default metricsFrom (anywhere) the metrics ports are open."""
+    default = {o["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"]: o
+               for o in objects(rendered[name]) if o["kind"] == "NetworkPolicy"}
+    vals = values(name)
+    objs = objects(render({**vals, "networkPolicy": {"enabled": True, "metricsFrom": MONITORING}}))
+    pods = _pods(objs)
+    policies = {o["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"]: o
+                for o in objs if o["kind"] == "NetworkPolicy"}
+    assert set(policies) == set(pods), (set(policies), set(pods))      # every component's pods have one
+    for comp, policy in policies.items():
+        assert policy["spec"]["podSelector"]["matchLabels"].items() <= pods[comp]["labels"].items()
+    def merged(base: dict, over: dict) -> dict:
+        return {**base, **{k: merged(base[k], x) if isinstance(x, dict) and isinstance(base.get(k), dict) else x
+                           for k, x in over.items()}}
+    v = merged(yaml.safe_load((CHART / "values.yaml").read_text()), vals)
+    store, api, worker = v["store"]["grpcPort"], v["api"]["port"], v["worker"]["port"]
+    # (destination, its port) -> the components of this release that may call it
+    callers = {("store", store): {"api", "builder", "worker"}, ("worker", worker): {"api"}}
+    if "redis" in pods:
+        callers[("redis", 6379)] = {"store", "api", "builder"}
+    for (dest, port), allowed in callers.items():
+        assert port in pods[dest]["ports"], (dest, port)
+        for src, p in pods.items():
+            assert _admits(policies[dest], p["labels"], port) == (src in allowed), (dest, src)
+        assert not _admits(policies[dest], None, port), dest                    # nor from another namespace
+    assert _admits(policies["api"], None, api)                                 # the API is public
+    assert policies["worker"]["spec"]["ingress"][0]["from"][-1] == MONITORING[0]   # Prometheus scrapes the workers
+    # the default metricsFrom: the metrics ports open to any namespace
+    assert _admits(default["store"], None, v["store"]["metricsPort"])
+    assert _admits(default["builder"], None, v["builder"]["metricsPort"])
+    assert not _admits(default["store"], None, store)

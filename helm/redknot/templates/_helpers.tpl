@@ -170,3 +170,11 @@ securityContext:
 {{- end -}}
 {{- toYaml $res }}
 {{- end }}
+
+{{- /* A NetworkPolicy peer: the pods of one component of this release: (list $ "api"). */}}
+{{- define "redknot.peer" -}}
+- podSelector:
+    matchLabels:
+      app.kubernetes.io/instance: {{ (index . 0).Release.Name }}
+      app.kubernetes.io/component: {{ index . 1 }}
+{{- end }}
