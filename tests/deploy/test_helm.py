@@ -179,7 +179,7 @@ def test_default_values_run_tp8_workers_on_8_gpus(rendered):
     assert store["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "500Gi"
     assert not _container(store)["image"].endswith("-cuda")
     redis = find(objs, "StatefulSet", "-redis")
-    assert _env(_container(worker))["REDIS_URL"] == f"redis://{redis['metadata']['name']}:6379/0"
+    assert _env(_container(worker))["REDIS_URL"] == f"redis://:$(REDIS_PASSWORD)@{redis['metadata']['name']}:6379/0"
     assert not [o for o in objs if o["kind"] in ("ServiceMonitor", "PrometheusRule", "Ingress")]
 
 
@@ -363,3 +363,35 @@ def test_network_policies_admit_only_the_callers_each_component_needs(name, rend
     assert _admits(default["store"], None, v["store"]["metricsPort"])
     assert _admits(default["builder"], None, v["builder"]["metricsPort"])
     assert not _admits(default["store"], None, store)
+
+
+def test_the_bundled_redis_requires_a_password_its_clients_carry(rendered):
+    """redis.auth (on by default): Redis starts with --requirepass from a generated Secret (32 characters), its
+    probes authenticate (REDISCLI_AUTH), and the store, the API and the builder get REDIS_URL with the password
+    from that Secret; an existing Secret replaces the generated one."""
+    objs = objects(rendered["default"])
+    secret = find(objs, "Secret", "-redis")
+    import base64
+    assert len(base64.b64decode(secret["data"]["password"])) == 32
+    redis_c = _container(find(objs, "StatefulSet", "-redis"))
+    assert redis_c["args"][-2:] == ["--requirepass", "$(REDIS_PASSWORD)"]
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in redis_c["env"]}
+    assert refs["REDIS_PASSWORD"] == refs["REDISCLI_AUTH"] == {"name": secret["metadata"]["name"], "key": "password"}
+    clients = 0
+    for o in objs:
+        if o["kind"] not in ("Deployment", "StatefulSet") or o["metadata"]["name"].endswith("-redis"):
+            continue
+        names = [e["name"] for e in _container(o).get("env", [])]
+        if "REDIS_URL" not in names:
+            continue
+        clients += 1
+        env = _container(o)["env"]
+        pw = env[names.index("REDIS_PASSWORD")]
+        assert names.index("REDIS_PASSWORD") < names.index("REDIS_URL"), o["metadata"]["name"]   # defined first
+        assert pw["valueFrom"]["secretKeyRef"] == {"name": secret["metadata"]["name"], "key": "password"}
+        assert env[names.index("REDIS_URL")]["value"].startswith("redis://:$(REDIS_PASSWORD)@")
+    assert clients >= 3                                              # store, API, builder
+    own = objects(render({**values("default"), "redis": {"auth": {"existingSecret": "my-redis"}}}))
+    assert not [o for o in own if o["kind"] == "Secret" and o["metadata"]["name"].endswith("-redis")]
+    assert {e["name"]: e for e in _container(find(own, "StatefulSet", "-redis"))["env"]}["REDIS_PASSWORD"][
+        "valueFrom"]["secretKeyRef"]["name"] == "my-redis"

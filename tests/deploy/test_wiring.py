@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import re
+import urllib.parse
 from pathlib import PurePosixPath
 
 import pytest
@@ -66,10 +68,12 @@ def _under(path: str, mounts: set[str]) -> bool:
 
 # ------------------------------------------------------------------------------------------------- Helm
 def _container_env(c: dict) -> dict[str, str]:
+    """The container's environment as Kubernetes makes it: secrets stand in as placeholders, and $(NAME) of a
+    variable defined earlier in the list is expanded (REDIS_URL carries the bundled Redis's REDIS_PASSWORD)."""
     out = {}
     for e in c.get("env", []):
         if "value" in e:
-            out[e["name"]] = e["value"]
+            out[e["name"]] = re.sub(r"\$\((\w+)\)", lambda m: out.get(m.group(1), m.group(0)), e["value"])
         elif e["name"] == "REDIS_URL":                     # from a Secret at run time
             out[e["name"]] = "redis://redis-from-secret:6379/0"
         else:
@@ -107,7 +111,10 @@ def test_helm_commands_and_env_start_the_services(name, rendered, monkeypatch):
         assert store_svc["metadata"]["labels"]["app.kubernetes.io/component"] == "store", where
         assert int(port) in {p["port"] for p in store_svc["spec"]["ports"] if p["name"] == "grpc"}, where
         if values(name).get("redis", {}).get("enabled", True):
-            assert s.redis_url.split("//")[1].split(":")[0] in services, where
+            url = urllib.parse.urlsplit(s.redis_url)
+            assert url.hostname in services, where
+            if values(name).get("redis", {}).get("auth", {}).get("enabled", True):
+                assert url.password == "from-a-secret", where       # $(REDIS_PASSWORD), from the Secret
         assert s.tp == values(name).get("worker", {}).get("tp", 8)
         if service == "api":
             assert _port(s.listen) == ports["http"], where

@@ -67,9 +67,27 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- required "model.path is required: the DeepSeek-V4 checkpoint directory inside the pods, e.g. /models/DeepSeek-V4-Flash, on the volume given in model.volume (e.g. {persistentVolumeClaim: {claimName: deepseek-v4}}) mounted at model.mountPath" .Values.model.path }}
 {{- end }}
 
+{{/* The bundled Redis's password (a generated Secret, or redis.auth.existingSecret) as REDIS_PASSWORD: the Redis
+container requires it, the services' REDIS_URL carries it (Kubernetes expands $(REDIS_PASSWORD) there). */}}
+{{- define "redknot.redisPasswordSecret" -}}
+{{- default (include "redknot.component" (list . "redis")) .Values.redis.auth.existingSecret }}
+{{- end }}
+
+{{- define "redknot.redisPasswordEnv" -}}
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "redknot.redisPasswordSecret" . }}
+      key: password
+{{- end }}
+
 {{/* REDIS_URL, from the bundled Redis, an external URL or a Secret. */}}
 {{- define "redknot.redisUrlEnv" -}}
-{{- if .Values.redis.enabled -}}
+{{- if and .Values.redis.enabled .Values.redis.auth.enabled -}}
+{{ include "redknot.redisPasswordEnv" . }}
+- name: REDIS_URL
+  value: {{ printf "redis://:$(REDIS_PASSWORD)@%s:6379/0" (include "redknot.component" (list . "redis")) | quote }}
+{{- else if .Values.redis.enabled -}}
 - name: REDIS_URL
   value: {{ printf "redis://%s:6379/0" (include "redknot.component" (list . "redis")) | quote }}
 {{- else if .Values.redis.externalUrlSecret -}}
