@@ -245,5 +245,5 @@ class ArtifactApi:
             raise NotReady("inference worker not ready")
 
 
-def store_client_factory(target: str, tenants):
-    return lambda tenant: StoreClient(target, tenants.token(tenant), timeout_s=30)
+def store_client_factory(target: str, tenants, tls=None):
+    return lambda tenant: StoreClient(target, tenants.token(tenant), timeout_s=30, tls=tls)

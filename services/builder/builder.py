@@ -87,6 +87,7 @@ class Builder:
         self.failpoints = Failpoints(s.failpoints)
         self.workdir = Path(s.workdir)
         self.stop = threading.Event()
+        self.store_tls = s.store_tls()
 
     def run(self) -> None:
         shutil.rmtree(self.workdir, ignore_errors=True)        # leftovers of a killed builder: never uploaded
@@ -177,7 +178,7 @@ class Builder:
         assert gen == generation, (gen, generation)
         nbytes = sum(s.size for s, _ in shards)
         self.registry.update(job.tenant, job.doc, stage="uploading", progress=0.6, bytes=nbytes, shards=len(shards))
-        with StoreClient(self.s.store, self.tenants.token(job.tenant)) as client:
+        with StoreClient(self.s.store, self.tenants.token(job.tenant), tls=self.store_tls) as client:
             try:
                 b = client.begin(key, [s for s, _ in shards], generation)
                 have = set(b.already_stored)

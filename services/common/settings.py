@@ -6,9 +6,12 @@ import argparse
 import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from runtime.policy import RuntimePolicy
+from services.store.client import TlsConfig
 
 
 def setting(default: Any, env: str, help: str):
@@ -65,6 +68,13 @@ class CommonSettings(Settings):
                                                       "of ReuseProfile fields")
     tp: int = setting(1, "REDKNOT_TP", "tensor-parallel size the artifacts are built and served for")
     store: str = setting("127.0.0.1:50051", "REDKNOT_STORE_TARGET", "host:port of the artifact store")
+    store_tls_ca: str = setting("", "REDKNOT_STORE_CLIENT_TLS_CA", "PEM CA that signed the store's certificate: talk "
+                                                                  "to the store over TLS (empty: plaintext)")
+    store_tls_cert: str = setting("", "REDKNOT_STORE_CLIENT_TLS_CERT", "PEM client certificate for a store that "
+                                                                      "requires mTLS (with store_tls_key)")
+    store_tls_key: str = setting("", "REDKNOT_STORE_CLIENT_TLS_KEY", "PEM client key for a store that requires mTLS")
+    store_tls_server_name: str = setting("", "REDKNOT_STORE_CLIENT_TLS_SERVER_NAME",
+                                         "name to check the store's certificate against (default: the target's host)")
     fingerprint: str = setting("", "REDKNOT_CHECKPOINT_FINGERPRINT",
                                "checkpoint fingerprint to use instead of hashing the checkpoint's bytes at start")
     policy: str = setting("", "REDKNOT_POLICY", "runtime policy: key=value,... over RuntimePolicy's measured defaults "
@@ -76,6 +86,22 @@ class CommonSettings(Settings):
     def _policy_parses(cls, v: str) -> str:
         _runtime_policy(v)                                  # a bad item is an error naming the setting, at start
         return v
+
+    @model_validator(mode="after")
+    def _store_tls_complete(self):
+        if bool(self.store_tls_cert) != bool(self.store_tls_key):
+            raise ValueError("store_tls_cert and store_tls_key go together (a client certificate and its key)")
+        if (self.store_tls_cert or self.store_tls_server_name) and not self.store_tls_ca:
+            raise ValueError("store_tls_cert and store_tls_server_name need store_tls_ca (TLS to the store)")
+        return self
+
+    def store_tls(self) -> TlsConfig | None:
+        """How to reach the store: TLS (and mTLS) from the store_tls_* files, read once here; None: plaintext."""
+        if not self.store_tls_ca:
+            return None
+        read = lambda p: Path(p).read_bytes() if p else None       # noqa: E731
+        return TlsConfig(read(self.store_tls_ca), read(self.store_tls_cert), read(self.store_tls_key),
+                         self.store_tls_server_name or None)
 
     def runtime_policy(self) -> RuntimePolicy:
         """The policy the model runs under (`Transformer.set_policy`), built once here at the process edge."""

@@ -27,7 +27,7 @@ from runtime.reuse.stager import HotSource, SourceError, StagedSource, Trace
 from runtime.model.parallel import Parallel
 from runtime.reuse.store import CERTIFICATE_FILE, MANIFEST_FILE, VerifiedFiles, read_head, shard_file
 from services.common.tenants import Tenants
-from services.store.client import StoreClient, fallback_reason
+from services.store.client import StoreClient, TlsConfig, fallback_reason
 from services.store.errors import StoreError
 from services.store.keys import DocumentKey, Range
 
@@ -57,12 +57,14 @@ class Opened:
 class Prefetcher:
     def __init__(self, tier: PinnedTier, tenants: Tenants, store: str, rank: int, channels: tuple[int, int],
                  n_layers: int, layer_group: int, threads: int, trace: Trace | None = None, local_socket: str = "",
-                 exchange: ShardExchange | None = None, control: Parallel | None = None):
+                 exchange: ShardExchange | None = None, control: Parallel | None = None,
+                 tls: TlsConfig | None = None):
         self.tier, self.tenants, self.store, self.rank, self.trace = tier, tenants, store, rank, trace
         if exchange is not None and (control is None or control.size != exchange.size):
             raise ValueError("a shard exchange needs the TP group's control collectives (control.size == TP)")
         self.exchange, self.control = exchange, control
         self.local_socket = local_socket or None
+        self.tls = tls                                      # TLS (mTLS) to the store over gRPC; None: plaintext
         self.channels = Range(*channels)
         self.groups = [Range(a, min(a + layer_group, n_layers)) for a in range(0, n_layers, layer_group)]
         self._publish = ThreadPoolExecutor(max(1, threads // 2), thread_name_prefix="fetch-doc")
@@ -76,7 +78,7 @@ class Prefetcher:
         with self._lock:
             if tenant not in self._clients:
                 self._clients[tenant] = StoreClient(self.store, self.tenants.token(tenant), timeout_s=120,
-                                                     local_socket=self.local_socket)
+                                                     local_socket=self.local_socket, tls=self.tls)
             return self._clients[tenant]
 
     def _note(self, event: str, group: int) -> None:

@@ -184,7 +184,7 @@ def rank_main(group: RankGroup, s: WorkerSettings) -> None:
                             channel_range(cfg, group.rank, group.size), cfg.n_layers, s.layer_group,
                             s.fetch_threads, local_socket=s.store_local_socket,
                             exchange=ShardExchange(group.rank, group.size, group.exchange) if group.size > 1 else None,
-                            control=group.control)
+                            control=group.control, tls=s.store_tls())
     engine = RankEngine(group, model, Binding(ident, profile, group.size, cfg.eos_token_id), prefetcher,
                         Failpoints(s.failpoints))
     try:

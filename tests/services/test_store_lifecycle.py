@@ -238,3 +238,59 @@ def test_a_blob_claimed_by_gc_is_neither_deduplicated_nor_written_nor_committed(
         client.commit(b.upload_id)
     r.srem(claimed, victim.digest)
     assert client.commit(b.upload_id).manifest.generation == 2
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl CLI not installed")
+def test_the_services_reach_a_tls_store_through_their_settings(store_factory, tmp_path):
+    """The API, builder and workers talk to a store that requires mTLS through CommonSettings.store_tls_* (before,
+    no service could use the store's TLS): the worker's prefetcher fetches a generation with them, and the same
+    settings without the client certificate are refused."""
+    from services.common.settings import CommonSettings
+    from services.common.tenants import Tenants
+    from services.worker.prefetch import Prefetcher
+    from services.worker.tier import PinnedTier
+    d = tmp_path / "pki"
+    d.mkdir()
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
+             "-subj", "/CN=redknot-test-ca", cwd=d)
+    (d / "san.cnf").write_text("subjectAltName=DNS:store.internal\n")
+    for name in ("server", "client"):
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+                 "-subj", f"/CN={name}", cwd=d)
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                 "-out", f"{name}.pem", "-days", "1", "-extfile", "san.cnf", cwd=d)
+    store = store_factory(extra_args=["--tls-cert", str(d / "server.pem"), "--tls-key", str(d / "server.key"),
+                                      "--tls-client-ca", str(d / "ca.pem")])
+    store.wait_serving = lambda timeout=30: None        # the plaintext health probe cannot talk TLS
+    store.start()
+    s = CommonSettings(store=store.target, store_tls_ca=str(d / "ca.pem"), store_tls_cert=str(d / "client.pem"),
+                       store_tls_key=str(d / "client.key"), store_tls_server_name="store.internal")
+    tls = s.store_tls()
+    key = doc_key("tls-settings", tp_size=1)
+    gen = make_generation(key, layers=2, size=100)
+    deadline = time.monotonic() + 30
+    with StoreClient(store.target, TOKENS["acme"], tls=tls) as c:
+        while True:
+            try:
+                c.put_generation(key, gen)
+                break
+            except Unavailable:
+                assert time.monotonic() < deadline, store.log()[-2000:]
+                time.sleep(0.2)
+    pf = Prefetcher(PinnedTier(0), Tenants(TOKENS), s.store, rank=0, channels=(0, 64), n_layers=2, layer_group=1,
+                    threads=2, tls=tls)
+    try:
+        src = pf.open("acme", key, 1).source
+        got = {**src.head.result(timeout=30), **{n: b for _, f in src.groups for n, b in f.result(timeout=30).items()}}
+        assert got == {sp.name: data for sp, data in gen if sp.rank == 0}
+    finally:
+        pf.close()
+    no_cert = CommonSettings(store=store.target, store_tls_ca=str(d / "ca.pem"),
+                             store_tls_server_name="store.internal").store_tls()
+    with StoreClient(store.target, TOKENS["acme"], tls=no_cert, timeout_s=5) as c:
+        with pytest.raises(Unavailable):            # mTLS: no client certificate, no handshake
+            c.manifest(key)
+    with pytest.raises(ValueError):
+        CommonSettings(store_tls_ca=str(d / "ca.pem"), store_tls_cert=str(d / "client.pem"))   # a cert without key
+    with pytest.raises(ValueError):
+        CommonSettings(store_tls_cert=str(d / "client.pem"), store_tls_key=str(d / "client.key"))  # no CA
