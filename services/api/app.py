@@ -147,7 +147,7 @@ def create_app(s: ApiSettings) -> FastAPI:
     core = ArtifactApi(Registry(r, s.redis_prefix), load_tokenizer(s.model), tokenizer_fingerprint(s.model),
                        model_config(s.model).vocab_size, store_client_factory(s.store, tenants, s.store_tls()), worker,
                        Limits(s.max_upload_bytes, s.max_document_tokens, s.max_documents, s.max_question_chars,
-                              s.max_new_tokens), metrics)
+                              s.max_new_tokens), metrics, s.document_id_secret())
 
     @asynccontextmanager
     async def lifespan(_app):

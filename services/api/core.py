@@ -66,9 +66,11 @@ class UploadResult:
 
 class ArtifactApi:
     def __init__(self, registry: Registry, tokenizer, tokenizer_fingerprint: str, vocab_size: int,
-                 store_client, worker: WorkerClient, limits: Limits, metrics: ApiMetrics):
-        """`store_client(tenant) -> StoreClient` (a context manager) for retiring generations."""
+                 store_client, worker: WorkerClient, limits: Limits, metrics: ApiMetrics, id_secret: bytes):
+        """`store_client(tenant) -> StoreClient` (a context manager) for retiring generations; `id_secret`: the
+        deployment's key of document ids (`serving.document_id`)."""
         self.registry, self.tokenizer, self.tok_fp = registry, tokenizer, tokenizer_fingerprint
+        self.id_secret = id_secret
         self.vocab_size, self.store_client, self.worker = vocab_size, store_client, worker
         self.limits, self.metrics = limits, metrics
 
@@ -98,7 +100,7 @@ class ArtifactApi:
         bad = sorted({t for t in tokens if not 0 <= t < self.vocab_size})
         if bad:
             raise InvalidInput(f"token ids {bad[:8]} are outside the vocabulary [0, {self.vocab_size})")
-        doc_id = document_id(tokens, self.tok_fp)
+        doc_id = document_id(tokens, self.tok_fp, tenant, self.id_secret)
         try:
             self.registry.get(tenant, doc_id)       # a broken record is reported before anything is written
         except CorruptRecord as e:

@@ -14,6 +14,11 @@ class ApiSettings(CommonSettings):
                                                                         "(from its first read); then 408")
     head_timeout_s: float = setting(10.0, "REDKNOT_API_HEAD_TIMEOUT_S", "longest time to receive a request line and "
                                                                         "headers; then 408 and the connection closed")
+    id_secret: str = setting("", "REDKNOT_API_ID_SECRET", "the deployment's key of document ids, 64 hex digits "
+                                                          "(32 bytes; `openssl rand -hex 32`): ids are keyed per "
+                                                          "tenant, so a text cannot be confirmed from an id without "
+                                                          "it. Every API replica needs the same; changing it renames "
+                                                          "every document (uploads get new ids). Required")
     max_connections: int = setting(1024, "REDKNOT_API_MAX_CONNECTIONS", "open connections (and requests in "
                                                                         "flight) beyond which requests get 503")
     generate_concurrency: int = setting(64, "REDKNOT_API_GENERATE_CONCURRENCY", "generate requests waiting on the "
@@ -23,3 +28,14 @@ class ApiSettings(CommonSettings):
     max_question_chars: int = setting(16384, "REDKNOT_API_MAX_QUESTION_CHARS", "longest question")
     max_new_tokens: int = setting(512, "REDKNOT_API_MAX_NEW_TOKENS", "most tokens one request may generate")
     generate_timeout_s: float = setting(600.0, "REDKNOT_API_GENERATE_TIMEOUT_S", "longest wait for the worker")
+
+    def document_id_secret(self) -> bytes:
+        """The id key, checked at start: 64 hex digits."""
+        try:
+            key = bytes.fromhex(self.id_secret)
+        except ValueError:
+            key = b""
+        if len(key) != 32:
+            raise SystemExit("redknot api: --id-secret (REDKNOT_API_ID_SECRET) must be 64 hex digits (32 bytes), e.g. "
+                             "from `openssl rand -hex 32`; every API replica needs the same one")
+        return key

@@ -66,9 +66,15 @@ def model_config(path: str | Path) -> ModelConfig:
     return load_config(path)
 
 
-def document_id(tokens: list[int], tokenizer_fingerprint: str) -> str:
-    """A tenant's document is named by its content: the token hash of its (unpadded) ids."""
-    return token_hash(tokens, tokenizer_fingerprint)[:32]
+def document_id(tokens: list[int], tokenizer_fingerprint: str, tenant: str, secret: bytes) -> str:
+    """A tenant's document is named by its content, keyed per tenant: a keyed BLAKE3 (the key derived from the
+    deployment's secret and the tenant) of the token hash of its (unpadded) ids. The same content gets the same id
+    within a tenant (idempotent uploads) and different ids across tenants, and nobody without the secret can compute
+    an id from a guessed text (an unkeyed content hash confirmed guesses offline)."""
+    if len(secret) < 32:
+        raise ValueError(f"the document-id secret must hold at least 32 bytes, got {len(secret)}")
+    tenant_key = blake3.blake3(b"redknot.api.tenant.v1\0" + tenant.encode(), key=secret[:32]).digest()
+    return blake3.blake3(token_hash(tokens, tokenizer_fingerprint).encode(), key=tenant_key).hexdigest()[:32]
 
 
 @dataclass(frozen=True)

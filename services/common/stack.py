@@ -161,6 +161,7 @@ class StackConfig:
     redis_url: str = ""                          # empty: start a redis-server of our own
     prefix: str = "redknot"
     tenants: dict[str, str] = field(default_factory=lambda: {"demo": "demo-" + secrets.token_hex(16)})
+    id_secret: str = field(default_factory=lambda: secrets.token_hex(32))     # the API's key of document ids
     api_env: dict[str, str] = field(default_factory=dict)
     builder_env: dict[str, str] = field(default_factory=dict)
     worker_env: dict[str, str] = field(default_factory=dict)
@@ -244,7 +245,7 @@ class LocalStack:
         self.services["store"] = store_service(self.store_target, f"127.0.0.1:{p['store_metrics']}", self.redis_url,
                                                f"{c.prefix}-store", self.workdir / "store", self.tokens_file,
                                                logs / "store.log", self.local_socket)
-        api = ApiSettings(**common, listen=f"127.0.0.1:{p['api']}", worker_url=self.worker_url)
+        api = ApiSettings(**common, listen=f"127.0.0.1:{p['api']}", worker_url=self.worker_url, id_secret=c.id_secret)
         self.services["api"] = Service("api", py + ["api", "serve"], {**base, **api.to_env(), **c.api_env},
                                        logs / "api.log",
                                        lambda: http_ok(self.api_url + "/healthz"))

@@ -395,3 +395,21 @@ def test_the_bundled_redis_requires_a_password_its_clients_carry(rendered):
     assert not [o for o in own if o["kind"] == "Secret" and o["metadata"]["name"].endswith("-redis")]
     assert {e["name"]: e for e in _container(find(own, "StatefulSet", "-redis"))["env"]}["REDIS_PASSWORD"][
         "valueFrom"]["secretKeyRef"]["name"] == "my-redis"
+
+
+def test_the_api_gets_a_generated_document_id_key_or_yours(rendered):
+    """REDKNOT_API_ID_SECRET comes from a Secret: one the chart generates (64 hex digits the API accepts) or
+    api.idSecretExistingSecret."""
+    import base64
+    from services.api.settings import ApiSettings
+    objs = objects(rendered["default"])
+    secret = find(objs, "Secret", "-api")
+    key = base64.b64decode(secret["data"]["id-secret"]).decode()
+    assert len(ApiSettings(id_secret=key).document_id_secret()) == 32
+    env = {e["name"]: e for e in _container(find(objs, "Deployment", "-api"))["env"]}
+    assert env["REDKNOT_API_ID_SECRET"]["valueFrom"]["secretKeyRef"] == {"name": secret["metadata"]["name"],
+                                                                          "key": "id-secret"}
+    own = objects(render({**values("default"), "api": {"idSecretExistingSecret": "my-ids"}}))
+    assert not [o for o in own if o["kind"] == "Secret" and o["metadata"]["name"].endswith("-api")]
+    env = {e["name"]: e for e in _container(find(own, "Deployment", "-api"))["env"]}
+    assert env["REDKNOT_API_ID_SECRET"]["valueFrom"]["secretKeyRef"]["name"] == "my-ids"

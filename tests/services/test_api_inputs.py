@@ -30,6 +30,7 @@ from .conftest import write_tiny_checkpoint
 TENANTS = {"acme": "acme-token-0123456789abcdef", "globex": "globex-token-0123456789abcdef",
            "broken": "broken-token-0123456789abcdef", "counted": "counted-token-0123456789abcdef"}
 MAX_UPLOAD = 64 << 10
+ID_SECRET = "5a" * 32
 MAX_GENERATE = 16 << 10
 MAX_BODY = 1 << 10
 MAX_TOKENS = 2048
@@ -55,7 +56,7 @@ def api_service(workdir: Path, checkpoint: Path, redis_url: str, prefix: str, **
                               store=f"127.0.0.1:{free_port()}", max_upload_bytes=MAX_UPLOAD,
                               max_generate_bytes=MAX_GENERATE, max_body_bytes=MAX_BODY,
                               max_document_tokens=MAX_TOKENS, body_timeout_s=BODY_TIMEOUT_S,
-                              head_timeout_s=HEAD_TIMEOUT_S), **settings})
+                              head_timeout_s=HEAD_TIMEOUT_S, id_secret=ID_SECRET), **settings})
     url = f"http://127.0.0.1:{port}"
     svc = Service("api", [sys.executable, "-m", "services.cli", "api", "serve"],
                   {"PYTHONUNBUFFERED": "1", **s.to_env()}, workdir / "api.log", lambda: http_ok(url + "/healthz"))
@@ -724,3 +725,10 @@ def test_the_api_serves_its_openapi_document_and_no_cdn_backed_pages(app):
         assert "/v1/generate" in doc.json()["paths"]
         for page in ("/docs", "/redoc"):
             assert c.get(page).status_code == 404, page
+
+
+def test_the_api_refuses_to_start_without_a_document_id_key():
+    for bad in ("", "zz" * 32, "ab" * 16):
+        with pytest.raises(SystemExit, match="64 hex digits"):
+            ApiSettings(id_secret=bad).document_id_secret()
+    assert ApiSettings(id_secret=ID_SECRET).document_id_secret() == bytes.fromhex(ID_SECRET)

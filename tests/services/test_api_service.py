@@ -245,6 +245,19 @@ def test_parallel_requests_show_their_queueing_in_the_latency_metrics(stack, bui
     assert worker["redknot_requests_running"] == 0 and worker["redknot_requests_waiting"] == 0
 
 
+def test_document_ids_are_keyed_per_tenant(stack, checkpoint):
+    """The same text uploaded by two tenants gets two ids (each idempotent within its tenant), and neither is the
+    unkeyed content hash: an id does not confirm a guessed text to whoever lacks the deployment's key."""
+    from runtime.reuse.certificate import token_hash
+    from services.common.serving import tokenizer_fingerprint
+    text = TEXTS[2] + TEXTS[1]
+    with api(stack) as acme, api(stack, "globex") as globex:
+        a, g = upload(acme, text), upload(globex, text)
+        assert a != g and upload(acme, text) == a and upload(globex, text) == g
+    unkeyed = token_hash(doc_tokens(checkpoint, text), tokenizer_fingerprint(checkpoint))[:32]
+    assert unkeyed not in (a, g)
+
+
 def test_a_document_and_the_same_ids_plus_a_pad_token_are_apart(stack, checkpoint):
     """T and T+[pad] pad to the same ids; their store keys differ (a key is a function of exactly the unpadded ids),
     so deleting one leaves the other served by reuse, and uploading T again changes nothing."""
