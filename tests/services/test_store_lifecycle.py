@@ -180,19 +180,25 @@ def _openssl(*args, cwd):
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl CLI not installed")
-def test_mtls(store_factory, tmp_path):
-    """With --tls-client-ca the store accepts only clients whose certificate that CA signed."""
-    d = tmp_path / "pki"
+def _pki(d, san: str):
+    """A test CA in `d` (ca.pem) and a server and a client certificate it signed (server.pem/.key,
+    client.pem/.key), both for the subjectAltName `san`."""
     d.mkdir()
     _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
              "-subj", "/CN=redknot-test-ca", cwd=d)
-    (d / "san.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    (d / "san.cnf").write_text(f"subjectAltName={san}\n")
     for name in ("server", "client"):
         _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
                  "-subj", f"/CN={name}", cwd=d)
         _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
                  "-out", f"{name}.pem", "-days", "1", "-extfile", "san.cnf", cwd=d)
+    return d
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl CLI not installed")
+def test_mtls(store_factory, tmp_path):
+    """With --tls-client-ca the store accepts only clients whose certificate that CA signed."""
+    d = _pki(tmp_path / "pki", "DNS:localhost,IP:127.0.0.1")
     store = store_factory(extra_args=["--tls-cert", str(d / "server.pem"), "--tls-key", str(d / "server.key"),
                                       "--tls-client-ca", str(d / "ca.pem")])
     store.wait_serving = lambda timeout=30: None        # the plaintext health probe cannot talk TLS
@@ -249,16 +255,7 @@ def test_the_services_reach_a_tls_store_through_their_settings(store_factory, tm
     from services.common.tenants import Tenants
     from services.worker.prefetch import Prefetcher
     from services.worker.tier import PinnedTier
-    d = tmp_path / "pki"
-    d.mkdir()
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
-             "-subj", "/CN=redknot-test-ca", cwd=d)
-    (d / "san.cnf").write_text("subjectAltName=DNS:store.internal\n")
-    for name in ("server", "client"):
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
-                 "-subj", f"/CN={name}", cwd=d)
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-                 "-out", f"{name}.pem", "-days", "1", "-extfile", "san.cnf", cwd=d)
+    d = _pki(tmp_path / "pki", "DNS:store.internal")
     store = store_factory(extra_args=["--tls-cert", str(d / "server.pem"), "--tls-key", str(d / "server.key"),
                                       "--tls-client-ca", str(d / "ca.pem")])
     store.wait_serving = lambda timeout=30: None        # the plaintext health probe cannot talk TLS
