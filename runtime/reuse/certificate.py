@@ -35,6 +35,12 @@ class FallbackReason(str, enum.Enum):
     PRODUCER_MISMATCH = "producer_mismatch"        # artifact dtype or producer version is not the server's
 
 
+# the artifact itself is damaged (not merely another generation, profile or checkpoint): the worker drops its tier
+# copy, the API queues the document for a rebuild
+BROKEN_ARTIFACT = frozenset({FallbackReason.DIGEST_MISMATCH, FallbackReason.MISSING_SHARD,
+                             FallbackReason.MISSING_LAYER})
+
+
 class CertificateError(ValueError):
     """Certificate bytes that do not decode to a well-formed certificate."""
 

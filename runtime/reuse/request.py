@@ -164,7 +164,6 @@ def answer_staged(model: Transformer, profile: ReuseProfile, docs: list[list[int
         return head, head.certificate if v.ok else None, v
     heads, bindings, verdict = _validate(model, profile, ident, padded, sources, current_generation, read)
     document = None if verdict.ok else len(heads)      # `_validate` stops at the first document it rejects
-    own = verdict
     hot = all(isinstance(s, HotSource) for s in sources)
     if model.par.size > 1:      # every rank takes the same path (the staged one runs per-group agreements)
         hot = all((control or model.par).all_gather_object(hot))
@@ -179,6 +178,4 @@ def answer_staged(model: Transformer, profile: ReuseProfile, docs: list[list[int
             return _reuse(model, profile, stager.documents(), question, verdict)
         except StagingRejected as r:
             verdict, document = r.verdict, r.document
-    elif own.ok:
-        document = None                                 # this rank accepted every document: it follows
     return _recompute(model, padded, question, verdict, counter, document)

@@ -288,7 +288,7 @@ def _safetensors_views(raw) -> dict[str, torch.Tensor]:
         raise ValueError("data offsets do not tile the data section")
     with warnings.catch_warnings():         # read-only bytes: the views are never written (see above)
         warnings.simplefilter("ignore", UserWarning)
-        flat = torch.frombuffer(mv, dtype=torch.uint8) if len(mv) else torch.empty(0, dtype=torch.uint8)
+        flat = torch.frombuffer(mv, dtype=torch.uint8)          # never empty: the header length is there
     out = {}
     for b, e, k, dt, shape in spans:
         t = flat[base + b:base + e]

@@ -6,8 +6,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from runtime.reuse.certificate import BROKEN_ARTIFACT
+
 METHODS = ("GET", "POST", "DELETE", "PUT", "PATCH", "HEAD", "OPTIONS")
-REBUILD_REASONS = ("digest_mismatch", "missing_shard", "missing_layer")    # a broken artifact: build it again
+REBUILD_REASONS = tuple(sorted(r.value for r in BROKEN_ARTIFACT))      # a broken artifact: build it again
 LATENCY_BUCKETS = (.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 UNMATCHED = "unmatched"         # the route label of a path no route serves (bounded: never the raw path)
 

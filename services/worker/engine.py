@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.model.deepseek_v4 import Transformer
-from runtime.reuse.certificate import FallbackReason, Verdict
+from runtime.reuse.certificate import BROKEN_ARTIFACT, FallbackReason, Verdict
 from runtime.reuse.stager import HotSource, StagedSource, Trace
 from runtime.reuse.producer import pad_document
 from runtime.reuse.request import answer_staged
@@ -37,8 +37,6 @@ from .protocol import Fallback, WorkerRequest, WorkerResponse
 from .tier import TierCounts, TierKey
 
 log = logging.getLogger("redknot.worker")
-# a rank whose own copy failed verification drops it from the tier, so the next request fetches it again
-_DROP_ON = {FallbackReason.DIGEST_MISMATCH, FallbackReason.MISSING_SHARD, FallbackReason.MISSING_LAYER}
 
 
 @dataclass(frozen=True)
@@ -156,7 +154,9 @@ class RankEngine:
                                     groups=[range(g.lo, g.hi) for g in self.prefetcher.groups])
                 logits, step, arm, verdict, document = out.logits, out.step, out.arm, out.verdict, out.document
                 ledger = out.ledger.summary() if out.ledger is not None else None
-                if verdict.reason in _DROP_ON:      # this rank's own copy failed (others say rank_disagreement)
+                # this rank's own copy failed verification (the others say rank_disagreement): it leaves the tier,
+                # so the next request fetches it again
+                if verdict.reason in BROKEN_ARTIFACT:
                     for k in pinned:
                         self.tier.drop(k)
             finally:
