@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, Literal
-
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from runtime.policy import RuntimePolicy
-from services.store.client import TlsConfig
+
+if TYPE_CHECKING:
+    from services.store.client import TlsConfig
 
 
 def setting(default: Any, env: str, help: str):
@@ -99,6 +100,7 @@ class CommonSettings(Settings):
         """How to reach the store: TLS (and mTLS) from the store_tls_* files, read once here; None: plaintext."""
         if not self.store_tls_ca:
             return None
+        from services.store.client import TlsConfig     # here: parsing settings imports no gRPC client
         read = lambda p: Path(p).read_bytes() if p else None       # noqa: E731
         return TlsConfig(read(self.store_tls_ca), read(self.store_tls_cert), read(self.store_tls_key),
                          self.store_tls_server_name or None)
