@@ -68,9 +68,14 @@ def follow(group: RankGroup, model: Transformer, profile: ReuseProfile, ident: S
             group.gather(build_rank(group, model, profile, ident, task))
 
 
+def doubling(first: float, cap: float, n: int) -> float:
+    """The n-th wait (1-based) of a backoff that starts at `first` and doubles up to `cap`."""
+    return min(first * 2 ** (n - 1), cap)
+
+
 def retry_delay(s: BuilderSettings, attempt: int) -> float:
     """The wait after failed attempt `attempt` (1-based): backoff_s doubling, capped at backoff_max_s."""
-    return min(s.backoff_s * 2 ** (attempt - 1), s.backoff_max_s)
+    return doubling(s.backoff_s, s.backoff_max_s, attempt)
 
 
 class BuildError(RuntimeError):
@@ -108,7 +113,7 @@ class Builder:
                 lost = 0
             except REDIS_LOST as e:
                 lost += 1
-                delay = min(REDIS_RETRY_S * 2 ** (lost - 1), REDIS_RETRY_MAX_S)
+                delay = doubling(REDIS_RETRY_S, REDIS_RETRY_MAX_S, lost)
                 self.metrics.redis_errors.inc()
                 log.warning("Redis unavailable (%s: %s); retrying in %.2fs", type(e).__name__, e, delay)
                 self.group.broadcast(None)

@@ -50,9 +50,9 @@ class RejectedRequest(ValueError):
 class Frontend:
     """Rank 0's side facing HTTP: a bounded queue of (request, future) and the readiness flag."""
 
-    def __init__(self, s: WorkerSettings, metrics: WorkerMetrics):
+    def __init__(self, s: WorkerSettings, metrics: WorkerMetrics, tenants: Tenants):
         self.s, self.metrics = s, metrics
-        self.tenants = Tenants.load(s.tokens, s.tokens_file)     # who may generate as whom
+        self.tenants = tenants                                   # who may generate as whom
         # (request, its future, when it was queued)
         self.requests: queue.Queue[tuple[WorkerRequest, Future, float]] = queue.Queue(maxsize=s.max_queue)
         self.ready = threading.Event()
@@ -64,7 +64,7 @@ class Frontend:
         if bad:
             raise RejectedRequest(f"token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
         fut: Future = Future()
-        self.requests.put_nowait((req, fut, time.perf_counter()))       # queue.Full: 503
+        self.requests.put_nowait((req, fut, time.perf_counter()))       # queue.Full: 429
         self.metrics.waiting.set(self.requests.qsize())
         return fut
 
@@ -157,10 +157,11 @@ def rank_main(group: RankGroup, s: WorkerSettings) -> None:
     from runtime.model.loader import load_model
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s worker[{group.rank}] %(message)s")
     stop = threading.Event()
+    tenants = Tenants.load(s.tokens, s.tokens_file)          # whom the store serves, and (rank 0) who may generate
     front = http = None
     if group.leader:
         metrics = WorkerMetrics()
-        front = Frontend(s, metrics)
+        front = Frontend(s, metrics, tenants)
         host, port = _host_port(s.listen)
         http = ThreadingHTTPServer((host, port), make_handler(front))
         http.daemon_threads = True
@@ -180,7 +181,7 @@ def rank_main(group: RankGroup, s: WorkerSettings) -> None:
     with torch.inference_mode():            # warm-up: first-call costs stay out of the first request's TTFT
         model(torch.full((16,), cfg.bos_token_id, device=group.device))
     tier = PinnedTier(int(s.tier_gib * 2**30))
-    prefetcher = Prefetcher(tier, Tenants.load(s.tokens, s.tokens_file), s.store, group.rank,
+    prefetcher = Prefetcher(tier, tenants, s.store, group.rank,
                             channel_range(cfg, group.rank, group.size), cfg.n_layers, s.layer_group,
                             s.fetch_threads, local_socket=s.store_local_socket,
                             exchange=ShardExchange(group.rank, group.size, group.exchange) if group.size > 1 else None,
