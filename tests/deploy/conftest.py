@@ -45,6 +45,16 @@ def values(name: str) -> dict:
     return yaml.safe_load((CHART / "ci" / f"{name}-values.yaml").read_text()) or {}
 
 
+def _merged(base: dict, over: dict) -> dict:
+    return {**base, **{k: _merged(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+                       for k, v in over.items()}}
+
+
+def chart_values(over: dict) -> dict:
+    """The values a release renders with: the chart's values.yaml under `over` (maps merged, as Helm does)."""
+    return _merged(yaml.safe_load((CHART / "values.yaml").read_text()), over)
+
+
 def render(vals: dict | None) -> dict[str, str]:
     """`helm template`: template path -> rendered text (NOTES.txt included)."""
     import helm_python as helm

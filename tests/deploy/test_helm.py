@@ -9,7 +9,8 @@ import json
 import pytest
 import yaml
 
-from .conftest import CHART, NAMESPACE, RELEASE, ROOT, VALUES_FILES, find, objects, promtool, render, run, tool, values
+from .conftest import (CHART, NAMESPACE, RELEASE, ROOT, VALUES_FILES, chart_values, find, objects, promtool, render,
+                       run, tool, values)
 
 KUBE_VERSIONS = ("1.27.0", "1.33.0")      # the chart's kubeVersion floor and a current release
 WORKLOADS = ("Deployment", "StatefulSet")
@@ -343,10 +344,7 @@ def test_network_policies_admit_only_the_callers_each_component_needs(name, rend
     assert set(policies) == set(pods), (set(policies), set(pods))      # every component's pods have one
     for comp, policy in policies.items():
         assert policy["spec"]["podSelector"]["matchLabels"].items() <= pods[comp]["labels"].items()
-    def merged(base: dict, over: dict) -> dict:
-        return {**base, **{k: merged(base[k], x) if isinstance(x, dict) and isinstance(base.get(k), dict) else x
-                           for k, x in over.items()}}
-    v = merged(yaml.safe_load((CHART / "values.yaml").read_text()), vals)
+    v = chart_values(vals)
     store, api, worker = v["store"]["grpcPort"], v["api"]["port"], v["worker"]["port"]
     # (destination, its port) -> the components of this release that may call it
     callers = {("store", store): {"api", "builder", "worker"}, ("worker", worker): {"api"}}

@@ -11,9 +11,8 @@ import urllib.parse
 from pathlib import PurePosixPath
 
 import pytest
-import yaml
 
-from .conftest import CHART, VALUES_FILES, objects, render, values
+from .conftest import VALUES_FILES, chart_values, objects, render, values
 from .test_containers import _compose_config
 
 ENTRY_POINTS = {"store": "services.store.server", "api": "services.api.server",
@@ -103,7 +102,7 @@ def test_helm_commands_and_env_start_the_services(name, rendered, monkeypatch):
         if service == "store":
             assert _port(s.listen) == ports["grpc"] and _port(s.metrics_listen) == ports["metrics"], where
             assert _under(s.tokens_file, mounts) and _under(s.blob_root, mounts), where
-            sv = {**yaml.safe_load((CHART / "values.yaml").read_text())["store"], **values(name).get("store", {})}
+            sv = chart_values(values(name))["store"]
             assert (s.gc_interval_s, s.upload_ttl_s, s.stream_idle_s, s.stream_deadline_s, s.redis_connections) == (
                 sv["gcIntervalSeconds"], sv["uploadTtlSeconds"], sv["streamIdleSeconds"],
                 sv["streamDeadlineSeconds"], sv["redisConnections"]), where
