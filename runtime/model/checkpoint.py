@@ -429,10 +429,7 @@ def write_official_checkpoint(path: str | Path, cfg: ModelConfig, state: dict[st
                                               indent=2))
     (root / "config.json").write_text(json.dumps(to_official_json(cfg), indent=2))
     if tokenizer_json is not None:
-        src = Path(tokenizer_json)
-        if not src.is_file():
-            raise CheckpointError(f"{src}: tokenizer file not found")
-        shutil.copyfile(src, root / "tokenizer.json")
+        copy_tokenizer(tokenizer_json, root)
 
 
 # ---------------------------------------------------------------- random weights
@@ -524,11 +521,30 @@ a colon: all help the tokenizer see common symbols.
 
 # the chat-format specials of encoding_dsv4 after BOS/EOS, so rendered prompts tokenize like the real model
 _DEMO_SPECIALS = (BOS_TOKEN, EOS_TOKEN, "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>")
+# DeepSeek's chat turn markers, without the BOS (documents come first in a request: the question's chat follows them)
+DEMO_CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}"
+    "{% elif m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
+    "{% elif m['role'] == 'assistant' %}<｜Assistant｜>{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<｜Assistant｜>{% endif %}")
+TOKENIZER_CONFIG = "tokenizer_config.json"
+
+
+def copy_tokenizer(tokenizer_json: str | Path, directory: Path) -> None:
+    """tokenizer.json into a checkpoint directory, with the tokenizer_config.json (chat template, special tokens)
+    that sits beside it, where one does."""
+    src = Path(tokenizer_json)
+    if not src.is_file():
+        raise CheckpointError(f"{src}: tokenizer file not found")
+    shutil.copyfile(src, directory / "tokenizer.json")
+    if (src.parent / TOKENIZER_CONFIG).is_file():
+        shutil.copyfile(src.parent / TOKENIZER_CONFIG, directory / TOKENIZER_CONFIG)
 
 
 def build_demo_tokenizer(vocab_size: int, path: str | Path):
     """Train a small byte-level BPE on a built-in English paragraph and write it as tokenizer.json under
-    `path` (a directory, or the .json file itself); returns the Tokenizer. BOS has id 0 and EOS id 1, as
+    `path` (a directory, or the .json file itself), with a tokenizer_config.json beside it (DeepSeek's chat turn
+    markers as its chat template); returns the Tokenizer. BOS has id 0 and EOS id 1, as
     in DeepSeek-V4. With room for all 256 byte symbols any text encodes; below that (tiny test vocabs)
     the alphabet is printable ASCII plus tab and newline, and other bytes are dropped."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -556,4 +572,6 @@ def build_demo_tokenizer(vocab_size: int, path: str | Path):
     assert tok.get_vocab_size() <= vocab_size
     out.parent.mkdir(parents=True, exist_ok=True)
     tok.save(str(out))
+    (out.parent / TOKENIZER_CONFIG).write_text(json.dumps(
+        {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "chat_template": DEMO_CHAT_TEMPLATE}, ensure_ascii=False))
     return tok

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from .checkpoint import copy_tokenizer
 from .config import ModelConfig, to_official_json
 
 RANDOM_INIT_FILE = "random-init.json"
@@ -77,6 +78,6 @@ def write_random_checkpoint(directory: str | Path, cfg: ModelConfig, seed: int, 
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(json.dumps(to_official_json(cfg), indent=1))
-    (d / "tokenizer.json").write_bytes(Path(tokenizer_json).read_bytes())
+    copy_tokenizer(tokenizer_json, d)
     (d / RANDOM_INIT_FILE).write_text(json.dumps({"format": FORMAT, "seed": seed, "device": device}))
     return d

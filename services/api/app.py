@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.formparsers import MultiPartException, MultiPartParser
 
+from runtime.llama.tokenizer import ChatTokenizer
 from runtime.model.checkpoint import load_tokenizer
 from services.common.registry import Registry
 from services.common.serving import model_config, tokenizer_fingerprint
@@ -25,10 +26,14 @@ from services.common.tenants import Tenants
 from services.store.redis_client import sync_client
 
 from .core import ArtifactApi, Limits, UploadParams, store_client_factory
-from .errors import HTTP_STATUS, InvalidInput, PayloadTooLarge, Unauthenticated, UnsupportedMediaType, error_response
+from .errors import (HTTP_STATUS, InvalidInput, InvalidRequest, NotReady, PayloadTooLarge, Unauthenticated, UnsupportedMediaType,
+                     error_response)
+from .generation import Generations
 from .guard import BodyGuard
 from .metrics import ApiMetrics, ResponseCounter
 from .models import DOC_ID, Document, DocumentPage, DocumentUpload, GenerateRequest, GenerateResult, Health
+from .openai_api import OpenAiRoutes, register
+from .request_id import RequestId, current_request_id
 from .settings import ApiSettings
 from .worker_client import WorkerClient
 
@@ -145,14 +150,17 @@ def create_app(s: ApiSettings) -> FastAPI:
     metrics = ApiMetrics()
     worker = WorkerClient(s.worker_url, s.generate_timeout_s, tenants)
     core = ArtifactApi(Registry(r, s.redis_prefix), load_tokenizer(s.model), tokenizer_fingerprint(s.model),
-                       model_config(s.model).vocab_size, store_client_factory(s.store, tenants, s.store_tls()), worker,
+                       model_config(s.model).vocab_size, store_client_factory(s.store, tenants, s.store_tls()),
                        Limits(s.max_upload_bytes, s.max_document_tokens, s.max_documents, s.max_question_chars,
                               s.max_new_tokens), metrics, s.document_id_secret())
+    # the generate routes' Redis reads and bookkeeping run on threads of their own; their wait on the worker holds none
+    generations = Generations(core, worker, anyio.CapacityLimiter(s.generate_concurrency))
+    openai_routes = OpenAiRoutes(generations, ChatTokenizer.from_dir(s.model), s.model_name(), s.max_new_tokens)
 
     @asynccontextmanager
     async def lifespan(_app):
         yield
-        worker.close()
+        await worker.aclose()
         r.close()
 
     # no /docs or /redoc: their pages load scripts from a CDN (blank on an air-gapped cluster); /openapi.json is the
@@ -162,22 +170,24 @@ def create_app(s: ApiSettings) -> FastAPI:
                               "(SPEC §6-8). Every /v1 route needs `Authorization: Bearer <tenant token>`.")
     app.state.core = core
 
-    def domain_error(_request: Request, exc: Exception) -> JSONResponse:
-        return error_response(exc)
+    def domain_error(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(exc, path=request.url.path)
 
-    def invalid_request(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse({"detail": validation_errors(exc.errors()), "error": "InvalidRequest"}, status_code=422)
+    def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(InvalidRequest(validation_errors(exc.errors())), path=request.url.path)
 
     for cls in HTTP_STATUS:
         app.add_exception_handler(cls, domain_error)
     app.add_exception_handler(RequestValidationError, invalid_request)
     # outermost first: count every response (the guard's refusals too), then read the body under its limits
     app.add_middleware(BodyGuard, limits={("POST", "/v1/documents"): s.max_upload_bytes,
-                                          ("POST", "/v1/generate"): s.max_generate_bytes},
+                                          ("POST", "/v1/generate"): s.max_generate_bytes,
+                                          ("POST", "/v1/completions"): s.max_generate_bytes,
+                                          ("POST", "/v1/chat/completions"): s.max_generate_bytes},
                        default_limit=s.max_body_bytes, timeout_s=s.body_timeout_s)
     app.add_middleware(ResponseCounter, routes=app.router.routes, metrics=metrics)
+    app.add_middleware(RequestId)
 
-    generate_threads = anyio.CapacityLimiter(s.generate_concurrency)
     bearer = HTTPBearer(auto_error=False, description="a tenant token")
 
     def tenant(cred: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> str:
@@ -219,8 +229,10 @@ def create_app(s: ApiSettings) -> FastAPI:
                       "fallback) or the recompute arm (the plain model)")
     async def generate(body: GenerateRequest, who: Tenant) -> GenerateResult:
         arrived = time.perf_counter()
-        # on threads of their own: requests waiting on the worker never take the threads the other routes run on
-        return await anyio.to_thread.run_sync(core.generate, who, body, arrived, limiter=generate_threads)
+        question = await generations.call(core.text_prompt, body.question)
+        prepared = await generations.call(core.prepare, who, body.documents, question, body.max_new_tokens, body.arm)
+        resp = await generations.generate(who, prepared, arrived, current_request_id())
+        return core.result(body.arm, prepared, resp)
 
     @app.get("/healthz", response_model=Health, summary="The process is up")
     async def healthz() -> Health:
@@ -228,12 +240,15 @@ def create_app(s: ApiSettings) -> FastAPI:
         return Health(status="ok")
 
     @app.get("/readyz", response_model=Health, responses=ERRORS, summary="Redis and the worker are ready")
-    def readyz() -> Health:
-        core.ready()
+    async def readyz() -> Health:
+        await anyio.to_thread.run_sync(core.ready)
+        if not await worker.ready():
+            raise NotReady("inference worker not ready")
         return Health(status="ready")
 
     @app.get("/metrics", summary="Prometheus metrics", response_class=Response)
     async def prometheus_metrics() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    register(app, openai_routes, Tenant, list(ERRORS))
     return app

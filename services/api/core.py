@@ -7,7 +7,6 @@ script creates the record and enqueues the build)."""
 from __future__ import annotations
 
 import logging
-import time
 import unicodedata
 from dataclasses import dataclass
 
@@ -19,13 +18,11 @@ from services.common.serving import document_id
 from services.store.client import StoreClient
 from services.store.errors import NotFound
 from services.store.keys import DocumentKey
-from services.worker.protocol import WorkerDocument, WorkerRequest
+from services.worker.protocol import WorkerDocument, WorkerHead, WorkerRequest, WorkerResponse
 
 from .errors import BrokenDocument, Conflict, DocumentNotFound, InvalidInput, NotReady, PayloadTooLarge
 from .metrics import REBUILD_REASONS, ApiMetrics
-from .models import (BrokenDocumentInfo, Document, DocumentPage, FallbackInfo, GeneratedDocument, GenerateRequest,
-                     GenerateResult, Ledger)
-from .worker_client import WorkerClient
+from .models import BrokenDocumentInfo, Document, DocumentPage, FallbackInfo, GeneratedDocument, GenerateResult, Ledger
 
 log = logging.getLogger("redknot.api")
 
@@ -59,6 +56,22 @@ class UploadParams:
 
 
 @dataclass(frozen=True)
+class Prepared:
+    records: list[DocumentRecord]       # the documents' records as read when the request was prepared
+    request: WorkerRequest
+
+
+@dataclass
+class Timings:
+    """perf_counter times of one request: arrival at the API, sent to the worker, first token, done."""
+    arrived: float
+    sent: float = 0.0
+    first: float | None = None
+    done: float = 0.0
+    tokens: int = 0             # tokens the client received
+
+
+@dataclass(frozen=True)
 class UploadResult:
     document: Document
     queued: bool                # a build was enqueued by this call (new, or rebuilt after retire/failure)
@@ -66,12 +79,12 @@ class UploadResult:
 
 class ArtifactApi:
     def __init__(self, registry: Registry, tokenizer, tokenizer_fingerprint: str, vocab_size: int,
-                 store_client, worker: WorkerClient, limits: Limits, metrics: ApiMetrics, id_secret: bytes):
+                 store_client, limits: Limits, metrics: ApiMetrics, id_secret: bytes):
         """`store_client(tenant) -> StoreClient` (a context manager) for retiring generations; `id_secret`: the
         deployment's key of document ids (`serving.document_id`)."""
         self.registry, self.tokenizer, self.tok_fp = registry, tokenizer, tokenizer_fingerprint
         self.id_secret = id_secret
-        self.vocab_size, self.store_client, self.worker = vocab_size, store_client, worker
+        self.vocab_size, self.store_client = vocab_size, store_client
         self.limits, self.metrics = limits, metrics
 
     # ------------------------------------------------------------------------------------------ documents
@@ -178,53 +191,70 @@ class ArtifactApi:
         return self._view(self._record(tenant, doc_id))
 
     # ----------------------------------------------------------------------------------------- generation
-    def generate(self, tenant: str, p: GenerateRequest, arrived: float | None = None) -> GenerateResult:
-        """`arrived`: the perf_counter time the request reached the API (its latency metrics count from there)."""
-        outcome = "error"
-        arrived = time.perf_counter() if arrived is None else arrived
-        try:
-            result = self._generate(tenant, p, arrived)
-            outcome = "ok"
-            return result
-        finally:
-            self.metrics.requests.labels(p.arm, outcome).inc()
+    def text_prompt(self, text: str, what: str = "the question") -> list[int]:
+        """Token ids of a question or prompt given as text, checked first (the same checks on every route)."""
+        if len(text) > self.limits.max_question_chars:
+            raise PayloadTooLarge(f"{what} is over {self.limits.max_question_chars} characters")
+        if not text.strip():
+            raise InvalidInput(f"{what} is empty")
+        if any(0xD800 <= ord(c) <= 0xDFFF for c in text):
+            raise InvalidInput(f"{what} is not valid Unicode (lone surrogates)")
+        if not visible(text):
+            raise InvalidInput(f"{what} has no visible character")
+        ids = self.tokenizer.encode(text).ids
+        if not ids:
+            raise InvalidInput(f"{what} encodes to no tokens")
+        return ids
 
-    def _generate(self, tenant: str, p: GenerateRequest, arrived: float) -> GenerateResult:
+    def token_prompt(self, tokens: list[int], what: str = "the prompt") -> list[int]:
+        if not tokens:
+            raise InvalidInput(f"{what} is empty")
+        if len(tokens) > self.limits.max_question_chars:
+            raise PayloadTooLarge(f"{what} is over {self.limits.max_question_chars} tokens")
+        bad = sorted({t for t in tokens if not 0 <= t < self.vocab_size})
+        if bad:
+            raise InvalidInput(f"token ids {bad[:8]} in {what} are outside the vocabulary [0, {self.vocab_size})")
+        return list(tokens)
+
+    def prepare(self, tenant: str, doc_ids: list[str], prompt: list[int], max_new_tokens: int, arm: str,
+                temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None) -> Prepared:
+        """The worker request for `prompt` (token ids, checked) after `doc_ids`: every document's record and tokens
+        read and checked first (a missing or broken one is the request's error; nothing is sent)."""
         L = self.limits
-        if len(p.documents) > L.max_documents:
-            raise InvalidInput(f"{len(p.documents)} documents exceed the limit of {L.max_documents}")
-        if len(p.question) > L.max_question_chars:
-            raise PayloadTooLarge(f"question over {L.max_question_chars} characters")
-        if p.max_new_tokens > L.max_new_tokens:
-            raise InvalidInput(f"max_new_tokens {p.max_new_tokens} exceeds the limit of {L.max_new_tokens}")
-        if not p.question.strip():
-            raise InvalidInput("the question is empty")
-        if any(0xD800 <= ord(c) <= 0xDFFF for c in p.question):
-            raise InvalidInput("the question is not valid Unicode (lone surrogates)")
-        if not visible(p.question):
-            raise InvalidInput("the question has no visible character")
-        question = self.tokenizer.encode(p.question).ids
-        if not question:
-            raise InvalidInput("the question encodes to no tokens")
-        recs = [self._record(tenant, d) for d in p.documents]
+        if not doc_ids:
+            raise InvalidInput("name at least one document")
+        if len(doc_ids) > L.max_documents:
+            raise InvalidInput(f"{len(doc_ids)} documents exceed the limit of {L.max_documents}")
+        if max_new_tokens > L.max_new_tokens:
+            raise InvalidInput(f"max_new_tokens {max_new_tokens} exceeds the limit of {L.max_new_tokens}")
+        recs = [self._record(tenant, d) for d in doc_ids]
         docs = [WorkerDocument(id=r.id, tokens=self._tokens(tenant, r), generation=r.generation) for r in recs]
-        sent = time.perf_counter()
-        resp = self.worker.generate(WorkerRequest(tenant=tenant, documents=docs, question=question,
-                                                  max_new_tokens=p.max_new_tokens, arm=p.arm))
-        done = time.perf_counter()
+        return Prepared(recs, WorkerRequest(tenant=tenant, documents=docs, question=prompt,
+                                            max_new_tokens=max_new_tokens, arm=arm, temperature=temperature,
+                                            top_p=top_p, seed=seed))
+
+    def finished(self, tenant: str, prepared: Prepared, head: WorkerHead, t: Timings) -> None:
+        """A request's latency metrics (from its arrival at the API) and, where it fell back on a broken artifact,
+        its document queued for a rebuild."""
         m = self.metrics
-        m.queue_seconds.labels(resp.arm).observe(sent - arrived + resp.queue_s)
-        m.first_token_seconds.labels(resp.arm).observe(max(0.0, done - arrived - resp.decode_s))
-        m.e2e_seconds.labels(resp.arm).observe(done - arrived)
-        self._heal(tenant, recs, resp)
+        m.queue_seconds.labels(head.arm).observe(max(0.0, t.sent - t.arrived + head.queue_s))
+        if t.first is not None:
+            m.first_token_seconds.labels(head.arm).observe(t.first - t.arrived)
+        m.e2e_seconds.labels(head.arm).observe(t.done - t.arrived)
+        m.prompt_tokens.labels(head.arm).inc(head.prompt_tokens)
+        m.cached_tokens.labels(head.arm).inc(head.cached_tokens)
+        m.generation_tokens.labels(head.arm).inc(t.tokens)
+        self._heal(tenant, prepared.records, head)
+
+    def result(self, arm_requested: str, prepared: Prepared, resp: WorkerResponse) -> GenerateResult:
         return GenerateResult(
-            answer=self.tokenizer.decode(resp.tokens), tokens=resp.tokens, arm_requested=p.arm, arm=resp.arm,
-            ttft_s=resp.ttft_s, fetch_s=resp.fetch_s,
+            answer=self.tokenizer.decode(resp.tokens), tokens=resp.tokens, arm_requested=arm_requested,
+            arm=resp.arm, ttft_s=resp.ttft_s, fetch_s=resp.fetch_s,
             ledger=Ledger.model_validate(resp.ledger) if resp.ledger is not None else None,
             fallback=FallbackInfo.model_validate(resp.fallback.model_dump()) if resp.fallback else None,
-            documents=[GeneratedDocument(id=r.id, generation=r.generation) for r in recs])
+            documents=[GeneratedDocument(id=r.id, generation=r.generation) for r in prepared.records])
 
-    def _heal(self, tenant: str, recs: list[DocumentRecord], resp) -> None:
+    def _heal(self, tenant: str, recs: list[DocumentRecord], resp: WorkerHead) -> None:
         """A request that fell back because one document's artifact is broken (digest, missing shard or layer)
         queues that document for a rebuild under a new generation (once, however many requests meet it); until it
         is ready, requests fall back, counted, as before."""
@@ -239,12 +269,11 @@ class ArtifactApi:
 
     # ------------------------------------------------------------------------------------------- health
     def ready(self) -> None:
+        """Redis answers (the worker's readiness is the route's: its client is asynchronous)."""
         try:
             self.registry.r.ping()
         except redis.RedisError as e:
             raise NotReady(f"redis: {type(e).__name__}") from None
-        if not self.worker.ready():
-            raise NotReady("inference worker not ready")
 
 
 def store_client_factory(target: str, tenants, tls=None):

@@ -19,6 +19,10 @@ class InvalidInput(ApiError):
     UTF-8); nothing changed. The caller fixes the input."""
 
 
+class InvalidRequest(InvalidInput):
+    """A body that does not match the route's schema (FastAPI's validation errors)."""
+
+
 class PayloadTooLarge(ApiError):
     """A body or a document over a configured limit; nothing changed."""
 
@@ -37,6 +41,10 @@ class Unauthenticated(ApiError):
 
 class DocumentNotFound(ApiError):
     """No such document for this tenant (another tenant's documents look the same)."""
+
+
+class ModelNotFound(ApiError):
+    """A request for a model this deployment does not serve."""
 
 
 class Conflict(ApiError):
@@ -68,6 +76,7 @@ HTTP_STATUS: dict[type[Exception], int] = {
     UnsupportedMediaType: 415,
     Unauthenticated: 401,
     DocumentNotFound: 404,
+    ModelNotFound: 404,
     Conflict: 409,
     NotReady: 503,
     Busy: 429,
@@ -87,9 +96,13 @@ def http_status(err: Exception) -> int:
     return 500
 
 
-def error_response(exc: Exception, headers: dict[str, str] | None = None) -> JSONResponse:
-    """The one error body: `detail` (a message, or a list of validation errors) and `error` (the class name).
-    A 503 and a 429 carry Retry-After."""
+OPENAI_ROUTES = frozenset({"/v1/models", "/v1/completions", "/v1/chat/completions"})
+
+
+def error_response(exc: Exception, headers: dict[str, str] | None = None, path: str = "") -> JSONResponse:
+    """The one error body: `detail` (a message, or a list of validation errors) and `error` (the class name); on
+    the OpenAI-compatible routes (`path`) OpenAI's shape: `error` {message, type, param, code}, which its clients
+    read. A 503 and a 429 carry Retry-After."""
     status = http_status(exc)
     detail = exc.args[0] if len(exc.args) == 1 and isinstance(exc.args[0], (list, dict)) else str(exc)
     if isinstance(exc, redis.RedisError):       # never pass a driver's message (host, port) to the caller
@@ -97,5 +110,10 @@ def error_response(exc: Exception, headers: dict[str, str] | None = None) -> JSO
     headers = dict(headers or {})
     if status in (429, 503):
         headers.setdefault("Retry-After", str(RETRY_AFTER_S))
-    return JSONResponse({"detail": detail or type(exc).__name__, "error": type(exc).__name__},
-                        status_code=status, headers=headers)
+    detail = detail or type(exc).__name__
+    if path in OPENAI_ROUTES:
+        message = detail if isinstance(detail, str) else "; ".join(
+            f"{'.'.join(str(x) for x in e.get('loc', ()))}: {e.get('msg', '')}" for e in detail)
+        return JSONResponse({"error": {"message": message, "type": type(exc).__name__, "param": None,
+                                       "code": status}}, status_code=status, headers=headers)
+    return JSONResponse({"detail": detail, "error": type(exc).__name__}, status_code=status, headers=headers)

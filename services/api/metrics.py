@@ -20,7 +20,7 @@ class ApiMetrics:
         self.requests = Counter("redknot_requests", "Generate requests by requested arm and outcome",
                                 ["arm", "outcome"], registry=self.registry)
         for arm in ("reuse", "recompute"):
-            for outcome in ("ok", "error"):
+            for outcome in ("ok", "error", "cancelled"):
                 self.requests.labels(arm, outcome)
         # vLLM's latency set, from the request's arrival at the API, by the arm that ran
         self.queue_seconds = Histogram("redknot_request_queue_seconds", "Arrival at the API to the worker starting "
@@ -31,7 +31,14 @@ class ApiMetrics:
                                              registry=self.registry)
         self.e2e_seconds = Histogram("redknot_e2e_request_latency_seconds", "Arrival at the API to the response",
                                      ["arm"], buckets=LATENCY_BUCKETS, registry=self.registry)
-        for h in (self.queue_seconds, self.first_token_seconds, self.e2e_seconds):
+        self.prompt_tokens = Counter("redknot_prompt_tokens", "Prompt rows prefilled (padded documents and the "
+                                     "question), by the arm that ran", ["arm"], registry=self.registry)
+        self.cached_tokens = Counter("redknot_prompt_tokens_cached", "Document rows taken from certified artifacts "
+                                     "and not recomputed", ["arm"], registry=self.registry)
+        self.generation_tokens = Counter("redknot_generation_tokens", "Tokens generated, by the arm that ran",
+                                         ["arm"], registry=self.registry)
+        for h in (self.queue_seconds, self.first_token_seconds, self.e2e_seconds, self.prompt_tokens,
+                  self.cached_tokens, self.generation_tokens):
             for arm in ("reuse", "recompute"):
                 h.labels(arm)
         self.rebuilds = Counter("redknot_rebuilds", "Documents queued for a rebuild because a request met their "

@@ -10,6 +10,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .app import create_app
+from .request_id import RequestIdFilter
 from .settings import ApiSettings
 
 
@@ -78,7 +79,10 @@ class _HeadDeadline(H11Protocol):
 
 
 def main(s: ApiSettings) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RequestIdFilter())
     host, _, port = s.listen.rpartition(":")
     app = create_app(s)
     protocol = type("HeadDeadline", (_HeadDeadline,), {"head_timeout_s": s.head_timeout_s})

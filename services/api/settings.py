@@ -1,6 +1,8 @@
 """Settings of `redknot api serve`: flags, then env, then defaults."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from services.common.settings import CommonSettings, setting
 
 
@@ -21,13 +23,19 @@ class ApiSettings(CommonSettings):
                                                           "every document (uploads get new ids). Required")
     max_connections: int = setting(1024, "REDKNOT_API_MAX_CONNECTIONS", "open connections (and requests in "
                                                                         "flight) beyond which requests get 503")
-    generate_concurrency: int = setting(64, "REDKNOT_API_GENERATE_CONCURRENCY", "generate requests waiting on the "
-                                        "worker at once, on threads of their own (more wait their turn)")
+    generate_concurrency: int = setting(64, "REDKNOT_API_GENERATE_CONCURRENCY", "threads of the generate routes' "
+                                        "registry reads and bookkeeping (their wait on the worker holds none)")
+    served_model_name: str = setting("", "REDKNOT_API_SERVED_MODEL_NAME", "the model id of /v1/models and of the "
+                                                                          "OpenAI routes' `model` (default: the "
+                                                                          "checkpoint directory's name)")
     max_document_tokens: int = setting(131072, "REDKNOT_API_MAX_DOCUMENT_TOKENS", "longest document, in tokens")
     max_documents: int = setting(16, "REDKNOT_API_MAX_DOCUMENTS", "most documents in one generate request")
     max_question_chars: int = setting(16384, "REDKNOT_API_MAX_QUESTION_CHARS", "longest question")
     max_new_tokens: int = setting(512, "REDKNOT_API_MAX_NEW_TOKENS", "most tokens one request may generate")
     generate_timeout_s: float = setting(600.0, "REDKNOT_API_GENERATE_TIMEOUT_S", "longest wait for the worker")
+
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model).resolve().name
 
     def document_id_secret(self) -> bytes:
         """The id key, checked at start: 64 hex digits."""

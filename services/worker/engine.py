@@ -8,8 +8,10 @@
    rank's reason (client.fallback_reason); the ranks agree once before any reuse-specific collective; then the
    reuse forward consumes layer group g as soon as it is verified and staged (and agreed) on every rank, while
    later groups are still arriving; a late group that fails anywhere restarts the request in the recompute arm;
-3. greedy decoding continues in the arm that ran; the recompute arm runs the plain model on the same padded
-   tokens, so a fallback's answer equals the recompute arm's.
+3. decoding (greedy, or sampled with the request's seed: `decode.py`) continues in the arm that ran; the recompute
+   arm runs the plain model on the same padded tokens, so a fallback's answer equals the recompute arm's. Rank 0
+   hands each token to the request's sink as it exists; a request whose caller went away stops decoding (the
+   ranks agree on that at each step).
 Rank 0 then gathers every rank's verdict and fetch statistics, names the root cause of a fallback and
 records the metrics."""
 from __future__ import annotations
@@ -19,6 +21,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -32,8 +35,9 @@ from services.common.serving import Binding
 from services.common.tp import RankGroup
 from services.store.keys import DocumentKey
 
+from .decode import Sampler, Sampling, decode
 from .prefetch import FetchStats, Prefetcher
-from .protocol import Fallback, WorkerRequest, WorkerResponse
+from .protocol import Fallback, WorkerHead, WorkerRequest, WorkerResponse
 from .tier import TierCounts, TierKey
 
 log = logging.getLogger("redknot.worker")
@@ -44,6 +48,24 @@ class Job:
     request: WorkerRequest
     # (tenant, store key, generation) of the documents of requests queued behind this one
     prefetch: list[tuple[str, DocumentKey, int]] = field(default_factory=list)
+
+
+class Sink(Protocol):
+    """Where rank 0 hands a request's tokens as they exist, and whether its caller still wants them."""
+
+    def start(self, head: WorkerHead) -> None: ...
+
+    def emit(self, token: int) -> None: ...
+
+    def cancelled(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class RankVerdict:
+    rank: int
+    reason: str | None
+    detail: str
+    document: int | None = None         # the index of the document whose artifact this rank rejected on its own
 
 
 @dataclass(frozen=True)
@@ -57,24 +79,12 @@ class RankReport:
     document: int | None = None         # the index of the document whose artifact this rank rejected on its own
 
 
-def root_cause(reports: list[RankReport]) -> tuple[str, str, int | None]:
+def root_cause(reports: list[RankVerdict] | list[RankReport]) -> tuple[str, str, int | None]:
     """A rank that rejected for its own reason names the fallback (and the document at fault, where one was);
     the others only followed it."""
     own = [r for r in reports if r.reason and r.reason != FallbackReason.RANK_DISAGREEMENT.value]
     r = (own or [x for x in reports if x.reason])[0]
     return r.reason, f"rank {r.rank}: {r.detail}", r.document
-
-
-def greedy(logits: torch.Tensor, step: Callable[[int], torch.Tensor], n: int, eos: int) -> list[int]:
-    out: list[int] = []
-    with torch.inference_mode():
-        for i in range(n):
-            nxt = int(logits.argmax())
-            out.append(nxt)
-            if nxt == eos or i == n - 1:
-                break
-            logits = step(nxt)
-    return out
 
 
 def _futures(sources: list[StagedSource | HotSource]) -> list[Future]:
@@ -132,8 +142,17 @@ class RankEngine:
                 published.append(opened.published)
         return sources, pinned, published
 
-    def run(self, job: Job) -> tuple[WorkerResponse | None, list[RankReport]]:
-        """Every rank returns; rank 0 gets the response and every rank's report."""
+    def _stopped(self, sink: Sink | None) -> bool:
+        """Whether rank 0's caller went away; every rank gets the same answer (one small gloo collective a step at
+        TP > 1)."""
+        mine = sink is not None and sink.cancelled()
+        if self.group.size == 1:
+            return mine
+        return any(self.group.control.all_gather_object(mine))
+
+    def run(self, job: Job, sink: Sink | None = None) -> tuple[WorkerResponse | None, list[RankReport]]:
+        """Every rank returns; rank 0 gets the response and every rank's report. `sink` (rank 0): sees each token
+        as it exists."""
         req = job.request
         if job.prefetch:
             self.prefetcher.warm(job.prefetch)
@@ -167,9 +186,13 @@ class RankEngine:
         if logits.is_cuda:          # the first token exists once its logits do (the forward is asynchronous)
             torch.cuda.synchronize(logits.device)
         first = time.perf_counter()
-        tokens = greedy(logits, step, req.max_new_tokens, self.eos)
+        head = self._head(req, docs, arm, verdict, document, ledger, first - t0, fetch_s)
+        if sink is not None:
+            sink.start(head)
+        sampler = Sampler(Sampling(req.temperature, req.top_p, req.seed or 0), logits.device)
+        tokens, finish = decode(logits, step, req.max_new_tokens, self.eos, sampler,
+                                sink.emit if sink is not None else None, lambda: self._stopped(sink))
         decode_s = time.perf_counter() - first
-        ttft = first - t0
         wait(published)         # what this request fetched is in the tier before the next request looks
         self.failpoints.hit("after_fetch")
         reports = self.group.gather(RankReport(self.group.rank, verdict.reason.value if verdict.reason else None,
@@ -177,13 +200,28 @@ class RankEngine:
                                                self.tier.used, document))
         if not self.group.leader:
             return None, reports
+        return WorkerResponse(**head.model_dump(), tokens=tokens, decode_s=decode_s, finish_reason=finish), reports
+
+    def _head(self, req: WorkerRequest, docs: list[list[int]], arm: str, verdict: Verdict, document: int | None,
+              ledger: dict | None, ttft: float, fetch_s: float) -> WorkerHead | None:
+        """What is known once the first token's logits exist (rank 0; None on the others): the arm that ran and,
+        on a fallback, its root cause over every rank (the ranks agreed on the arm, so all join this gather)."""
         fallback = None
         if arm != req.arm:
-            reason, detail, doc = root_cause(reports)
-            fallback = Fallback(reason=reason, detail=detail, ranks=[r.reason for r in reports],
+            verdicts = self.group.gather(RankVerdict(self.group.rank, verdict.reason.value if verdict.reason else None,
+                                                     verdict.detail, document))
+            reason, detail, doc = root_cause(verdicts)
+            fallback = Fallback(reason=reason, detail=detail, ranks=[r.reason for r in verdicts],
                                 document=req.documents[doc].id if doc is not None else None)
-            log.info("fallback to recomputation: %s (%s)", reason, detail)
-        if ledger is not None:
+            if self.group.leader:
+                log.info("fallback to recomputation: %s (%s)", reason, detail)
+        if not self.group.leader:
+            return None
+        cached = 0
+        if ledger is not None:      # every document row restored from an artifact, less those recomputed (active)
             ledger["ttft_s"] = {arm: ttft}
-        return WorkerResponse(tokens=tokens, arm=arm, ttft_s=ttft, fetch_s=fetch_s, ledger=ledger, decode_s=decode_s,
-                              fallback=fallback), reports
+            rows = ledger["rows"]
+            cached = max(0, rows["prefix"] + rows["relocated"] - rows["active"])
+        prompt = sum(len(pad_document(d, self.binding.profile.align, self.eos)) for d in docs) + len(req.question)
+        return WorkerHead(arm=arm, ttft_s=ttft, fetch_s=fetch_s, ledger=ledger, fallback=fallback,
+                          prompt_tokens=prompt, cached_tokens=cached)

@@ -22,6 +22,12 @@ class WorkerRequest(BaseModel):
     question: list[int] = Field(min_length=1)
     max_new_tokens: int = Field(ge=1)
     arm: Arm
+    temperature: float = Field(0.0, ge=0.0, le=2.0, description="0: greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, lt=2**63, description="the sampler's seed; none: rank 0 draws one")
+    stream: bool = Field(False, description="answer as NDJSON events: {'head': WorkerHead} when the first token "
+                                            "exists, one {'token': id} per token, then {'response': WorkerResponse} "
+                                            "(or {'error': ...})")
 
 
 class Fallback(BaseModel):
@@ -31,12 +37,19 @@ class Fallback(BaseModel):
     document: str | None = None         # the id of the document whose artifact the root-cause rank rejected
 
 
-class WorkerResponse(BaseModel):
-    tokens: list[int]
+class WorkerHead(BaseModel):
+    """What is known when the first token exists (a stream's first event)."""
     arm: Arm                            # the arm that really ran
     ttft_s: float                       # model-forward entry (incl. certificate checks) to first token
     fetch_s: float                      # rank 0's wait for its shards before that
     ledger: dict | None                 # runtime.reuse.ledger.Ledger.summary() when the reuse arm ran
     fallback: Fallback | None
     queue_s: float = 0.0                # waiting in the worker's queue before the forward began
+    prompt_tokens: int = 0              # rows the prefill ran over: the padded documents and the question
+    cached_tokens: int = 0              # document rows taken from artifacts and not recomputed (0 when recompute ran)
+
+
+class WorkerResponse(WorkerHead):
+    tokens: list[int]
     decode_s: float = 0.0               # first token to last: the response left decode_s after the first token
+    finish_reason: Literal["stop", "length", "cancelled"] = "length"   # eos, max_new_tokens, or the caller stopped it

@@ -1,23 +1,20 @@
-"""`redknot worker --tp N`: every rank loads its shard of the model and its tier; rank 0 also serves HTTP on
-loopback and feeds requests, one at a time, to all ranks.
+"""`redknot worker --tp N`: every rank loads its shard of the model and its tier; rank 0 also serves HTTP
+(http.py, uvicorn on a thread of its own) and feeds requests, one at a time, to all ranks.
 
-Rank 0's HTTP threads only validate and enqueue; its main thread owns the TP loop: take a request (or an idle
+Rank 0's HTTP side only validates and enqueues; its main thread owns the TP loop: take a request (or an idle
 tick, so followers never wait long in the broadcast), broadcast it with the documents of the requests queued
-behind it (the prefetch hints), run it on every rank, record the metrics, answer."""
+behind it (the prefetch hints), run it on every rank (its tokens go to its stream as they exist), record the
+metrics, answer."""
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import signal
 import threading
 import time
-from concurrent.futures import Future
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
+import uvicorn
 
 from runtime.reuse.roles import channel_range
 from services.common.failpoints import Failpoints
@@ -26,117 +23,21 @@ from services.common.tenants import Tenants
 from services.common.tp import STOP, RankGroup, launch
 
 from .engine import Job, RankEngine, RankReport
-from .metrics import WorkerMetrics
 from .exchange import ShardExchange
+from .http import Frontend, create_app
+from .metrics import WorkerMetrics
 from .prefetch import Prefetcher
-from .protocol import WorkerRequest, WorkerResponse
+from .protocol import WorkerResponse
 from .settings import WorkerSettings
 from .tier import PinnedTier
 
 log = logging.getLogger("redknot.worker")
-BUSY_RETRY_AFTER_S = 1      # what a 429 (the queue is full) tells the caller to wait
-MAX_BODY = 256 << 20
+START_S = 30.0              # longest wait for the HTTP server to bind
 
 
 def _host_port(listen: str) -> tuple[str, int]:
     host, _, port = listen.rpartition(":")
     return host.strip("[]") or "0.0.0.0", int(port)
-
-
-class RejectedRequest(ValueError):
-    """A request the model cannot run (token ids outside the vocabulary): 422, nothing ran."""
-
-
-class Frontend:
-    """Rank 0's side facing HTTP: a bounded queue of (request, future) and the readiness flag."""
-
-    def __init__(self, s: WorkerSettings, metrics: WorkerMetrics, tenants: Tenants):
-        self.s, self.metrics = s, metrics
-        self.tenants = tenants                                   # who may generate as whom
-        # (request, its future, when it was queued)
-        self.requests: queue.Queue[tuple[WorkerRequest, Future, float]] = queue.Queue(maxsize=s.max_queue)
-        self.ready = threading.Event()
-        self.vocab_size = 0
-
-    def submit(self, req: WorkerRequest) -> Future:
-        bad = [t for d in req.documents for t in d.tokens if not 0 <= t < self.vocab_size]
-        bad += [t for t in req.question if not 0 <= t < self.vocab_size]
-        if bad:
-            raise RejectedRequest(f"token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
-        fut: Future = Future()
-        self.requests.put_nowait((req, fut, time.perf_counter()))       # queue.Full: 429
-        self.metrics.waiting.set(self.requests.qsize())
-        return fut
-
-    def waiting(self) -> list[WorkerRequest]:
-        with self.requests.mutex:
-            return [r for r, _, _ in list(self.requests.queue)[:2]]
-
-
-def make_handler(front: Frontend):
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, fmt, *args):      # access logs off: the API logs requests
-            pass
-
-        def _send(self, code: int, body: bytes, ctype: str = "application/json",
-                  headers: dict[str, str] | None = None) -> None:
-            self.send_response(code)
-            for k, v in (headers or {}).items():
-                self.send_header(k, v)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def _json(self, code: int, obj) -> None:
-            self._send(code, json.dumps(obj).encode())
-
-        def do_GET(self):
-            if self.path == "/healthz":
-                self._json(200, {"status": "ok"})
-            elif self.path == "/readyz":
-                ok = front.ready.is_set()
-                self._json(200 if ok else 503, {"status": "ready" if ok else "loading"})
-            elif self.path == "/metrics":
-                self._send(200, generate_latest(front.metrics.registry), CONTENT_TYPE_LATEST)
-            else:
-                self._json(404, {"detail": f"no route {self.path}"})
-
-        def do_POST(self):
-            if self.path != "/v1/generate":
-                self._json(404, {"detail": f"no route {self.path}"})
-                return
-            n = int(self.headers.get("Content-Length") or 0)
-            if not 0 < n <= MAX_BODY:
-                self._json(413 if n else 400, {"detail": f"body of {n} bytes"})
-                return
-            try:
-                req = WorkerRequest.model_validate_json(self.rfile.read(n))
-                scheme, _, token = (self.headers.get("Authorization") or "").partition(" ")
-                who = front.tenants.tenant(token) if scheme.lower() == "bearer" else None
-                if who is None or who != req.tenant:   # the tenant's own token, or nothing runs
-                    self._json(401, {"detail": "a bearer token of the request's tenant is required"})
-                    return
-                if not front.ready.is_set():
-                    self._json(503, {"detail": "worker is loading"})
-                    return
-                fut = front.submit(req)
-            except ValidationError as e:
-                self._json(422, {"detail": e.errors(include_url=False, include_context=False)})
-                return
-            except RejectedRequest as e:
-                self._json(422, {"detail": str(e)})
-                return
-            except queue.Full:          # busy, not down: 429, and when to come back
-                self._send(429, json.dumps({"detail": f"{front.s.max_queue} requests already waiting"}).encode(),
-                           headers={"Retry-After": str(BUSY_RETRY_AFTER_S)})
-                return
-            resp: WorkerResponse = fut.result(timeout=front.s.request_timeout_s)
-            self._send(200, resp.model_dump_json().encode())
-
-    return Handler
 
 
 def record(metrics: WorkerMetrics, resp: WorkerResponse, reports: list[RankReport]) -> None:
@@ -163,12 +64,19 @@ def rank_main(group: RankGroup, s: WorkerSettings) -> None:
         metrics = WorkerMetrics()
         front = Frontend(s, metrics, tenants)
         host, port = _host_port(s.listen)
-        http = ThreadingHTTPServer((host, port), make_handler(front))
-        http.daemon_threads = True
-        threading.Thread(target=http.serve_forever, daemon=True).start()
+        http = uvicorn.Server(uvicorn.Config(create_app(front), host=host, port=port, log_level="warning",
+                                             access_log=False, lifespan="off", timeout_graceful_shutdown=5))
+        serving = threading.Thread(target=http.run, name="http", daemon=True)    # no signal handlers off main
+        serving.start()
+        deadline = time.monotonic() + START_S
+        while not http.started:
+            if not serving.is_alive() or time.monotonic() > deadline:
+                raise SystemExit(f"redknot worker: could not serve HTTP on {s.listen}")
+            time.sleep(0.01)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
-        print(f"redknot worker: rank 0 listening on {host}:{http.server_address[1]} (tp {group.size})", flush=True)
+        bound = http.servers[0].sockets[0].getsockname()[1]
+        print(f"redknot worker: rank 0 listening on {host}:{bound} (tp {group.size})", flush=True)
 
     log.info("rank %d on %s (%s)", group.rank, group.device,
              torch.distributed.get_backend() if group.size > 1 else "single process")
@@ -199,29 +107,38 @@ def rank_main(group: RankGroup, s: WorkerSettings) -> None:
         print("redknot worker: ready", flush=True)
         while not stop.is_set():
             try:
-                req, fut, queued = front.requests.get(timeout=0.5)
+                req, stream, queued = front.requests.get(timeout=0.5)
             except queue.Empty:
                 group.broadcast(None)
                 continue
             queue_s = time.perf_counter() - queued
             front.metrics.waiting.set(front.requests.qsize())
+            if stream.cancelled():      # its client left while it waited: nothing to run
+                continue
+            stream.queue_s = queue_s
             front.metrics.running.set(1)
             hints = [(r.tenant, engine.key(d.tokens), d.generation) for r in front.waiting() if r.arm == "reuse"
                      for d in r.documents]
             job = Job(req, hints)
             group.broadcast(job)
             try:
-                resp, reports = engine.run(job)
+                resp, reports = engine.run(job, stream)
+            except Exception as e:
+                stream.fail(f"the request failed on the worker: {type(e).__name__}")
+                raise
             finally:
                 front.metrics.running.set(0)
             resp.queue_s = queue_s
+            log.info("request %s: %s arm, ttft %.3f s, %d tokens (%s)%s", stream.request_id, resp.arm, resp.ttft_s,
+                     len(resp.tokens), resp.finish_reason, f", fallback {resp.fallback.reason}" if resp.fallback else "")
             record(front.metrics, resp, reports)
-            fut.set_result(resp)
+            stream.finish(resp)
         group.broadcast(STOP)
     finally:
         prefetcher.close()
         if http is not None:
-            http.shutdown()
+            http.should_exit = True
+            serving.join(timeout=10)
             print("redknot worker: stopped", flush=True)
 
 

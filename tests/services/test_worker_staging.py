@@ -30,7 +30,8 @@ from services.common.failpoints import Failpoints
 from services.common.serving import Binding
 from services.common.tenants import Tenants
 from services.common.tp import RankGroup, launch
-from services.worker.engine import Job, RankEngine, greedy
+from services.worker.decode import greedy
+from services.worker.engine import Job, RankEngine
 from services.worker.prefetch import Prefetcher
 from services.worker.protocol import WorkerDocument, WorkerRequest
 from services.worker.tier import PinnedTier

@@ -1,0 +1,269 @@
+"""The OpenAI-compatible routes, driven by the unmodified `openai` client over loopback against the whole CPU stack
+(real Redis, the store, the builder, a TP=1 worker and the API as separate processes, on the tiny checkpoint):
+chat and completions, streamed and not, equal to /v1/generate at temperature 0; sampling with a seed; stop
+sequences; usage with the reused rows; request ids; clear errors. 16 concurrent streaming clients complete with
+no error and the worker's gauges agree with them."""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import redis
+
+from runtime.llama.tokenizer import ChatTokenizer
+from services.common.stack import LocalStack, StackConfig
+
+from .conftest import write_tiny_checkpoint
+
+TOKEN = "acme-token-0123456789abcdef"
+PROFILE = json.dumps({"name": "oai-test", "first_fences": 2, "last_fences": 2, "align": 16, "budget": 0.25,
+                      "recent_rows": 16, "join_rows": 8})
+TEXTS = ["The river runs past the old mill and under the stone bridge before it reaches the sea. " * 3,
+         "In the morning the fishermen check their nets, the baker opens her shop, and the children walk. " * 3]
+QUESTION = "Where does the river begin?"
+WAIT_S = 90.0
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, checkpoint, redis_url):
+    prefix = f"rkoai-{uuid.uuid4().hex[:8]}"
+    cfg = StackConfig(workdir=tmp_path_factory.mktemp("stack"), model=checkpoint, tp=1, profile=PROFILE,
+                      redis_url=redis_url, prefix=prefix, tenants={"acme": TOKEN},
+                      api_env={"REDKNOT_API_SERVED_MODEL_NAME": "redknot-tiny"})
+    st = LocalStack(cfg).start()
+    yield st
+    codes = st.stop()
+    r = redis.Redis.from_url(redis_url)
+    for pat in (f"{prefix}:*", f"{prefix}-store:*"):
+        keys = list(r.scan_iter(match=pat, count=1000))
+        for i in range(0, len(keys), 500):
+            r.delete(*keys[i:i + 500])
+    assert all(c == 0 for c in codes.values()), codes
+
+
+@pytest.fixture(scope="module")
+def http(stack):
+    with httpx.Client(base_url=stack.api_url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return openai.OpenAI(base_url=stack.api_url + "/v1", api_key=TOKEN, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def docs(http) -> list[str]:
+    ids = []
+    for text in TEXTS:
+        r = http.post("/v1/documents", json={"text": text})
+        assert r.status_code in (200, 202), r.text
+        ids.append(r.json()["id"])
+    deadline = time.monotonic() + WAIT_S
+    for i in ids:
+        while (d := http.get(f"/v1/documents/{i}").json())["status"] != "ready":
+            assert d["status"] in ("queued", "building") and time.monotonic() < deadline, d
+            time.sleep(0.1)
+    return ids
+
+
+def generate(http, ids: list[str], question: str, n: int, arm: str = "reuse") -> dict:
+    r = http.post("/v1/generate", json={"documents": ids, "question": question, "max_new_tokens": n, "arm": arm})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def chat_messages(ids: list[str], question: str = QUESTION) -> list[dict]:
+    return [{"role": "system", "content": "Answer from the documents."},
+            {"role": "user", "content": [*({"type": "document", "document_id": i} for i in ids),
+                                         {"type": "text", "text": question}]}]
+
+
+def scrape(target: str) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(f"http://{target}/metrics", timeout=10).text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------- tests
+
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list().data] == ["redknot-tiny"]
+
+
+@pytest.mark.parametrize("arm", ["reuse", "recompute"])
+def test_completions_equal_generate_at_temperature_0_streamed_and_not(client, http, docs, arm):
+    want = generate(http, docs, QUESTION, 12, arm)
+    out = client.completions.create(model="redknot-tiny", prompt=QUESTION, max_tokens=12, temperature=0,
+                                    extra_body={"documents": docs, "arm": arm})
+    rk = out.model_extra["redknot"]
+    assert rk["tokens"] == want["tokens"] and out.choices[0].text == want["answer"]
+    assert rk["arm"] == arm and rk["fallback"] is None
+    assert out.choices[0].finish_reason in ("stop", "length") and out.usage.completion_tokens == len(want["tokens"])
+    cached = out.usage.prompt_tokens_details.cached_tokens
+    if arm == "reuse":      # the document rows from artifacts, less the ones the budget recomputed
+        rows = want["ledger"]["rows"]
+        assert cached == rows["prefix"] + rows["relocated"] - rows["active"] > 0
+        assert out.usage.prompt_tokens == rows["prefix"] + rows["relocated"] + rows["new"]
+    else:
+        assert cached == 0
+    streamed = client.completions.create(model="redknot-tiny", prompt=QUESTION, max_tokens=12, temperature=0,
+                                         stream=True, stream_options={"include_usage": True},
+                                         extra_body={"documents": docs, "arm": arm})
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want["answer"]
+    assert chunks[-1].usage.completion_tokens == len(want["tokens"])
+    final = [c for c in chunks if c.choices and c.choices[0].finish_reason][0]
+    assert final.model_extra["redknot"]["tokens"] == want["tokens"]
+
+
+def test_chat_applies_the_chat_template_the_same_way_in_both_arms(client, http, docs, checkpoint):
+    """A chat is the completion of its rendered template after its documents; both arms see those tokens."""
+    messages = chat_messages(docs)
+    rendered = ChatTokenizer.from_dir(checkpoint).encode_chat(
+        [{"role": "system", "content": "Answer from the documents."}, {"role": "user", "content": QUESTION}])
+    for arm in ("reuse", "recompute"):
+        out = client.chat.completions.create(model="redknot-tiny", messages=messages, max_tokens=10, temperature=0,
+                                             extra_body={"arm": arm})
+        same = client.completions.create(model="redknot-tiny", prompt=rendered, max_tokens=10, temperature=0,
+                                         extra_body={"documents": docs, "arm": arm})
+        assert out.model_extra["redknot"]["tokens"] == same.model_extra["redknot"]["tokens"]
+        assert out.choices[0].message.content == same.choices[0].text and out.model_extra["redknot"]["arm"] == arm
+        assert out.usage.prompt_tokens == same.usage.prompt_tokens
+
+
+def test_streamed_chat_sends_its_first_chunk_before_the_answer_is_done(client, docs):
+    whole = client.chat.completions.create(model="redknot-tiny", messages=chat_messages(docs), max_tokens=32,
+                                           temperature=0)
+    t0 = time.perf_counter()
+    stream = client.chat.completions.create(model="redknot-tiny", messages=chat_messages(docs), max_tokens=32,
+                                            temperature=0, stream=True)
+    first, parts, finish = None, [], None
+    for chunk in stream:
+        first = first or time.perf_counter()
+        if chunk.choices:
+            parts.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+    done = time.perf_counter()
+    n = len(whole.model_extra["redknot"]["tokens"])
+    assert "".join(parts) == whole.choices[0].message.content and finish == whole.choices[0].finish_reason
+    assert n > 8, "the tiny model ended its answer early; the timing below needs a longer one"
+    assert first - t0 < done - t0, (first - t0, done - t0)
+    # the first chunk leaves with the first token: well before the remaining n - 1 decode steps are done
+    assert (done - first) > 0.25 * (done - t0)
+
+
+def test_sampling_is_seeded_and_temperature_0_is_greedy(client, docs):
+    def run(**kw) -> list[int]:
+        out = client.completions.create(model="redknot-tiny", prompt=QUESTION, max_tokens=12,
+                                        extra_body={"documents": docs}, **kw)
+        return out.model_extra["redknot"]["tokens"]
+    greedy = run(temperature=0)
+    assert run(temperature=0, seed=3) == greedy
+    a = run(temperature=1.5, seed=11)
+    assert run(temperature=1.5, seed=11) == a                    # a seed repeats its answer
+    others = [run(temperature=1.5, seed=s) for s in (12, 13, 14)]
+    assert any(o != a for o in others) and any(o != greedy for o in [a, *others])   # sampling is active
+    assert run(temperature=1.5, top_p=1e-6, seed=5) == greedy    # top_p this small keeps only the argmax
+
+
+def test_a_stop_sequence_ends_the_answer_before_it(client, http, docs):
+    want = generate(http, docs, QUESTION, 24)
+    text = want["answer"]
+    stop = next((text[i:i + 3] for i in range(4, len(text) - 3) if text[i:i + 3].strip() and
+                 text.find(text[i:i + 3]) == i), None)
+    assert stop is not None, f"no usable stop sequence in {text!r}"
+    for stream in (False, True):
+        kw = dict(model="redknot-tiny", prompt=QUESTION, max_tokens=24, temperature=0, stop=[stop],
+                  extra_body={"documents": docs})
+        if stream:
+            chunks = list(client.completions.create(stream=True, **kw))
+            got = "".join(c.choices[0].text for c in chunks if c.choices)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason][0]
+        else:
+            out = client.completions.create(**kw)
+            got, finish = out.choices[0].text, out.choices[0].finish_reason
+            assert len(out.model_extra["redknot"]["tokens"]) < len(want["tokens"])   # decoding stopped there
+        assert got == text[:text.find(stop)] and finish == "stop"
+    assert generate(http, docs, QUESTION, 24)["tokens"] == want["tokens"]           # the worker carries on fine
+
+
+def test_request_ids_in_and_out(stack, http, docs):
+    body = {"model": "redknot-tiny", "prompt": QUESTION, "max_tokens": 2, "temperature": 0, "documents": docs}
+    r = http.post("/v1/completions", json=body, headers={"X-Request-ID": "trace-42.a"})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "trace-42.a" and r.json()["id"] == "cmpl-trace-42.a"
+    r = http.post("/v1/completions", json=body, headers={"X-Request-ID": "bad id\twith spaces"})
+    assert r.status_code == 200 and len(r.headers["x-request-id"]) == 32 and r.headers["x-request-id"] != "bad id"
+    assert http.get("/v1/documents").headers["x-request-id"]          # every route answers with one
+    assert "request trace-42.a:" in stack.services["worker"].log(1 << 20)    # the worker logs the caller's id
+
+
+def test_clear_errors_change_nothing(client, http, docs):
+    before = http.get("/v1/documents").json()["total"]
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="gpt-4", prompt=QUESTION, extra_body={"documents": docs})
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="redknot-tiny", prompt=QUESTION, extra_body={"documents": ["0" * 32]})
+    with pytest.raises(openai.UnprocessableEntityError):            # one answer per request
+        client.completions.create(model="redknot-tiny", prompt=QUESTION, n=2, extra_body={"documents": docs})
+    with pytest.raises(openai.UnprocessableEntityError, match="document"):     # chat without a document
+        client.chat.completions.create(model="redknot-tiny", messages=[{"role": "user", "content": QUESTION}])
+    with pytest.raises(openai.UnprocessableEntityError):            # a parameter we do not honour is refused
+        client.chat.completions.create(model="redknot-tiny", messages=chat_messages(docs), logprobs=True)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=str(client.base_url), api_key="nope", max_retries=0).models.list()
+    assert http.get("/v1/documents").json()["total"] == before
+
+
+def test_16_concurrent_streaming_clients_complete_and_the_gauges_agree(stack, client, docs):
+    worker = stack.metrics_targets()["worker"]
+    api_target = stack.metrics_targets()["api"]
+    before = scrape(api_target)
+    deadline = time.monotonic() + 10.0
+    seen_running: list[float] = []
+
+    def one_client(i: int) -> list[float]:
+        firsts = []
+        while time.monotonic() < deadline:
+            t0 = time.perf_counter()
+            first = None
+            stream = client.chat.completions.create(model="redknot-tiny", messages=chat_messages(docs, f"Q{i}?"),
+                                                    max_tokens=8, temperature=0, stream=True)
+            for _chunk in stream:
+                first = first or time.perf_counter() - t0
+            firsts.append(first)
+        return firsts
+
+    with ThreadPoolExecutor(17) as pool:
+        futures = [pool.submit(one_client, i) for i in range(16)]
+        while not all(f.done() for f in futures):
+            m = scrape(worker)
+            seen_running.append(m["redknot_requests_running"] + m["redknot_requests_waiting"])
+            time.sleep(0.2)
+        firsts = [t for f in futures for t in f.result()]          # any error raises here
+    after = scrape(api_target)
+    n = len(firsts)
+    done = after['redknot_requests_total{arm="reuse",outcome="ok"}'] - before['redknot_requests_total{arm="reuse",outcome="ok"}']
+    errors = sum(after[k] - before.get(k, 0) for k in after if k.startswith("redknot_requests_total") and "ok" not in k)
+    assert n >= 16 and done == n and errors == 0
+    assert max(seen_running) > 1 and max(seen_running) <= 16        # queued and running: at most the clients
+    m = scrape(worker)
+    assert m["redknot_requests_running"] == 0 and m["redknot_requests_waiting"] == 0
+    q = statistics.quantiles(firsts, n=100)
+    print(f"\n16 streaming clients, 10 s: {n} requests, time to first chunk p50 {statistics.median(firsts):.3f} s, "
+          f"p99 {q[98]:.3f} s")
