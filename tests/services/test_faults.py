@@ -87,8 +87,16 @@ def restart_killed(stack, name: str, **env: str) -> None:
 
 
 def in_thread(fn):
+    """Run `fn` on a thread; after join, box["value"] is its result or box["error"] what it raised."""
     box: dict = {}
-    t = threading.Thread(target=lambda: box.setdefault("value", fn()), daemon=True)
+
+    def target():
+        try:
+            box["value"] = fn()
+        except Exception as e:      # noqa: BLE001 - shown by the test that reads the box
+            box["error"] = e
+
+    t = threading.Thread(target=target, daemon=True)
     t.start()
     return t, box
 
@@ -226,6 +234,7 @@ def test_generate_fetching_store_killed(stack, acknowledged, record_property):
     wait_log(worker, "FAILPOINT before_fetch reached", paused + 1)
     store.kill()
     t.join(WAIT_S)
+    assert "value" in box, box
     r = box["value"]
     assert r.status_code == 200, r.text
     out = r.json()
@@ -254,6 +263,7 @@ def test_generate_in_worker_redis_killed(stack, acknowledged, record_property):
     wait_log(worker, "FAILPOINT before_fetch reached", paused + 1)
     rs.kill()
     t.join(WAIT_S)
+    assert "value" in box, box
     r = box["value"]
     assert r.status_code == 200 and r.json()["arm"] == "reuse" and r.json()["fallback"] is None, r.text
     down = post_generate(stack, ids)
