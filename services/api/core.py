@@ -15,8 +15,8 @@ from pydantic import ValidationError
 
 from services.common.registry import CorruptRecord, DocumentRecord, Registry
 from services.common.serving import document_id
-from services.store.client import StoreClient
-from services.store.errors import NotFound
+from services.store.client import StoreClient, fallback_reason
+from services.store.errors import NotFound, StoreError
 from services.store.keys import DocumentKey
 from services.worker.protocol import WorkerDocument, WorkerHead, WorkerRequest, WorkerResponse
 
@@ -74,7 +74,8 @@ class Timings:
 @dataclass(frozen=True)
 class UploadResult:
     document: Document
-    queued: bool                # a build was enqueued by this call (new, or rebuilt after retire/failure)
+    queued: bool                # a build was enqueued by this call (new, rebuilt after retire/failure, or a ready
+                                # document whose artifact the store can no longer serve)
 
 
 class ArtifactApi:
@@ -118,8 +119,53 @@ class ArtifactApi:
             self.registry.get(tenant, doc_id)       # a broken record is reported before anything is written
         except CorruptRecord as e:
             raise BrokenDocument(str(e)) from None
-        rec, queued = self.registry.create(tenant, doc_id, tokens, source)
+        rec, queued = self.registry.create(tenant, doc_id, tokens, source)    # restores missing tokens too
+        if not queued and rec.status == "ready":
+            broken = self._broken_artifact(tenant, rec)
+            if broken is not None and self._rebuild(tenant, rec, *broken, "an upload"):
+                return UploadResult(self._view(self._record(tenant, doc_id)), True)
         return UploadResult(self._view(rec), queued)
+
+    def _broken_artifact(self, tenant: str, rec: DocumentRecord) -> tuple[str, str] | None:
+        """(reason, detail) when the store can no longer serve the current generation of a ready document; None when
+        it can, or when that cannot be told now (store unreachable: the upload answers as before, and a request
+        that meets a broken artifact still heals it).
+
+        Checked, without any shard's bytes crossing the network: the generation's manifest is readable under the
+        record's exact key (NotFound: missing_shard; an unreadable manifest: digest_mismatch); then the store's
+        ValidateCertificate at that generation for every TP rank, shallow (the rank's certificate is there, the
+        generation is current, every blob exists with its committed size: a stat per blob; a missing blob is
+        missing_shard, a wrong size digest_mismatch), then deep (the store reads and hashes each blob where it lives:
+        a flipped byte is digest_mismatch). Sizes alone miss a flipped byte and nothing cheaper is exact, the digest
+        being the only witness of the content; the cost is one read of the artifact on the store, paid only by
+        uploads of content that is already built and found whole by the shallow pass."""
+        try:
+            key = DocumentKey.from_dict(rec.key)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise BrokenDocument(f"the store key in the record of document {rec.id} does not parse: "
+                                 f"{type(e).__name__}") from None
+        with self.store_client(tenant) as client:
+            try:
+                client.manifest(key, rec.generation)
+                # shallow first (a stat per blob: names a missing blob missing_shard), then deep (the digests)
+                verdicts = ((rank, client.validate(key, rank, generation=rec.generation, deep=deep))
+                            for deep in (False, True) for rank in range(key.tp_size))
+                bad = next(((rank, v) for rank, v in verdicts if not v.ok), None)
+            except StoreError as e:
+                reason = fallback_reason(e).value
+                if reason in REBUILD_REASONS:
+                    return reason, f"generation {rec.generation}: {e}"
+                log.warning("document %s/%s: the store could not check its artifact: %s: %s", tenant, rec.id,
+                            type(e).__name__, e)
+                return None
+        if bad is None:
+            return None
+        rank, v = bad
+        if v.reason is not None and v.reason.value in REBUILD_REASONS:
+            return v.reason.value, f"rank {rank}: {v.detail}"
+        log.warning("document %s/%s rank %d: the store says %s (%s): not rebuilt on upload", tenant, rec.id, rank,
+                    v.reason.value if v.reason else "no reason", v.detail)
+        return None
 
     def _record(self, tenant: str, doc_id: str) -> DocumentRecord:
         """The record, read whole; DocumentNotFound, or BrokenDocument when it cannot be read or shown."""
@@ -262,10 +308,18 @@ class ArtifactApi:
         if fb is None or fb.reason not in REBUILD_REASONS or fb.document is None:
             return
         rec = next((r for r in recs if r.id == fb.document), None)
-        if rec is not None and self.registry.rebuild(tenant, rec.id, rec.generation, fb.reason):
-            self.metrics.rebuilds.labels(fb.reason).inc()
-            log.warning("document %s/%s generation %d: %s: queued for a rebuild", tenant, rec.id, rec.generation,
-                        fb.reason)
+        if rec is not None:
+            self._rebuild(tenant, rec, fb.reason, fb.detail, "a request")
+
+    def _rebuild(self, tenant: str, rec: DocumentRecord, reason: str, detail: str, met_by: str) -> bool:
+        """Queue `rec`, whose current generation is broken for `reason` (one of REBUILD_REASONS), for a build under a
+        new generation and count it; False when another caller queued it first (nothing changed)."""
+        if not self.registry.rebuild(tenant, rec.id, rec.generation, reason):
+            return False
+        self.metrics.rebuilds.labels(reason).inc()
+        log.warning("document %s/%s generation %d: %s (%s), met by %s: queued for a rebuild", tenant, rec.id,
+                    rec.generation, reason, detail, met_by)
+        return True
 
     # ------------------------------------------------------------------------------------------- health
     def ready(self) -> None:

@@ -42,7 +42,8 @@ class ApiMetrics:
             for arm in ("reuse", "recompute"):
                 h.labels(arm)
         self.rebuilds = Counter("redknot_rebuilds", "Documents queued for a rebuild because a request met their "
-                                "artifact broken (digest, missing shard or layer), by that reason", ["reason"],
+                                "artifact broken, or an upload of the same content found it broken in the store "
+                                "(digest, missing shard or layer), by that reason", ["reason"],
                                 registry=self.registry)
         for reason in REBUILD_REASONS:
             self.rebuilds.labels(reason)

@@ -186,7 +186,7 @@ class ArtifactStore:
 
     async def _failpoint(self, name: str) -> None:
         """Testing only (settings.failpoints): stop here for good, so a test can SIGKILL the process at a
-        known point of a commit."""
+        known point of an upload or a commit."""
         if name in self.failpoints:
             print(f"FAILPOINT {name} reached", file=sys.stderr, flush=True)
             await asyncio.Event().wait()
@@ -272,6 +272,7 @@ class ArtifactStore:
                     stored.append(spec.ref)
                     self.metrics.shards_stored.inc()
                     self.metrics.bytes_in.inc(spec.size)
+                    await self._failpoint("put.after_shard")        # one shard stored, the stream still open
             if spool is not None:
                 raise InvalidArgument(f"stream ended inside shard {spool.spec.name!r} ({spool.received} of "
                                       f"{spool.spec.size} bytes, no last=true)")

@@ -62,7 +62,9 @@ class Settings:
     local_socket_timeout_s: float = _s(60.0, "REDKNOT_STORE_LOCAL_SOCKET_TIMEOUT_S",
                                        "local socket: a connection idle, or not reading its answer, this long is "
                                        "closed")
-    failpoints: str = _s("", "REDKNOT_STORE_FAILPOINTS", "testing only: comma-separated points to stop at")
+    failpoints: str = _s("", "REDKNOT_STORE_FAILPOINTS", "testing only: comma-separated points to stop at for "
+                                                       "good (put.after_shard, commit.before_script, "
+                                                       "commit.after_script)")
 
     def __post_init__(self):
         if self.backend not in ("fs", "s3"):

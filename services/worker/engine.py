@@ -163,6 +163,7 @@ class RankEngine:
             logits, step = self._recompute(docs, req.question)
             arm, ledger, verdict, document = "recompute", None, Verdict.accept(), None
         else:
+            self.failpoints.hit("before_fetch")
             sources, pinned, published = self._open(req)
             stamps = _stamp(sources)
             t0 = time.perf_counter()

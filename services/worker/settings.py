@@ -18,5 +18,6 @@ class WorkerSettings(CommonSettings):
     fetch_threads: int = setting(4, "REDKNOT_WORKER_FETCH_THREADS", "concurrent fetch streams per rank")
     max_queue: int = setting(64, "REDKNOT_WORKER_MAX_QUEUE", "requests waiting beyond this are refused (429 with Retry-After)")
     request_timeout_s: float = setting(600.0, "REDKNOT_WORKER_REQUEST_TIMEOUT_S", "longest wait for one request")
-    failpoints: str = setting("", "REDKNOT_WORKER_FAILPOINTS", "testing only: name=seconds pauses (after_fetch: a request's "
-                                                                "shards are in the tier, its answer not yet sent)")
+    failpoints: str = setting("", "REDKNOT_WORKER_FAILPOINTS", "testing only: name=seconds pauses (before_fetch: "
+                              "a reuse request is taken, nothing fetched yet; after_fetch: a request's shards are in "
+                              "the tier, its answer not yet sent)")

@@ -154,6 +154,20 @@ def test_helm_services_agree_on_what_artifacts_are_bound_to(rendered, monkeypatc
 
 
 # ----------------------------------------------------------------------------------------------- compose
+STORE_TUNING = {"gcIntervalSeconds": ("gc_interval_s", "REDKNOT_STORE_GC_INTERVAL_S"),
+                "uploadTtlSeconds": ("upload_ttl_s", "REDKNOT_STORE_UPLOAD_TTL_S"),
+                "streamIdleSeconds": ("stream_idle_s", "REDKNOT_STORE_STREAM_IDLE_S"),
+                "streamDeadlineSeconds": ("stream_deadline_s", "REDKNOT_STORE_STREAM_DEADLINE_S"),
+                "redisConnections": ("redis_connections", "REDKNOT_STORE_REDIS_CONNECTIONS")}
+
+
+def _store_tuning(s) -> dict[str, float]:
+    """The store values of the chart by their chart name, from the chart's values (a dict) or store Settings."""
+    if isinstance(s, dict):
+        return {k: s[k] for k in STORE_TUNING}
+    return {k: getattr(s, field) for k, (field, _) in STORE_TUNING.items()}
+
+
 @pytest.mark.parametrize("profile", ["", "gpu"])
 def test_compose_commands_and_env_start_the_services(profile, tmp_path, monkeypatch):
     cfg = _compose_config(tmp_path, *([profile] if profile else []))
@@ -171,6 +185,7 @@ def test_compose_commands_and_env_start_the_services(profile, tmp_path, monkeypa
         assert _under(s.tokens_file, mounts), name
         if service == "store":
             assert _under(s.blob_root, mounts)
+            assert _store_tuning(s) == _store_tuning(chart_values({})["store"]) == _store_tuning(type(s)()), name
             continue
         assert _under(s.model, mounts), name
         assert s.store.split(":")[0] in services and s.redis_url.split("//")[1].split(":")[0] in services
@@ -178,3 +193,18 @@ def test_compose_commands_and_env_start_the_services(profile, tmp_path, monkeypa
             assert s.worker_url == "http://worker:8100"
         if service == "builder":
             assert _under(s.workdir, mounts)
+
+
+def test_compose_store_tuning_follows_the_environment(tmp_path, monkeypatch):
+    """The chart's store values are compose variables of the same env names: set in the shell, they reach the
+    store's settings."""
+    want = {"gcIntervalSeconds": 30, "uploadTtlSeconds": 120, "streamIdleSeconds": 5, "streamDeadlineSeconds": 600,
+            "redisConnections": 8}
+    env = {STORE_TUNING[k][1]: str(v) for k, v in want.items()}
+    svc = _compose_config(tmp_path, extra_env=env)["services"]["store"]
+    assert {k: str(svc["environment"][v]) for k, (_, v) in STORE_TUNING.items()} == \
+        {k: str(v) for k, v in want.items()}
+    if not available("store"):
+        pytest.skip("the store's code is not in this tree")
+    _, s = start_settings(monkeypatch, svc["command"][1:], {k: str(v) for k, v in svc["environment"].items()})
+    assert _store_tuning(s) == want

@@ -176,13 +176,20 @@ def test_upload_build_generate_with_reuse(stack, built):
     assert m['redknot_ttft_seconds_count{arm="reuse"}'] >= 2
 
 
-def corrupt_local_shard(stack, checkpoint, tenant: str, tokens: list[int], rank: int) -> None:
-    """Flip one byte of a LOCAL shard of `rank` in the store's blob directory (fs backend)."""
+def local_shard_blob(stack, checkpoint, tenant: str, tokens: list[int], rank: int) -> Path:
+    """The file of a LOCAL shard of `rank` of the current generation in the store's blob directory (fs backend)."""
     key = binding(checkpoint).store_key(tokens)
     with StoreClient(stack.store_target, TENANTS[tenant]) as client:
         shards = client.manifest(key).manifest.select(rank)
     spec = next(s for s in shards if s.kind is ShardKind.LOCAL)
     path = stack.workdir / "store" / "blobs" / tenant / key.doc_id / spec.digest[:2] / spec.digest
+    assert path.is_file(), path
+    return path
+
+
+def corrupt_local_shard(stack, checkpoint, tenant: str, tokens: list[int], rank: int) -> None:
+    """Flip one byte of a LOCAL shard of `rank` in the store's blob directory (its size stays)."""
+    path = local_shard_blob(stack, checkpoint, tenant, tokens, rank)
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x5A
     path.write_bytes(bytes(data))
@@ -217,6 +224,45 @@ def test_corrupted_shard_is_a_counted_fallback_with_the_recompute_answer(stack, 
         healed = generate(c, ids, "reuse")
     assert healed["arm"] == "reuse" and healed["fallback"] is None
     assert scrape(stack.metrics_targets()["api"])['redknot_rebuilds_total{reason="digest_mismatch"}'] == 1
+
+
+def test_uploading_a_broken_document_again_rebuilds_it_before_any_request_meets_it(stack, checkpoint):
+    """A ready document whose artifact the store can no longer serve (one shard's byte flipped; another's shard
+    deleted; a third's generation gone from the store's index), met by no request yet: uploading the same content
+    again answers 202, queues one rebuild under a new generation (counted by reason), and the next request reuses
+    it. A healthy ready document answers 200 and queues nothing, before and after."""
+    texts = [TEXTS[0] + TEXTS[2], TEXTS[3] + TEXTS[0], TEXTS[1] + TEXTS[2]]
+    reasons = ("digest_mismatch", "missing_shard")
+    rebuilds = lambda: {r: scrape(stack.metrics_targets()["api"])[f'redknot_rebuilds_total{{reason="{r}"}}']  # noqa
+                        for r in reasons}
+    with api(stack) as c:
+        ids = [upload(c, t) for t in texts]
+        for i in ids:
+            wait_status(c, i, {"ready"})
+        before, fb_before = rebuilds(), fallbacks(stack)
+        healthy = c.post("/v1/documents", json={"text": texts[0]})
+        assert healthy.status_code == 200 and healthy.json()["generation"] == 1 and healthy.json()["attempts"] == 1
+        assert rebuilds() == before
+        corrupt_local_shard(stack, checkpoint, "acme", doc_tokens(checkpoint, texts[0]), rank=0)
+        local_shard_blob(stack, checkpoint, "acme", doc_tokens(checkpoint, texts[1]), rank=1).unlink()
+        with StoreClient(stack.store_target, TENANTS["acme"]) as client:     # behind the registry's back
+            client.retire(binding(checkpoint).store_key(doc_tokens(checkpoint, texts[2])), 1)
+        for t, i in zip(texts, ids):
+            r = c.post("/v1/documents", json={"text": t})
+            assert r.status_code == 202 and r.json()["id"] == i, r.text
+            assert r.json()["status"] in ("queued", "building") and r.json()["generation"] == 1    # until rebuilt
+        assert rebuilds() == {"digest_mismatch": before["digest_mismatch"] + 1,
+                              "missing_shard": before["missing_shard"] + 2}
+        for i in ids:
+            d = wait_status(c, i, {"ready"}, generation=2)
+            assert d["attempts"] == 1 and 2 in d["generations"]
+        out = generate(c, ids, "reuse")
+        assert out["arm"] == "reuse" and out["fallback"] is None
+        assert [d["generation"] for d in out["documents"]] == [2, 2, 2]
+        again = c.post("/v1/documents", json={"text": texts[1]})            # healthy again: nothing is queued
+        assert again.status_code == 200 and again.json()["generation"] == 2
+    assert rebuilds()["missing_shard"] == before["missing_shard"] + 2
+    assert fallbacks(stack) == fb_before                                    # no request ever met the broken ones
 
 
 def test_parallel_requests_show_their_queueing_in_the_latency_metrics(stack, built):
