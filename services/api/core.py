@@ -139,11 +139,7 @@ class ArtifactApi:
         a flipped byte is digest_mismatch). Sizes alone miss a flipped byte and nothing cheaper is exact, the digest
         being the only witness of the content; the cost is one read of the artifact on the store, paid only by
         uploads of content that is already built and found whole by the shallow pass."""
-        try:
-            key = DocumentKey.from_dict(rec.key)
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise BrokenDocument(f"the store key in the record of document {rec.id} does not parse: "
-                                 f"{type(e).__name__}") from None
+        key = self._store_key(rec)
         with self.store_client(tenant) as client:
             try:
                 client.manifest(key, rec.generation)
@@ -193,6 +189,14 @@ class ArtifactApi:
             raise BrokenDocument(f"document {rec.id} holds {len(tokens)} tokens, its record says {rec.n_tokens}")
         return tokens
 
+    @staticmethod
+    def _store_key(rec: DocumentRecord) -> DocumentKey:
+        try:
+            return DocumentKey.from_dict(rec.key)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise BrokenDocument(f"the store key in the record of document {rec.id} does not parse: "
+                                 f"{type(e).__name__}") from None
+
     def get(self, tenant: str, doc_id: str) -> Document:
         return self._view(self._record(tenant, doc_id))
 
@@ -221,11 +225,7 @@ class ArtifactApi:
         if rec.status in ("queued", "building"):
             raise Conflict(f"document {doc_id} is {rec.status}; retire it once it is ready")
         if rec.status == "ready":
-            try:
-                key = DocumentKey.from_dict(rec.key)
-            except (KeyError, TypeError, ValueError, AttributeError) as e:
-                raise BrokenDocument(f"the store key in the record of document {doc_id} does not parse: "
-                                     f"{type(e).__name__}") from None
+            key = self._store_key(rec)
             with self.store_client(tenant) as client:
                 try:
                     client.retire(key, rec.generation)

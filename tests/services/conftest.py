@@ -39,6 +39,35 @@ def write_tiny_checkpoint(tmp_path_factory) -> Path:
     return d
 
 
+def running_stack(tmp_path_factory, checkpoint: Path, redis_url: str, tag: str, **cfg):
+    """A LocalStack (services/common/stack.py) on `checkpoint` under a fresh Redis prefix, for a module fixture to
+    `yield from`: stopped after the module, its keys deleted, and every service checked to stop cleanly on SIGTERM."""
+    from services.common.stack import LocalStack, StackConfig
+    prefix = f"{tag}-{uuid.uuid4().hex[:8]}"
+    st = LocalStack(StackConfig(workdir=tmp_path_factory.mktemp("stack"), model=checkpoint, redis_url=redis_url,
+                                prefix=prefix, **cfg)).start()
+    yield st
+    codes = st.stop()
+    r = redis.Redis.from_url(redis_url)
+    for pat in (f"{prefix}:*", f"{prefix}-store:*"):
+        keys = list(r.scan_iter(match=pat, count=1000))
+        for i in range(0, len(keys), 500):
+            r.delete(*keys[i:i + 500])
+    assert all(c == 0 for c in codes.values()), codes        # every service stops cleanly on SIGTERM
+
+
+def scrape(url: str) -> dict[str, float]:
+    """name{labels} -> value of one /metrics endpoint (`url`: http://host:port, or host:port)."""
+    import httpx
+    url = url if url.startswith("http") else f"http://{url}"
+    out = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -25,7 +25,7 @@ from services.api.settings import ApiSettings
 from services.common.build_queue import queue_tag
 from services.common.stack import Service, free_port, http_ok, redis_service
 
-from .conftest import write_tiny_checkpoint
+from .conftest import scrape, write_tiny_checkpoint
 
 TENANTS = {"acme": "acme-token-0123456789abcdef", "globex": "globex-token-0123456789abcdef",
            "broken": "broken-token-0123456789abcdef", "counted": "counted-token-0123456789abcdef"}
@@ -137,15 +137,6 @@ def raw_request(method: str, path: str, body: bytes = b"", headers: dict | None 
          "Authorization": f"Bearer {TENANTS[tenant]}", **(headers or {})}
     return (f"{method} {path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in h.items()) + "\r\n").encode(
         "latin-1") + body
-
-
-def scrape(url: str) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
 
 
 def upload(c: httpx.Client, text: str) -> str:

@@ -9,7 +9,6 @@ import subprocess
 import threading
 import time
 import urllib.parse
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -21,12 +20,12 @@ from runtime.model.checkpoint import load_tokenizer
 from runtime.reuse.certificate import FallbackReason
 from services.common.build_queue import stream_key
 from services.common.serving import Binding, checkpoint_identity, load_profile
-from services.common.stack import LocalStack, StackConfig, free_port
+from services.common.stack import free_port
 from services.store.client import StoreClient
 from services.store.errors import NotFound
 from services.store.keys import DocumentKey, ShardKind
 
-from .conftest import write_tiny_checkpoint
+from .conftest import running_stack, scrape, write_tiny_checkpoint
 
 TENANTS = {"acme": "acme-token-0123456789abcdef", "globex": "globex-token-0123456789abcdef",
            "fuzz": "fuzz-token-0123456789abcdef"}
@@ -54,21 +53,10 @@ def checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, checkpoint, redis_url):
-    prefix = f"rksvc-{uuid.uuid4().hex[:8]}"
-    cfg = StackConfig(workdir=tmp_path_factory.mktemp("stack"), model=checkpoint, tp=2, profile=PROFILE,
-                      redis_url=redis_url, prefix=prefix, tenants=TENANTS,
-                      api_env={"REDKNOT_API_MAX_UPLOAD_BYTES": str(MAX_UPLOAD),
-                               "REDKNOT_API_MAX_DOCUMENT_TOKENS": str(MAX_TOKENS)},
-                      builder_env={"REDKNOT_BUILDER_BACKOFF_S": "0.2", "REDKNOT_BUILDER_CLAIM_IDLE_S": "5"})
-    st = LocalStack(cfg).start()
-    yield st
-    codes = st.stop()
-    r = redis.Redis.from_url(redis_url)
-    for pat in (f"{prefix}:*", f"{prefix}-store:*"):
-        keys = list(r.scan_iter(match=pat, count=1000))
-        for i in range(0, len(keys), 500):
-            r.delete(*keys[i:i + 500])
-    assert all(c == 0 for c in codes.values()), codes        # every service stops cleanly on SIGTERM
+    yield from running_stack(tmp_path_factory, checkpoint, redis_url, "rksvc", tp=2, profile=PROFILE, tenants=TENANTS,
+                             api_env={"REDKNOT_API_MAX_UPLOAD_BYTES": str(MAX_UPLOAD),
+                                      "REDKNOT_API_MAX_DOCUMENT_TOKENS": str(MAX_TOKENS)},
+                             builder_env={"REDKNOT_BUILDER_BACKOFF_S": "0.2", "REDKNOT_BUILDER_CLAIM_IDLE_S": "5"})
 
 
 def api(stack, tenant: str = "acme") -> httpx.Client:
@@ -95,16 +83,6 @@ def generate(c: httpx.Client, ids: list[str], arm: str = "reuse", n: int = 4, qu
     r = c.post("/v1/generate", json={"documents": ids, "question": question, "max_new_tokens": n, "arm": arm})
     assert r.status_code == 200, r.text
     return r.json()
-
-
-def scrape(target: str) -> dict[str, float]:
-    """name{labels} -> value of one /metrics endpoint (comments dropped)."""
-    out = {}
-    for line in httpx.get(f"http://{target}/metrics", timeout=10).text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
 
 
 def fallbacks(stack) -> dict[str, float]:

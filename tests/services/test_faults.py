@@ -107,6 +107,18 @@ def post_generate(stack, ids: list[str]) -> httpx.Response:
                                             "arm": "reuse"})
 
 
+def generate_killing(stack, ids: list[str], name: str) -> httpx.Response:
+    """A generate request held at the worker's before_fetch pause while service `name` is SIGKILLed; its response."""
+    worker = stack.services["worker"]
+    paused = worker.log(1_000_000).count("FAILPOINT before_fetch reached")
+    t, box = in_thread(lambda: post_generate(stack, ids))
+    wait_log(worker, "FAILPOINT before_fetch reached", paused + 1)
+    stack.services[name].kill()
+    t.join(WAIT_S)
+    assert "value" in box, box
+    return box["value"]
+
+
 def served(stack, ids: list[str]) -> str:
     """After recovery: generate answers 200, by reuse or with a fallback the worker counted. The outcome in words."""
     before = fallbacks(stack)
@@ -227,15 +239,8 @@ def test_generate_fetching_store_killed(stack, acknowledged, record_property):
     nothing (its artifact cannot be checked, so it is not called broken); after the restart the request reuses."""
     record_property("fault", ("generate fetching", "store"))
     ids = fresh_documents(stack, acknowledged, TEXTS[4:6])
-    worker, store = stack.services["worker"], stack.services["store"]
-    paused = worker.log(1_000_000).count("FAILPOINT before_fetch reached")
     before = fallbacks(stack)
-    t, box = in_thread(lambda: post_generate(stack, ids))
-    wait_log(worker, "FAILPOINT before_fetch reached", paused + 1)
-    store.kill()
-    t.join(WAIT_S)
-    assert "value" in box, box
-    r = box["value"]
+    r = generate_killing(stack, ids, "store")
     assert r.status_code == 200, r.text
     out = r.json()
     assert out["arm"] == "recompute" and out["fallback"]["reason"] == "store_unavailable", out
@@ -257,14 +262,7 @@ def test_generate_in_worker_redis_killed(stack, acknowledged, record_property):
     then generate reuses and uploads build again (the builder and the store found Redis again)."""
     record_property("fault", ("generate in the worker", "redis-server"))
     ids = list(acknowledged)[:2]
-    worker, rs = stack.services["worker"], stack.services["redis"]
-    paused = worker.log(1_000_000).count("FAILPOINT before_fetch reached")
-    t, box = in_thread(lambda: post_generate(stack, ids))
-    wait_log(worker, "FAILPOINT before_fetch reached", paused + 1)
-    rs.kill()
-    t.join(WAIT_S)
-    assert "value" in box, box
-    r = box["value"]
+    r = generate_killing(stack, ids, "redis")
     assert r.status_code == 200 and r.json()["arm"] == "reuse" and r.json()["fallback"] is None, r.text
     down = post_generate(stack, ids)
     assert down.status_code == 503 and "Redis" in down.json()["detail"], down.text

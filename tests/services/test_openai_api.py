@@ -8,19 +8,16 @@ from __future__ import annotations
 import json
 import statistics
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import redis
 
 from runtime.llama.tokenizer import ChatTokenizer
-from services.common.stack import LocalStack, StackConfig
 
-from .conftest import write_tiny_checkpoint
+from .conftest import running_stack, scrape, write_tiny_checkpoint
 
 TOKEN = "acme-token-0123456789abcdef"
 PROFILE = json.dumps({"name": "oai-test", "first_fences": 2, "last_fences": 2, "align": 16, "budget": 0.25,
@@ -38,19 +35,8 @@ def checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, checkpoint, redis_url):
-    prefix = f"rkoai-{uuid.uuid4().hex[:8]}"
-    cfg = StackConfig(workdir=tmp_path_factory.mktemp("stack"), model=checkpoint, tp=1, profile=PROFILE,
-                      redis_url=redis_url, prefix=prefix, tenants={"acme": TOKEN},
-                      api_env={"REDKNOT_API_SERVED_MODEL_NAME": "redknot-tiny"})
-    st = LocalStack(cfg).start()
-    yield st
-    codes = st.stop()
-    r = redis.Redis.from_url(redis_url)
-    for pat in (f"{prefix}:*", f"{prefix}-store:*"):
-        keys = list(r.scan_iter(match=pat, count=1000))
-        for i in range(0, len(keys), 500):
-            r.delete(*keys[i:i + 500])
-    assert all(c == 0 for c in codes.values()), codes
+    yield from running_stack(tmp_path_factory, checkpoint, redis_url, "rkoai", tp=1, profile=PROFILE,
+                             tenants={"acme": TOKEN}, api_env={"REDKNOT_API_SERVED_MODEL_NAME": "redknot-tiny"})
 
 
 @pytest.fixture(scope="module")
@@ -89,15 +75,6 @@ def chat_messages(ids: list[str], question: str = QUESTION) -> list[dict]:
     return [{"role": "system", "content": "Answer from the documents."},
             {"role": "user", "content": [*({"type": "document", "document_id": i} for i in ids),
                                          {"type": "text", "text": question}]}]
-
-
-def scrape(target: str) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(f"http://{target}/metrics", timeout=10).text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
 
 
 # ----------------------------------------------------------------------------------------------------- tests
