@@ -14,18 +14,30 @@ if not torch.cuda.is_available():
 
 
 def pytest_terminal_summary(terminalreporter):
-    """The fault drill's table (tests/services/test_faults.py): each test there records its row with
-    `record_property("fault", (phase, process killed))` and then `record_property("fault_outcome", text)`. Read from
-    the reports, so it shows with or without -s, and under xdist (user properties travel with the reports)."""
-    rows = []
+    """The fault suite's summary. The drill's table (tests/services/test_faults.py): each test there records its row
+    with `record_property("fault", (phase, process killed))` and then `record_property("fault_outcome", text)`; the
+    counts: tests record `("fault_counts", (suite, {count: n}))` (bad HTTP and gRPC inputs, the drill's documents),
+    summed per suite. Read from the reports, so it shows with or without -s, and under xdist (user properties travel
+    with the reports)."""
+    rows, counts, seen = [], {}, set()
     for reports in terminalreporter.stats.values():
         for rep in reports:
-            if getattr(rep, "when", None) != "call":
-                continue
-            props = dict(getattr(rep, "user_properties", ()))
-            if "fault" in props:
-                phase, killed = props["fault"]
-                rows.append((phase, killed, props.get("fault_outcome", "-"), rep.outcome))
+            props = getattr(rep, "user_properties", ())
+            if getattr(rep, "when", None) == "call":
+                d = dict(props)
+                if "fault" in d:
+                    rows.append((*d["fault"], d.get("fault_outcome", "-"), rep.outcome))
+            for i, (name, value) in enumerate(props):     # once per test, from whichever report carries it
+                if name == "fault_counts" and (rep.nodeid, i) not in seen:
+                    seen.add((rep.nodeid, i))
+                    suite, n = value
+                    for k, v in n.items():
+                        counts.setdefault(suite, {}).setdefault(k, 0)
+                        counts[suite][k] += v
+    if counts:
+        terminalreporter.write_sep("=", "fault suite")
+        for suite, n in counts.items():
+            terminalreporter.write_line(f"{suite}: " + ", ".join(f"{v} {k}" for k, v in n.items()))
     if not rows:
         return
     head = ("phase", "killed", "outcome", "result")

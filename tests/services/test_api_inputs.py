@@ -156,7 +156,7 @@ def multipart(parts: list[tuple[str, bytes, str | None]], boundary: str = "rkbou
 
 # --------------------------------------------------------------------------------------------- bad inputs
 
-def test_hostile_inputs_get_a_clear_4xx_and_change_nothing(app, checkpoint):
+def test_hostile_inputs_get_a_clear_4xx_and_change_nothing(app, checkpoint, record_property):
     vocab = load_tokenizer(checkpoint).get_vocab_size()
     acme, globex, anon = client(app), client(app, "globex"), client(app, None)
     doc = upload(acme, "The river runs past the old mill and under the stone bridge. " * 2)
@@ -357,6 +357,8 @@ def test_hostile_inputs_get_a_clear_4xx_and_change_nothing(app, checkpoint):
         c.close()
     print(f"\napi hostile inputs: {len(cases)} tried, {fivexx} 5xx, {changed} state changes, "
           f"{len(problems)} problems")
+    record_property("fault_counts", ("bad HTTP inputs (API)", {"tried": len(cases), "5xx": fivexx,
+                                                               "state changes": changed}))
     assert not problems, "\n".join(problems)
 
 

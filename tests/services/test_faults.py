@@ -309,8 +309,12 @@ def test_no_acknowledged_document_is_lost(stack, acknowledged, record_property):
     assert len(acknowledged) >= 8
     with api(stack) as c:
         listed = {d["id"] for d in c.get("/v1/documents", params={"page_size": 100}).json()["documents"]}
-        assert set(acknowledged) <= listed
-        docs = [wait_status(c, i, {"ready", "failed"}, timeout=WAIT_S) for i in acknowledged]
+        docs = [wait_status(c, i, {"ready", "failed"}, timeout=WAIT_S) for i in acknowledged if i in listed]
+    assert set(acknowledged) <= listed
+    lost = len(set(acknowledged) - listed)
+    broken = sum(d["status"] != "ready" for d in docs)
+    record_property("fault_counts", ("SIGKILL drill", {"acknowledged": len(acknowledged), "documents lost": lost,
+                                                       "broken documents left": broken}))
     assert all(d["status"] == "ready" for d in docs), [d for d in docs if d["status"] != "ready"]
     outcome = served(stack, list(acknowledged)[:4])
     record_property("fault_outcome", f"{len(acknowledged)} acknowledged documents listed and ready; generate: "

@@ -46,11 +46,16 @@ def env(tmp_path_factory, redis_url):
 
 
 @pytest.fixture
-def unchanged(env, redis_url):
+def unchanged(env, redis_url, request):
+    """The index and blobs byte-identical after the test's rejected calls; counted in the fault suite's summary
+    (tests/conftest.py)."""
     proc, _, _ = env
     before = snapshot(redis_url, proc.prefix, proc.blob_root)
     yield
-    assert snapshot(redis_url, proc.prefix, proc.blob_root) == before, "a rejected request changed state"
+    same = snapshot(redis_url, proc.prefix, proc.blob_root) == before
+    request.node.user_properties.append(("fault_counts", ("bad gRPC inputs (store)", {
+        "cases": 1, "state changes": int(not same)})))
+    assert same, "a rejected request changed state"
 
 
 def raw_call(proc, method: str, payload: bytes, token: str = TOKENS["acme"]):
