@@ -242,8 +242,8 @@ def create_app(s: ApiSettings) -> FastAPI:
     @app.get("/readyz", response_model=Health, responses=ERRORS, summary="Redis and the worker are ready")
     async def readyz() -> Health:
         await anyio.to_thread.run_sync(core.ready)
-        if not await worker.ready():
-            raise NotReady("inference worker not ready")
+        if (why := await worker.unready()) is not None:
+            raise NotReady(f"inference worker: {why}")
         return Health(status="ready")
 
     @app.get("/metrics", summary="Prometheus metrics", response_class=Response)

@@ -62,11 +62,19 @@ class WorkerClient:
                 return event
         raise WorkerFailed("the inference worker's stream ended without a response")   # stream() raised already
 
-    async def ready(self) -> bool:
+    async def unready(self) -> str | None:
+        """None when the worker is ready; else why (loading, saturated: its queue full, unreachable)."""
         try:
-            return (await self.http.get("/readyz", timeout=2.0)).status_code == 200
-        except httpx.TransportError:
-            return False
+            r = await self.http.get("/readyz", timeout=2.0)
+        except httpx.TransportError as e:
+            return f"unreachable ({type(e).__name__})"
+        if r.status_code == 200:
+            return None
+        try:
+            body = r.json()
+            return f"{body['status']} ({body['waiting']} of {body['capacity']} queued)"
+        except (ValueError, KeyError, TypeError):
+            return f"answered {r.status_code}"
 
 
 def _refusal(r: httpx.Response) -> Exception:

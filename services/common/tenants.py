@@ -1,38 +1,46 @@
 """Tenants and their bearer tokens: one table for the API (who is calling) and for the builder and workers
 (which token to show the store for a tenant's documents). Same formats as the store's `--tokens-file` and
-`REDKNOT_STORE_TOKENS`, checked by the store's own rules (`TokenTable`)."""
+`REDKNOT_STORE_TOKENS`, checked by the store's own rules (`TokenTable`); a tokens file is followed as the store
+follows its own (`FollowsFile`): tokens are added, rotated or revoked without a restart."""
 from __future__ import annotations
 
 import hashlib
 import hmac
 
-from services.store.auth import TokenTable, parse_token_pairs
+from services.store.auth import FollowsFile, TokenTable, parse_token_pairs
 
 
-class Tenants:
+class Tenants(FollowsFile):
     def __init__(self, pairs: dict[str, str]):
         """`pairs`: tenant -> token."""
+        self._build(pairs)
+
+    def _build(self, pairs: dict[str, str]) -> None:
         TokenTable(pairs)                          # tenant names, token length, no shared tokens
-        self._tokens = dict(pairs)
-        self._by_hash = [(hashlib.sha256(t.encode()).digest(), tenant) for tenant, t in pairs.items()]
+        by_hash = [(hashlib.sha256(t.encode()).digest(), tenant) for tenant, t in pairs.items()]
+        self._table = (dict(pairs), by_hash)       # one assignment: a lookup sees one table, whole
 
     @staticmethod
     def load(spec: str = "", file: str = "") -> "Tenants":
-        return Tenants(parse_token_pairs(spec, file))
+        tenants = Tenants(parse_token_pairs(spec, file))
+        tenants._watch(spec, file)
+        return tenants
 
     def __len__(self) -> int:
-        return len(self._tokens)
+        return len(self._table[0])
 
     def tenant(self, token: str) -> str | None:
         """The tenant a bearer token belongs to, or None; digests are compared in constant time."""
         if not token:
             return None
+        self._follow()
         d = hashlib.sha256(token.encode()).digest()
         found = None
-        for h, tenant in self._by_hash:
+        for h, tenant in self._table[1]:
             if hmac.compare_digest(h, d):
                 found = tenant
         return found
 
     def token(self, tenant: str) -> str:
-        return self._tokens[tenant]
+        self._follow()
+        return self._table[0][tenant]

@@ -1,17 +1,23 @@
 """Per-tenant bearer tokens, checked in a server interceptor before any handler runs.
 
 Tokens come from a file (one `tenant token` pair a line, `#` comments) or a `tenant=token,...` string;
-only their sha256 is kept. The handler learns the tenant from `TENANT` (set by the interceptor inside the
+only their sha256 is kept. A tokens file is followed: when it changes (mtime, size or inode; looked at, at most
+once a second, on a lookup), it is read again, so tokens are added, rotated or revoked without a restart (a
+Kubernetes Secret update reaches the mounted file within the kubelet's sync period). A file that no longer
+parses keeps the table in force (logged). The handler learns the tenant from `TENANT` (set by the interceptor inside the
 RPC's own task), so no request field can name another tenant. Health checks and reflection need no token."""
 from __future__ import annotations
 
 import contextvars
 import hashlib
+import logging
+import os
+import time
 from pathlib import Path
 
 import grpc
 
-from .errors import Unauthenticated
+from .errors import InvalidArgument, Unauthenticated
 from .keys import check_tenant
 
 TENANT: contextvars.ContextVar[str] = contextvars.ContextVar("redknot_store_tenant")
@@ -42,30 +48,79 @@ def parse_token_pairs(spec: str = "", file: str = "") -> dict[str, str]:
     return pairs
 
 
-class TokenTable:
+log = logging.getLogger("redknot.auth")
+WATCH_PERIOD_S = 1.0
+
+
+class FollowsFile:
+    """A table built from `tenant=token` pairs that is built again when its tokens file changes. Subclasses set
+    their state in `_build(pairs)` (raising ValueError for a table they refuse) and call `_follow()` first in
+    every lookup. The swap is one attribute assignment: a lookup sees the old table or the new one, whole."""
+
+    def _watch(self, spec: str, file: str) -> None:
+        self._spec, self._file = spec, file
+        self._next_look = time.monotonic() + WATCH_PERIOD_S
+        self._stamp = _stamp(file)
+
+    def _build(self, pairs: dict[str, str]) -> None:
+        raise NotImplementedError
+
+    def _follow(self) -> None:
+        if not getattr(self, "_file", "") or time.monotonic() < self._next_look:
+            return
+        self._next_look = time.monotonic() + WATCH_PERIOD_S
+        stamp = _stamp(self._file)
+        if stamp == self._stamp or stamp is None:
+            return
+        self._stamp = stamp
+        try:
+            self._build(parse_token_pairs(self._spec, self._file))
+        except (OSError, ValueError, InvalidArgument) as e:      # unreadable, malformed, a bad tenant name
+            log.error("tokens file %s changed but cannot be used (%s); the table in force is kept", self._file, e)
+            return
+        log.info("tokens file %s read again", self._file)
+
+
+def _stamp(file: str) -> tuple[int, int, int] | None:
+    try:
+        st = os.stat(file)
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size, st.st_ino
+
+
+class TokenTable(FollowsFile):
     def __init__(self, pairs: dict[str, str]):
         """`pairs`: tenant -> token."""
-        self._by_hash: dict[bytes, str] = {}
+        self._build(pairs)
+
+    def _build(self, pairs: dict[str, str]) -> None:
+        by_hash: dict[bytes, str] = {}
         for tenant, token in pairs.items():
             check_tenant(tenant)
             if len(token) < 16:
                 raise ValueError(f"token of tenant {tenant!r} is shorter than 16 characters")
-            if _h(token) in self._by_hash:
-                raise ValueError(f"tenants {self._by_hash[_h(token)]!r} and {tenant!r} share a token")
-            self._by_hash[_h(token)] = tenant
+            if _h(token) in by_hash:
+                raise ValueError(f"tenants {by_hash[_h(token)]!r} and {tenant!r} share a token")
+            by_hash[_h(token)] = tenant
+        self._by_hash = by_hash
 
     def __len__(self) -> int:
         return len(self._by_hash)
 
     def tenants(self) -> list[str]:
+        self._follow()
         return sorted(set(self._by_hash.values()))
 
     @staticmethod
     def parse(spec: str = "", file: str = "") -> "TokenTable":
-        return TokenTable(parse_token_pairs(spec, file))
+        table = TokenTable(parse_token_pairs(spec, file))
+        table._watch(spec, file)
+        return table
 
     def tenant(self, token: str) -> str | None:
         # the lookup compares sha256 digests, never the secret itself
+        self._follow()
         return self._by_hash.get(_h(token)) if token else None
 
 

@@ -116,8 +116,12 @@ def create_app(front: Frontend) -> FastAPI:
 
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
-        ok = front.ready.is_set()
-        return JSONResponse({"status": "ready" if ok else "loading"}, status_code=200 if ok else 503)
+        """Ready once the model is loaded and while its queue has room (a saturated worker is taken out of a
+        Service's endpoints until it drains)."""
+        waiting, capacity = front.requests.qsize(), front.s.max_queue
+        status = "loading" if not front.ready.is_set() else "saturated" if waiting >= capacity else "ready"
+        return JSONResponse({"status": status, "waiting": waiting, "capacity": capacity},
+                            status_code=200 if status == "ready" else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

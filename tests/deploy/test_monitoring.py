@@ -87,7 +87,7 @@ def test_dashboard_queries_are_valid_promql(tmp_path):
 def test_dashboard_shows_what_operators_need():
     dash = json.loads(DASHBOARD.read_text())
     assert dash["uid"] == "redknot-mla"
-    assert [v["name"] for v in dash["templating"]["list"]] == ["datasource"]
+    assert [v["name"] for v in dash["templating"]["list"]] == ["datasource", "job", "instance"]
     panels = [p for p in dash["panels"] if p["type"] != "row"]
     assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"]), "panel ids are unique"
     for p in panels:
@@ -109,6 +109,16 @@ def test_dashboard_shows_what_operators_need():
     assert used("redknot_store_bytes_in_total") and used("redknot_store_bytes_out_total")  # store throughput
     assert used("redknot_cache_tier_requests_total", "result")                           # cache-tier hits
     assert used("redknot_build_queue_depth") and used("redknot_builds_total", "result")  # build queue
+    assert used("redknot_requests_running", "instance") and used("redknot_requests_waiting", "instance")
+    assert used("redknot_request_queue_seconds_bucket") and used("redknot_time_to_first_token_seconds_bucket", "arm")
+    # every query follows the job and instance filter
+    for title, expr in _dashboard_queries():
+        for sel in usage(expr).selectors:
+            assert {("job", "=~"), ("instance", "=~")} <= {(label, op) for label, op, _ in sel.matchers}, (title, expr)
+            assert '{job=~"$job",instance=~"$instance"' in expr.replace(" ", ""), (title, expr)
+    # the fallback share is over reuse-arm requests (the recompute arm cannot fall back), as its alert computes it
+    shares = [expr for title, expr in _dashboard_queries() if title == "Fallback share"]
+    assert shares and all('arm="reuse"' in e for e in shares)
 
 
 # ------------------------------------------------------------------------------- the exported metric names
@@ -268,6 +278,7 @@ def _queries() -> list[tuple[str, str]]:
 # series Prometheus makes itself for every target, with the labels our scrape configs give them
 # (deploy/prometheus.yml's static labels, the chart's ServiceMonitor relabeling)
 PROMETHEUS_SERIES = {"up": {"job", "instance", "component"}}
+TARGET_LABELS = {"job", "instance"}        # Prometheus adds them to every series it scrapes
 COMPONENTS = {"api", "worker", "store", "builder"}
 
 
@@ -292,7 +303,7 @@ def test_dashboard_and_alerts_query_only_exported_metrics(exported):
                 problems.append(f"{where}: {sel.metric} is not exported by any service")
                 continue
             family_name, fam = names[sel.metric]
-            allowed = fam.labels | ({"le"} if sel.metric.endswith("_bucket") else set())
+            allowed = fam.labels | TARGET_LABELS | ({"le"} if sel.metric.endswith("_bucket") else set())
             labels_here |= allowed
             for label, op, value in sel.matchers:
                 if label not in allowed:

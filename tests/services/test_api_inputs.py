@@ -689,13 +689,24 @@ def test_a_full_worker_queue_is_429_with_retry_after_and_takes_requests_again(tm
                 r = c.post("/v1/generate", json=body)
                 return r.status_code, r.headers.get("Retry-After"), r.json()
         with ThreadPoolExecutor(4) as pool:
-            got = list(pool.map(lambda _: one(), range(4)))
+            futures = [pool.submit(one) for _ in range(4)]
+            saturated = []                  # readiness while the queue is full: 503 "saturated", on both sides
+            deadline = time.monotonic() + 4.0
+            while not saturated and time.monotonic() < deadline:
+                w = httpx.get(worker_url + "/readyz", timeout=5)
+                if w.status_code == 503:
+                    saturated = [w.json(), httpx.get(url + "/readyz", timeout=5)]
+                time.sleep(0.05)
+            got = [f.result() for f in futures]
+        assert saturated and saturated[0] == {"status": "saturated", "waiting": 1, "capacity": 1}, saturated
+        assert saturated[1].status_code == 503 and "saturated" in saturated[1].json()["detail"]
         codes = sorted(code for code, _, _ in got)
         assert codes.count(429) >= 2 and codes.count(200) >= 1 and set(codes) <= {200, 429}, got
         busy = [(after, body) for code, after, body in got if code == 429]
         assert all(after == "1" and b["error"] == "Busy" and "already waiting" in b["detail"] for after, b in busy)
         code, _, out = one()                               # the queue drained: served again
         assert code == 200 and out["arm"] == "recompute"
+        assert httpx.get(worker_url + "/readyz", timeout=5).json()["status"] == "ready"
         # the worker's own port: nothing runs without the bearer token of the request's tenant
         direct = {"tenant": "acme", "documents": [{"id": "d", "tokens": [5, 6, 7], "generation": 0}],
                   "question": [8, 9], "max_new_tokens": 1, "arm": "recompute"}

@@ -244,3 +244,34 @@ def test_16_concurrent_streaming_clients_complete_and_the_gauges_agree(stack, cl
     q = statistics.quantiles(firsts, n=100)
     print(f"\n16 streaming clients, 10 s: {n} requests, time to first chunk p50 {statistics.median(firsts):.3f} s, "
           f"p99 {q[98]:.3f} s")
+
+
+def test_tokens_are_added_and_revoked_without_a_restart(stack, client, docs):
+    """The tokens file every service follows: a tenant added to it uploads, builds (builder, store) and generates
+    (API, worker) within seconds, with no restart; removed again, its token is refused."""
+    token = "globex-token-0123456789abcdef"
+    original = stack.tokens_file.read_text()
+
+    def status_until(want: int) -> None:
+        deadline = time.monotonic() + 10.0
+        while (code := httpx.get(f"{stack.api_url}/v1/models", timeout=10,
+                                 headers={"Authorization": f"Bearer {token}"}).status_code) != want:
+            assert time.monotonic() < deadline, f"still {code}"
+            time.sleep(0.2)
+
+    status_until(401)
+    stack.tokens_file.write_text(original + f"globex {token}\n")
+    status_until(200)
+    with httpx.Client(base_url=stack.api_url, headers={"Authorization": f"Bearer {token}"}, timeout=120) as c:
+        doc = c.post("/v1/documents", json={"text": TEXTS[0]}).json()["id"]
+        deadline = time.monotonic() + WAIT_S
+        while (d := c.get(f"/v1/documents/{doc}").json())["status"] != "ready":
+            assert d["status"] in ("queued", "building") and time.monotonic() < deadline, d
+            time.sleep(0.1)
+    globex = openai.OpenAI(base_url=stack.api_url + "/v1", api_key=token, max_retries=0, timeout=120)
+    out = globex.chat.completions.create(model="redknot-tiny", messages=chat_messages([doc]), max_tokens=4,
+                                         temperature=0)
+    assert out.model_extra["redknot"]["arm"] == "reuse" and out.model_extra["redknot"]["fallback"] is None
+    stack.tokens_file.write_text(original)
+    status_until(401)
+    assert client.models.list().data                     # the others' tokens are untouched
