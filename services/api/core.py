@@ -263,7 +263,8 @@ class ArtifactApi:
         return list(tokens)
 
     def prepare(self, tenant: str, doc_ids: list[str], prompt: list[int], max_new_tokens: int, arm: str,
-                temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None) -> Prepared:
+                temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+                ignore_eos: bool = False) -> Prepared:
         """The worker request for `prompt` (token ids, checked) after `doc_ids`: every document's record and tokens
         read and checked first (a missing or broken one is the request's error; nothing is sent)."""
         L = self.limits
@@ -277,7 +278,7 @@ class ArtifactApi:
         docs = [WorkerDocument(id=r.id, tokens=self._tokens(tenant, r), generation=r.generation) for r in recs]
         return Prepared(recs, WorkerRequest(tenant=tenant, documents=docs, question=prompt,
                                             max_new_tokens=max_new_tokens, arm=arm, temperature=temperature,
-                                            top_p=top_p, seed=seed))
+                                            top_p=top_p, seed=seed, ignore_eos=ignore_eos))
 
     def finished(self, tenant: str, prepared: Prepared, head: WorkerHead, t: Timings) -> None:
         """A request's latency metrics (from its arrival at the API) and, where it fell back on a broken artifact,

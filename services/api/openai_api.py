@@ -71,6 +71,8 @@ class Sampling(BaseModel):
     n: Literal[1] = 1
     user: StrictStr | None = None
     arm: Literal["reuse", "recompute"] = Field("reuse", description="RedKnot: the arm to run")
+    ignore_eos: bool = Field(False, description="RedKnot (as vLLM's): generate max_tokens tokens even past the "
+                                                "end-of-sequence token (a fixed output length, for benchmarks)")
 
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -186,7 +188,7 @@ class OpenAiRoutes:
             docs, prompt = body.documents, await self.gen.call(self._completion_prompt, body)
             max_tokens = body.max_tokens or self.default_max_tokens
         prepared = await self.gen.call(self.core.prepare, who, docs, prompt, max_tokens, body.arm, body.temperature,
-                                       body.top_p, body.seed)
+                                       body.top_p, body.seed, body.ignore_eos)
         rid = current_request_id()
         events = self.gen.stream(who, prepared, arrived, rid)
         try:

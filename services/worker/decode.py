@@ -48,11 +48,12 @@ class Sampler:
 GREEDY = Sampling()
 
 
-def decode(logits: torch.Tensor, step: Callable[[int], torch.Tensor], n: int, eos: int, sample: Sampler,
+def decode(logits: torch.Tensor, step: Callable[[int], torch.Tensor], n: int, eos: int | None, sample: Sampler,
            emit: Callable[[int], None] | None = None,
            stopped: Callable[[], bool] | None = None) -> tuple[list[int], FinishReason]:
-    """Up to `n` tokens from the prefill's `logits`; `step(token)` runs one decode step. `emit(token)` sees each
-    token as soon as it is drawn (before the next step runs); `stopped()` is asked before each further step."""
+    """Up to `n` tokens from the prefill's `logits`; `step(token)` runs one decode step; `eos` None: it does not
+    stop the answer. `emit(token)` sees each token as soon as it is drawn (before the next step runs); `stopped()`
+    is asked before each further step."""
     out: list[int] = []
     with torch.inference_mode():
         while True:

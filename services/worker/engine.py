@@ -190,7 +190,7 @@ class RankEngine:
         if sink is not None:
             sink.start(head)
         sampler = Sampler(Sampling(req.temperature, req.top_p, req.seed or 0), logits.device)
-        tokens, finish = decode(logits, step, req.max_new_tokens, self.eos, sampler,
+        tokens, finish = decode(logits, step, req.max_new_tokens, None if req.ignore_eos else self.eos, sampler,
                                 sink.emit if sink is not None else None, lambda: self._stopped(sink))
         decode_s = time.perf_counter() - first
         wait(published)         # what this request fetched is in the tier before the next request looks

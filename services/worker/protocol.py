@@ -25,6 +25,8 @@ class WorkerRequest(BaseModel):
     temperature: float = Field(0.0, ge=0.0, le=2.0, description="0: greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, lt=2**63, description="the sampler's seed; none: rank 0 draws one")
+    ignore_eos: bool = Field(False, description="decode max_new_tokens tokens whatever they are (benchmarks: a "
+                                                "fixed output length)")
     stream: bool = Field(False, description="answer as NDJSON events: {'head': WorkerHead} when the first token "
                                             "exists, one {'token': id} per token, then {'response': WorkerResponse} "
                                             "(or {'error': ...})")

@@ -1,0 +1,196 @@
+"""Throughput through the served path at a fixed concurrency, both arms: HTTP -> API -> worker -> store -> GPU.
+Not a test.
+
+The real stack as bench/serve_ttft.py starts it (separate processes, a Flash-shaped random-init checkpoint at real
+dimensions, --docs documents per length uploaded through `POST /v1/documents` and built by the builder; the
+builder is stopped before the clock starts and every document is in the worker's pinned tier). The workload is
+fixed: every request is the same shape (the documents of its length and the same question) and generates exactly
+--output-tokens tokens (`ignore_eos`), streamed through `POST /v1/completions` with the `openai` wire format. At each
+concurrency C, C clients send requests back to back for --windows windows of --window-s seconds (after a warm-up
+window); per window: requests completed in it per second and tokens generated in it per second. Reported: the mean
+over windows with a 95% bootstrap confidence interval, the median time to the first streamed chunk, and the reuse
+arm's throughput over the recompute arm's at the same concurrency.
+
+    python bench/serve_qps.py --lengths 65536 --concurrency 1,2,4,8 --json bench/results/serve_qps.json  # the GPU
+    python bench/serve_qps.py --small                                                                 # CPU smoke run
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.report import header, write_json  # noqa: E402
+from bench.serve_ttft import QUESTION, TENANT, TOKEN, _client, upload, wait_ready  # noqa: E402
+from bench.ttft import add_model_args, model_config, request  # noqa: E402
+from runtime.model.checkpoint import build_demo_tokenizer  # noqa: E402
+from runtime.model.random_init import write_random_checkpoint  # noqa: E402
+from services.common.stack import LocalStack, StackConfig  # noqa: E402
+
+MODEL = "bench"
+
+
+def bootstrap_ci(values: list[float], seed: int = 0, n: int = 2000) -> tuple[float, float]:
+    """95% percentile-bootstrap interval of the mean of `values`."""
+    rng = random.Random(seed)
+    means = sorted(statistics.fmean(rng.choices(values, k=len(values))) for _ in range(n))
+    return means[int(0.025 * n)], means[int(0.975 * n) - 1]
+
+
+def one_request(c: httpx.Client, ids: list[str], arm: str, n_out: int) -> tuple[float, float, float, int]:
+    """(sent, first chunk, done) perf_counter times and the tokens generated, of one streamed completion."""
+    body = {"model": MODEL, "prompt": QUESTION, "documents": ids, "max_tokens": n_out, "temperature": 0,
+            "ignore_eos": True, "stream": True, "arm": arm}
+    sent, first, tokens = time.perf_counter(), None, 0
+    with c.stream("POST", "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise SystemExit(f"the stream failed: {event['error']}")
+            first = first or time.perf_counter()
+            rk = event.get("redknot")
+            if rk is not None:
+                if arm == "reuse" and (rk["arm"] != "reuse" or rk["fallback"] is not None):
+                    raise SystemExit(f"the reuse arm fell back: {rk['fallback']}")
+                tokens = len(rk["tokens"])
+    return sent, first, time.perf_counter(), tokens
+
+
+def run_concurrency(stack: LocalStack, ids: list[str], arm: str, conc: int, n_out: int, window_s: float,
+                    windows: int) -> dict:
+    """`conc` clients back to back for one warm-up window then `windows` timed ones."""
+    t0 = time.perf_counter() + window_s                  # the first timed window starts after the warm-up one
+    end = t0 + windows * window_s
+    done: list[tuple[float, float, float, int]] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def client() -> None:
+        try:
+            with _client(stack) as c:
+                while time.perf_counter() < end:
+                    out = one_request(c, ids, arm, n_out)
+                    with lock:
+                        done.append(out)
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=client) for _ in range(conc)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    req_s, tok_s = [], []
+    for w in range(windows):
+        lo, hi = t0 + w * window_s, t0 + (w + 1) * window_s
+        inside = [r for r in done if lo <= r[2] < hi]
+        req_s.append(len(inside) / window_s)
+        tok_s.append(sum(r[3] for r in inside) / window_s)
+    timed = [r for r in done if t0 <= r[2] < end]
+    if any(r[3] != n_out for r in timed):
+        raise SystemExit(f"a request generated {[r[3] for r in timed if r[3] != n_out][0]} tokens, not {n_out}")
+    return dict(arm=arm, concurrency=conc, requests=len(timed), req_s=statistics.fmean(req_s),
+                req_s_ci=bootstrap_ci(req_s), tok_s=statistics.fmean(tok_s), tok_s_ci=bootstrap_ci(tok_s),
+                windows_req_s=[round(v, 4) for v in req_s],
+                first_chunk_p50_s=statistics.median(r[1] - r[0] for r in timed) if timed else None,
+                e2e_p50_s=statistics.median(r[2] - r[0] for r in timed) if timed else None)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_args(ap, lengths="65536")
+    ap.set_defaults(budget=0.1)
+    ap.add_argument("--concurrency", default="1,2,4,8")
+    ap.add_argument("--output-tokens", type=int, default=32, help="tokens every request generates")
+    ap.add_argument("--window-s", type=float, default=30.0)
+    ap.add_argument("--windows", type=int, default=5)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tier-gib", type=float, default=100.0)
+    ap.add_argument("--workdir", default="")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    if args.small:
+        args.lengths, args.docs, args.concurrency, args.output_tokens = "512", 2, "1,2", 4
+        args.window_s, args.windows, args.device, args.tier_gib = 2.0, 3, "cpu", 1.0
+        args.layers, args.experts = 8, 8
+    lengths = [int(v) for v in args.lengths.split(",") if v.strip()]
+    concs = [int(v) for v in args.concurrency.split(",") if v.strip()]
+    cfg, prof = model_config(args)
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="rk-qps-"))
+    work.mkdir(parents=True, exist_ok=True)
+    tok = work / "tokenizer.json"
+    build_demo_tokenizer(1024, tok)
+    ckpt = write_random_checkpoint(work / "checkpoint", cfg, seed=0, device="cuda" if args.device == "cuda" else "cpu",
+                                   tokenizer_json=tok)
+    header(f"Flash dims x {cfg.n_layers} layers{' (small)' if args.small else ''}, routed experts "
+           f"{cfg.n_routed_experts} | budget {prof.budget} | {args.docs} documents, {args.output_tokens} tokens out "
+           f"| concurrency {concs}, {args.windows} x {args.window_s:g} s windows | served: API -> worker", args.device)
+    stack = LocalStack(StackConfig(
+        workdir=work / "stack", model=ckpt, tp=1, profile=json.dumps(prof.to_dict()), device=args.device,
+        tenants={TENANT: TOKEN}, tier_gib=args.tier_gib,
+        worker_env={"REDKNOT_WORKER_REQUEST_TIMEOUT_S": "1800", "REDKNOT_WORKER_MAX_QUEUE": str(2 * max(concs))},
+        api_env={"REDKNOT_API_GENERATE_TIMEOUT_S": "1800", "REDKNOT_API_SERVED_MODEL_NAME": MODEL}))
+    stack.start(defer=("worker",))          # builds first: one GPU holds one Flash-sized model at a time
+    rows, builder_code = [], None
+    try:
+        with _client(stack) as c:
+            sets = {}
+            for L in lengths:
+                docs, _ = request(cfg, L, args.docs, 1, seed=L, spread=args.doc_lengths)
+                sets[L] = upload(c, docs)
+                wait_ready(c, sets[L])
+            builder_code = stack.services["builder"].stop()
+            stack.restart("worker")
+            for L in lengths:
+                for arm in ("recompute", "reuse"):
+                    one_request(c, sets[L], arm, args.output_tokens)     # compiles, fills the tier
+        for L in lengths:
+            for conc in concs:
+                pair = {arm: run_concurrency(stack, sets[L], arm, conc, args.output_tokens, args.window_s, args.windows)
+                        for arm in ("recompute", "reuse")}
+                for arm, r in pair.items():
+                    r["length"] = L
+                    r["ratio_req_s"] = r["req_s"] / pair["recompute"]["req_s"] if pair["recompute"]["req_s"] else None
+                    rows.append(r)
+                    print(f"  {L} {arm:9s} x{conc}: {r['req_s']:.3f} req/s [{r['req_s_ci'][0]:.3f}, "
+                          f"{r['req_s_ci'][1]:.3f}], {r['tok_s']:.1f} tok/s, first chunk p50 "
+                          f"{r['first_chunk_p50_s'] or float('nan'):.3f} s", flush=True)
+        fallbacks = sum(float(line.rsplit(" ", 1)[1]) for line in
+                        httpx.get(stack.worker_url + "/metrics", timeout=10).text.splitlines()
+                        if line.startswith("redknot_fallbacks_total{"))
+    finally:
+        codes = stack.stop()
+        if builder_code is not None:        # stopped on purpose before the timed cases
+            codes["builder"] = builder_code
+    print("\n| tokens | concurrency | arm | req/s (95% CI) | tokens/s (95% CI) | first chunk p50 s | reuse / recompute |")
+    print("|---:|---:|---|---|---|---:|---:|")
+    for r in rows:
+        ratio = f"{r['ratio_req_s']:.2f}x" if r["arm"] == "reuse" and r["ratio_req_s"] else ""
+        print(f"| {r['length']} | {r['concurrency']} | {r['arm']} | {r['req_s']:.3f} [{r['req_s_ci'][0]:.3f}, "
+              f"{r['req_s_ci'][1]:.3f}] | {r['tok_s']:.1f} [{r['tok_s_ci'][0]:.1f}, {r['tok_s_ci'][1]:.1f}] | "
+              f"{r['first_chunk_p50_s'] or float('nan'):.3f} | {ratio} |")
+    print(f"# fallbacks: {fallbacks:.0f}; service exit codes {codes}")
+    write_json(args.json, dict(small=args.small, layers=cfg.n_layers, experts=cfg.n_routed_experts, budget=prof.budget,
+                               output_tokens=args.output_tokens, window_s=args.window_s, windows=args.windows,
+                               rows=rows, exit_codes=codes, fallbacks=fallbacks), args, args.device)
+    return 0 if all(v == 0 for v in codes.values()) and fallbacks == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
