@@ -48,7 +48,8 @@ class Sampler:
 GREEDY = Sampling()
 
 
-def decode(logits: torch.Tensor, step: Callable[[int], torch.Tensor], n: int, eos: int | None, sample: Sampler,
+def decode(logits: torch.Tensor, step: Callable[[int], torch.Tensor], n: int, eos: int | None,
+           sample: Callable[[torch.Tensor], int],
            emit: Callable[[int], None] | None = None,
            stopped: Callable[[], bool] | None = None) -> tuple[list[int], FinishReason]:
     """Up to `n` tokens from the prefill's `logits`; `step(token)` runs one decode step; `eos` None: it does not

@@ -47,6 +47,38 @@ class Job:
     request: WorkerRequest
     # (tenant, store key, generation) of the documents of requests queued behind this one
     prefetch: list[tuple[str, DocumentKey, int]] = field(default_factory=list)
+    shadow: bool = False        # if the reuse arm runs, keep what a shadow recompute of it needs (rank 0 drew it)
+
+
+SHADOW = "__shadow__"           # rank 0's broadcast: every rank runs the pending shadow recompute now
+
+
+@dataclass(frozen=True)
+class ShadowResult:
+    """The reuse arm's answer against the recompute arm, teacher-forced on the tokens the reuse arm served: at each
+    position, whether both arms' top-1 agree, and KL(recompute || reuse) of the next-token distributions."""
+    agreement: float
+    kl: float
+    positions: int
+
+
+@dataclass
+class _Pending:
+    docs: list[list[int]]
+    question: list[int]
+    tokens: list[int]
+    logits: list[torch.Tensor]      # rank 0: the reuse arm's logits at each position (others: empty)
+
+
+class _Recording:
+    """A sampler that keeps each position's logits (float32, on their device) before drawing."""
+
+    def __init__(self, sample: Sampler):
+        self.sample, self.seen = sample, []
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        self.seen.append(logits.reshape(-1).float().clone())
+        return self.sample(logits)
 
 
 class Sink(Protocol):
@@ -111,6 +143,7 @@ class RankEngine:
         self.failpoints, self.trace = failpoints, trace
         self.tier = prefetcher.tier
         self.eos = model.cfg.eos_token_id
+        self._pending: _Pending | None = None       # the last reuse request's shadow recompute, if one was drawn
 
     def key(self, tokens: list[int]) -> DocumentKey:
         return self.binding.store_key(tokens)
@@ -121,7 +154,33 @@ class RankEngine:
         padded = [t for d in docs for t in pad_document(d, self.binding.profile.align, self.eos)]
         cache = self.model.new_cache()
         logits = self.model(torch.tensor(padded + list(question), device=dev), cache)
-        return logits, lambda t: self.model(torch.tensor([t], device=dev), cache)
+        return logits, lambda t: self.model(torch.tensor([t], device=dev), cache), cache
+
+    @property
+    def shadow_pending(self) -> bool:
+        return self._pending is not None
+
+    def drop_shadow(self) -> None:
+        self._pending = None
+
+    @torch.inference_mode()
+    def shadow(self) -> ShadowResult | None:
+        """The pending shadow recompute, on every rank (rank 0 broadcast SHADOW): the recompute arm over the same
+        documents and question, then the tokens the reuse arm served fed in one chunk; rank 0 compares position by
+        position with the reuse arm's logits and returns the result (the others None)."""
+        p, self._pending = self._pending, None
+        logits, _, cache = self._recompute(p.docs, p.question)
+        rec = [logits.float()]
+        if len(p.tokens) > 1:
+            dev = logits.device
+            rec += list(self.model(torch.tensor(p.tokens[:-1], device=dev), cache, all_logits=True).float())
+        if not self.group.leader:
+            return None
+        r, q = torch.stack(rec), torch.stack(p.logits)
+        agree = (r.argmax(-1) == q.argmax(-1)).float().mean()
+        log_r, log_q = torch.log_softmax(r, -1), torch.log_softmax(q, -1)
+        kl = (log_r.exp() * (log_r - log_q)).sum(-1).mean()
+        return ShadowResult(float(agree), max(0.0, float(kl)), len(p.tokens))
 
     def _open(self, req: WorkerRequest) -> tuple[list[StagedSource], list[TierKey], list[Future]]:
         keys = [self.key(d.tokens) for d in req.documents]
@@ -158,8 +217,9 @@ class RankEngine:
         docs = [d.tokens for d in req.documents]
         fetch_s, published = 0.0, []
         t0 = time.perf_counter()
+        self._pending = None
         if req.arm == "recompute":
-            logits, step = self._recompute(docs, req.question)
+            logits, step, _ = self._recompute(docs, req.question)
             arm, ledger, verdict, document = "recompute", None, Verdict.accept(), None
         else:
             self.failpoints.hit("before_fetch")
@@ -190,9 +250,15 @@ class RankEngine:
         if sink is not None:
             sink.start(head)
         sampler = Sampler(Sampling(req.temperature, req.top_p, req.seed or 0), logits.device)
+        shadow = job.shadow and arm == "reuse"
+        if shadow and self.group.leader:
+            sampler = _Recording(sampler)
         tokens, finish = decode(logits, step, req.max_new_tokens, None if req.ignore_eos else self.eos, sampler,
                                 sink.emit if sink is not None else None, lambda: self._stopped(sink))
         decode_s = time.perf_counter() - first
+        if shadow:
+            self._pending = _Pending(docs, list(req.question), tokens,
+                                     sampler.seen if isinstance(sampler, _Recording) else [])
         wait(published)         # what this request fetched is in the tier before the next request looks
         self.failpoints.hit("after_fetch")
         reports = self.group.gather(RankReport(self.group.rank, verdict.reason.value if verdict.reason else None,

@@ -11,6 +11,7 @@ from .tier import MISS_REASONS, TierCounts
 RATIO_BUCKETS = tuple(i / 20 for i in range(1, 21))
 TTFT_BUCKETS = (.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120)
 FETCH_BUCKETS = (.001, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30)
+KL_BUCKETS = (.001, .003, .01, .03, .1, .3, 1, 3, 10)
 FLOP_OPS = ("projections", "attention", "indexer", "moe", "total")
 
 
@@ -44,6 +45,16 @@ class WorkerMetrics:
                                 registry=r)
         self.tier_evictions = Counter("redknot_tier_evictions", "Documents evicted from the pinned host tier for "
                                       "room", ["rank"], registry=r)
+        self.shadow_agreement = Histogram("redknot_shadow_agreement_ratio", "Shadow recompute: share of positions "
+                                          "where the reuse arm's top-1 token is the recompute arm's, teacher-forced "
+                                          "on the served answer", buckets=RATIO_BUCKETS, registry=r)
+        self.shadow_kl = Histogram("redknot_shadow_kl", "Shadow recompute: mean KL(recompute || reuse) of the "
+                                   "next-token distributions over the served answer's positions (nats)",
+                                   buckets=KL_BUCKETS, registry=r)
+        self.shadow = Counter("redknot_shadow_requests", "Reuse requests drawn for a shadow recompute, by result "
+                              "(compared; skipped: requests were waiting)", ["result"], registry=r)
+        for result in ("compared", "skipped"):
+            self.shadow.labels(result)
         for reason in FallbackReason:
             self.fallbacks.labels(reason.value)
         for op in FLOP_OPS:

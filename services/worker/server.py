@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import random
 import signal
 import threading
 import time
@@ -22,7 +23,7 @@ from services.common.serving import Binding, checkpoint_identity, load_profile, 
 from services.common.tenants import Tenants
 from services.common.tp import STOP, RankGroup, launch
 
-from .engine import Job, RankEngine, RankReport
+from .engine import SHADOW, Job, RankEngine, RankReport
 from .exchange import ShardExchange
 from .http import Frontend, create_app
 from .metrics import WorkerMetrics
@@ -99,7 +100,9 @@ def rank_main(group: RankGroup, s: WorkerSettings) -> None:
     try:
         if not group.leader:
             while (job := group.broadcast()) != STOP:
-                if job is not None:
+                if job == SHADOW:
+                    engine.shadow()
+                elif job is not None:
                     engine.run(job)
             return
         front.vocab_size = cfg.vocab_size
@@ -119,7 +122,7 @@ def rank_main(group: RankGroup, s: WorkerSettings) -> None:
             front.metrics.running.set(1)
             hints = [(r.tenant, engine.key(d.tokens), d.generation) for r in front.waiting() if r.arm == "reuse"
                      for d in r.documents]
-            job = Job(req, hints)
+            job = Job(req, hints, shadow=req.arm == "reuse" and random.random() < s.shadow_fraction)
             group.broadcast(job)
             try:
                 resp, reports = engine.run(job, stream)
@@ -133,6 +136,18 @@ def rank_main(group: RankGroup, s: WorkerSettings) -> None:
                      len(resp.tokens), resp.finish_reason, f", fallback {resp.fallback.reason}" if resp.fallback else "")
             record(front.metrics, resp, reports)
             stream.finish(resp)
+            if engine.shadow_pending:       # off the critical path: after the answer, only while nobody waits
+                if front.requests.empty():
+                    group.broadcast(SHADOW)
+                    shadow = engine.shadow()
+                    front.metrics.shadow.labels("compared").inc()
+                    front.metrics.shadow_agreement.observe(shadow.agreement)
+                    front.metrics.shadow_kl.observe(shadow.kl)
+                    log.info("request %s: shadow recompute over %d positions: top-1 agreement %.3f, KL %.4f",
+                             stream.request_id, shadow.positions, shadow.agreement, shadow.kl)
+                else:
+                    engine.drop_shadow()
+                    front.metrics.shadow.labels("skipped").inc()
         group.broadcast(STOP)
     finally:
         prefetcher.close()

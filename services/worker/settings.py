@@ -16,6 +16,10 @@ class WorkerSettings(CommonSettings):
                                       "file descriptors instead of streaming bytes over gRPC (empty: gRPC only)")
     layer_group: int = setting(4, "REDKNOT_WORKER_LAYER_GROUP", "layers per fetch stream")
     fetch_threads: int = setting(4, "REDKNOT_WORKER_FETCH_THREADS", "concurrent fetch streams per rank")
+    shadow_fraction: float = setting(0.02, "REDKNOT_WORKER_SHADOW_FRACTION",
+                                     "share of reuse-arm requests also recomputed off the critical path (after the "
+                                     "answer, only while no request waits) to measure live quality: "
+                                     "redknot_shadow_agreement_ratio, redknot_shadow_kl (0: off)")
     max_queue: int = setting(64, "REDKNOT_WORKER_MAX_QUEUE", "requests waiting beyond this are refused (429 with Retry-After)")
     request_timeout_s: float = setting(600.0, "REDKNOT_WORKER_REQUEST_TIMEOUT_S", "longest wait for one request")
     failpoints: str = setting("", "REDKNOT_WORKER_FAILPOINTS", "testing only: name=seconds pauses (before_fetch: "

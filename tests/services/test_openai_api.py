@@ -36,7 +36,8 @@ def checkpoint(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, checkpoint, redis_url):
     yield from running_stack(tmp_path_factory, checkpoint, redis_url, "rkoai", tp=1, profile=PROFILE,
-                             tenants={"acme": TOKEN}, api_env={"REDKNOT_API_SERVED_MODEL_NAME": "redknot-tiny"})
+                             tenants={"acme": TOKEN}, api_env={"REDKNOT_API_SERVED_MODEL_NAME": "redknot-tiny"},
+                             worker_env={"REDKNOT_WORKER_SHADOW_FRACTION": "1.0"})
 
 
 @pytest.fixture(scope="module")
@@ -178,6 +179,32 @@ def test_a_stop_sequence_ends_the_answer_before_it(client, http, docs):
             assert len(out.model_extra["redknot"]["tokens"]) < len(want["tokens"])   # decoding stopped there
         assert got == text[:text.find(stop)] and finish == "stop"
     assert generate(http, docs, QUESTION, 24)["tokens"] == want["tokens"]           # the worker carries on fine
+
+
+def test_served_reuse_answers_are_shadow_recomputed_when_the_worker_is_idle(stack, client, docs):
+    """Every reuse answer is drawn here (fraction 1.0): with nobody waiting, its shadow recompute runs after the
+    answer and its agreement and KL reach the worker's metrics (and its log line, under the request's id); a
+    recompute-arm answer has no shadow."""
+    worker, log = stack.metrics_targets()["worker"], stack.services["worker"]
+    before = scrape(worker)
+    client.completions.create(model="redknot-tiny", prompt=QUESTION, max_tokens=8, temperature=0,
+                              extra_body={"documents": docs}, extra_headers={"X-Request-ID": "shadow-reuse"})
+    deadline = time.monotonic() + 30
+    while "request shadow-reuse: shadow recompute over 8 positions" not in log.log(1 << 20):
+        assert time.monotonic() < deadline, "no shadow recompute was logged"
+        time.sleep(0.1)
+    m = scrape(worker)
+    n = m["redknot_shadow_agreement_ratio_count"] - before["redknot_shadow_agreement_ratio_count"]
+    assert n >= 1 and 0 <= m["redknot_shadow_agreement_ratio_sum"] - before["redknot_shadow_agreement_ratio_sum"] <= n
+    assert m["redknot_shadow_kl_sum"] >= before["redknot_shadow_kl_sum"]
+    assert m['redknot_shadow_requests_total{result="compared"}'] >= n
+    client.completions.create(model="redknot-tiny", prompt=QUESTION, max_tokens=4, temperature=0,
+                              extra_body={"documents": docs, "arm": "recompute"},
+                              extra_headers={"X-Request-ID": "shadow-recompute"})
+    client.completions.create(model="redknot-tiny", prompt=QUESTION, max_tokens=1, temperature=0,
+                              extra_body={"documents": docs, "arm": "recompute"})   # after the one above
+    text = log.log(1 << 20)
+    assert "request shadow-recompute: recompute arm" in text and "request shadow-recompute: shadow" not in text
 
 
 def test_request_ids_in_and_out(stack, http, docs):

@@ -267,3 +267,36 @@ def test_two_ranks_agree_per_group_and_restart_together_when_one_rank_rejects_a_
     assert (r0["late"]["reason"], r1["late"]["reason"]) == ("rank_disagreement", "digest_mismatch")
     assert r0["late"]["consumed"] == r1["late"]["consumed"] == [0, 1]
     assert r0["late"]["equals_recompute"] and r1["late"]["equals_recompute"]
+
+
+def test_a_shadow_recompute_measures_the_served_answer_against_the_recompute_arm(setup, store, client, tmp_path):
+    """A reuse request drawn for a shadow keeps its logits per position; the shadow runs the recompute arm
+    teacher-forced on the served tokens and compares. Checked against the same numbers computed independently:
+    the reference reuse path's logits step by step, and one forward of the plain model over the whole sequence."""
+    m, docs, question, dirs = setup
+    for d in dirs:
+        client.put_artifact([d])
+    eng = _engine(m, store.target, tmp_path / "tier")
+    try:
+        req = _request(docs, question)
+        resp, _ = eng.run(Job(req.request, shadow=True))
+        assert resp.arm == "reuse" and eng.shadow_pending
+        got = eng.shadow()
+        assert not eng.shadow_pending
+        rec_only, _ = eng.run(Job(_request(docs, question, "recompute").request, shadow=True))
+        assert not eng.shadow_pending                  # the recompute arm has nothing to compare
+    finally:
+        eng.prefetcher.close()
+    toks = resp.tokens
+    ref = whole(setup)
+    reuse = [ref.logits]
+    for t in toks[:-1]:
+        reuse.append(ref.step(t))
+    padded = [t for d in docs for t in pad_document(d, PROF.align, CFG.eos_token_id)] + question
+    full = m(torch.tensor(padded + toks[:-1]), m.new_cache(), all_logits=True)[len(padded) - 1:]
+    r, q = full.float(), torch.stack(reuse).float()
+    agree = float((r.argmax(-1) == q.argmax(-1)).float().mean())
+    kl = float((r.softmax(-1) * (r.log_softmax(-1) - q.log_softmax(-1))).sum(-1).mean())
+    assert got.positions == len(toks) == 5
+    assert got.agreement == pytest.approx(agree, abs=1e-6) and got.kl == pytest.approx(kl, rel=1e-3, abs=1e-6)
+    assert got.kl > 1e-4 and 0 < got.agreement <= 1      # the 25% budget approximates: a measurable divergence
