@@ -130,6 +130,7 @@ def test_helm_commands_and_env_start_the_services(name, rendered, monkeypatch):
             assert _port(s.listen) == ports["http"], where
             assert s.device == ("cuda" if "nvidia.com/gpu" in c["resources"].get("limits", {}) else "cpu")
             assert s.tier_gib == values(name).get("worker", {}).get("tierGiB", 48), where
+            assert s.shadow_fraction == values(name).get("worker", {}).get("shadowFraction", 0.02), where
         elif service == "builder":
             assert _port(s.metrics_listen) == ports["metrics"], where
             assert _under(s.workdir, mounts), where
