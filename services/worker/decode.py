@@ -48,27 +48,52 @@ class Sampler:
 GREEDY = Sampling()
 
 
+class Decoding:
+    """One request's decoding, a step at a time (so that the worker can interleave several requests): the first
+    token is drawn from the prefill's `logits` at construction; each `advance()` runs one decode step (`step(token)`)
+    and draws the next. `emit(token)` sees each token as soon as it is drawn; `eos` None does not end the answer."""
+
+    def __init__(self, logits: torch.Tensor, step: Callable[[int], torch.Tensor], n: int, eos: int | None,
+                 sample: Callable[[torch.Tensor], int], emit: Callable[[int], None] | None = None):
+        self.step, self.n, self.eos, self.sample, self.emit = step, n, eos, sample, emit
+        self.tokens: list[int] = []
+        self.finish: FinishReason | None = None
+        self._draw(logits)
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None
+
+    def _draw(self, logits: torch.Tensor) -> None:
+        nxt = self.sample(logits)
+        self.tokens.append(nxt)
+        if self.emit is not None:
+            self.emit(nxt)
+        if nxt == self.eos:
+            self.finish = STOP
+        elif len(self.tokens) == self.n:
+            self.finish = LENGTH
+
+    @torch.inference_mode()
+    def advance(self, cancelled: bool = False) -> None:
+        """One more token, or the end: `cancelled` (its caller stopped it) ends it before the step runs."""
+        if self.done:
+            return
+        if cancelled:
+            self.finish = CANCELLED
+            return
+        self._draw(self.step(self.tokens[-1]))
+
+
 def decode(logits: torch.Tensor, step: Callable[[int], torch.Tensor], n: int, eos: int | None,
-           sample: Callable[[torch.Tensor], int],
-           emit: Callable[[int], None] | None = None,
+           sample: Callable[[torch.Tensor], int], emit: Callable[[int], None] | None = None,
            stopped: Callable[[], bool] | None = None) -> tuple[list[int], FinishReason]:
-    """Up to `n` tokens from the prefill's `logits`; `step(token)` runs one decode step; `eos` None: it does not
-    stop the answer. `emit(token)` sees each token as soon as it is drawn (before the next step runs); `stopped()`
-    is asked before each further step."""
-    out: list[int] = []
+    """Up to `n` tokens, the steps run back to back; `stopped()` is asked before each further step."""
     with torch.inference_mode():
-        while True:
-            nxt = sample(logits)
-            out.append(nxt)
-            if emit is not None:
-                emit(nxt)
-            if nxt == eos:
-                return out, STOP
-            if len(out) == n:
-                return out, LENGTH
-            if stopped is not None and stopped():
-                return out, CANCELLED
-            logits = step(nxt)
+        d = Decoding(logits, step, n, eos, sample, emit)
+        while not d.done:
+            d.advance(stopped is not None and stopped())
+    return d.tokens, d.finish
 
 
 def greedy(logits: torch.Tensor, step: Callable[[int], torch.Tensor], n: int, eos: int) -> list[int]:

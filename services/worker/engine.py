@@ -34,7 +34,7 @@ from services.common.serving import Binding
 from services.common.tp import RankGroup
 from services.store.keys import DocumentKey
 
-from .decode import Sampler, Sampling, decode
+from .decode import Decoding, Sampler, Sampling
 from .prefetch import FetchStats, Prefetcher
 from .protocol import Fallback, WorkerHead, WorkerRequest, WorkerResponse
 from .tier import TierCounts, TierKey
@@ -68,6 +68,25 @@ class _Pending:
     question: list[int]
     tokens: list[int]
     logits: list[torch.Tensor]      # rank 0: the reuse arm's logits at each position (others: empty)
+
+
+@dataclass
+class Running:
+    """A request between its prefill and its last token, on every rank."""
+    job: Job
+    docs: list[list[int]]
+    head: WorkerHead | None             # rank 0's
+    decoding: Decoding
+    first: float                        # perf_counter time of its first token
+    verdict: Verdict
+    document: int | None
+    published: list[Future]
+    shadow: bool
+    sampler: object
+
+    @property
+    def done(self) -> bool:
+        return self.decoding.done
 
 
 class _Recording:
@@ -200,24 +219,23 @@ class RankEngine:
                 published.append(opened.published)
         return sources, pinned, published
 
-    def _stopped(self, sink: Sink | None) -> bool:
-        """Whether rank 0's caller went away; every rank gets the same answer (one small gloo collective a step at
-        TP > 1)."""
-        mine = sink is not None and sink.cancelled()
-        if self.group.size == 1:
-            return mine
-        return any(self.group.control.all_gather_object(mine))
-
     def run(self, job: Job, sink: Sink | None = None) -> tuple[WorkerResponse | None, list[RankReport]]:
-        """Every rank returns; rank 0 gets the response and every rank's report. `sink` (rank 0): sees each token
-        as it exists."""
+        """One request alone, start to finish (every rank returns; rank 0 gets the response and every rank's
+        report; `sink`'s cancellation is read on this rank, so at TP > 1 only without one). The worker's loop
+        interleaves several with `start`, `advance` and `finish`, rank 0 deciding each step for every rank."""
+        r = self.start(job, sink)
+        while not r.done:
+            self.advance(r, sink is not None and sink.cancelled())
+        return self.finish(r)
+
+    def start(self, job: Job, sink: Sink | None = None) -> Running:
+        """The request's prefill in the arm it can run, its head to `sink` (rank 0), and its first token."""
         req = job.request
         if job.prefetch:
             self.prefetcher.warm(job.prefetch)
         docs = [d.tokens for d in req.documents]
         fetch_s, published = 0.0, []
         t0 = time.perf_counter()
-        self._pending = None
         if req.arm == "recompute":
             logits, step, _ = self._recompute(docs, req.question)
             arm, ledger, verdict, document = "recompute", None, Verdict.accept(), None
@@ -253,20 +271,29 @@ class RankEngine:
         shadow = job.shadow and arm == "reuse"
         if shadow and self.group.leader:
             sampler = _Recording(sampler)
-        tokens, finish = decode(logits, step, req.max_new_tokens, None if req.ignore_eos else self.eos, sampler,
-                                sink.emit if sink is not None else None, lambda: self._stopped(sink))
-        decode_s = time.perf_counter() - first
-        if shadow:
-            self._pending = _Pending(docs, list(req.question), tokens,
-                                     sampler.seen if isinstance(sampler, _Recording) else [])
-        wait(published)         # what this request fetched is in the tier before the next request looks
+        decoding = Decoding(logits, step, req.max_new_tokens, None if req.ignore_eos else self.eos, sampler,
+                            sink.emit if sink is not None else None)
+        return Running(job, docs, head, decoding, first, verdict, document, published, shadow, sampler)
+
+    def advance(self, r: Running, cancelled: bool = False) -> None:
+        """One decode step of `r` (every rank; rank 0 decided `cancelled` for all)."""
+        r.decoding.advance(cancelled)
+
+    def finish(self, r: Running) -> tuple[WorkerResponse | None, list[RankReport]]:
+        """A done request's bookkeeping (every rank, in the same order): its shadow kept if it was drawn, its fetches
+        published to the tier, every rank's report gathered; rank 0 gets the response."""
+        decode_s = time.perf_counter() - r.first
+        self._pending = _Pending(r.docs, list(r.job.request.question), r.decoding.tokens,
+                                 r.sampler.seen if isinstance(r.sampler, _Recording) else []) if r.shadow else None
+        wait(r.published)       # what this request fetched is in the tier before the next request looks
         self.failpoints.hit("after_fetch")
-        reports = self.group.gather(RankReport(self.group.rank, verdict.reason.value if verdict.reason else None,
-                                               verdict.detail, self.prefetcher.take_stats(), self.tier.take_counts(),
-                                               self.tier.used, document))
+        reports = self.group.gather(RankReport(self.group.rank, r.verdict.reason.value if r.verdict.reason else None,
+                                               r.verdict.detail, self.prefetcher.take_stats(),
+                                               self.tier.take_counts(), self.tier.used, r.document))
         if not self.group.leader:
             return None, reports
-        return WorkerResponse(**head.model_dump(), tokens=tokens, decode_s=decode_s, finish_reason=finish), reports
+        return WorkerResponse(**r.head.model_dump(), tokens=r.decoding.tokens, decode_s=decode_s,
+                              finish_reason=r.decoding.finish), reports
 
     def _head(self, req: WorkerRequest, docs: list[list[int]], arm: str, verdict: Verdict, document: int | None,
               ledger: dict | None, ttft: float, fetch_s: float) -> WorkerHead | None:

@@ -27,8 +27,8 @@ class WorkerMetrics:
                               ["op"], buckets=RATIO_BUCKETS, registry=r)
         self.ttft = Histogram("redknot_ttft_seconds", "Namespace 4: model-forward entry to first token, by the arm "
                               "that ran", ["arm"], buckets=TTFT_BUCKETS, registry=r)
-        self.running = Gauge("redknot_requests_running", "Requests this worker group is computing (0 or 1: one "
-                             "at a time per group)", registry=r)
+        self.running = Gauge("redknot_requests_running", "Requests this worker group is computing (prefilled, "
+                             "decoding step by step, interleaved; at most its max_running)", registry=r)
         self.waiting = Gauge("redknot_requests_waiting", "Requests queued at this worker group, not yet started",
                              registry=r)
         self.fallbacks = Counter("redknot_fallbacks", "Explicit fallbacks to recomputation by root reason",

@@ -1,10 +1,11 @@
 """`redknot worker --tp N`: every rank loads its shard of the model and its tier; rank 0 also serves HTTP
-(http.py, uvicorn on a thread of its own) and feeds requests, one at a time, to all ranks.
+(http.py, uvicorn on a thread of its own) and schedules requests for all ranks.
 
-Rank 0's HTTP side only validates and enqueues; its main thread owns the TP loop: take a request (or an idle
-tick, so followers never wait long in the broadcast), broadcast it with the documents of the requests queued
-behind it (the prefetch hints), run it on every rank (its tokens go to its stream as they exist), record the
-metrics, answer."""
+Rank 0's HTTP side only validates and enqueues; its main thread owns the TP loop (`lead`): each turn it broadcasts
+one decision to every rank (admit a request, with the documents of the requests queued behind it as prefetch
+hints; or one decode step of every running request; or an idle tick, so followers never wait long in the
+broadcast), runs it, and answers the requests that finished (their tokens went to their streams as they
+existed)."""
 from __future__ import annotations
 
 import logging
@@ -55,6 +56,91 @@ def record(metrics: WorkerMetrics, resp: WorkerResponse, reports: list[RankRepor
         metrics.observe_tier(r.rank, r.tier, r.tier_bytes)
 
 
+def follow(group: RankGroup, engine: RankEngine) -> None:
+    """A follower rank: rank 0's plan, message by message (see `lead`), until STOP."""
+    running: list = []
+    while (msg := group.broadcast()) != STOP:
+        if msg == SHADOW:
+            engine.shadow()
+        elif isinstance(msg, Job):
+            running.append(engine.start(msg))
+        elif isinstance(msg, list):             # a decode round: one step of each running request
+            for r, cancelled in zip(running, msg):
+                engine.advance(r, cancelled)
+        for r in [r for r in running if r.done]:
+            running.remove(r)
+            engine.finish(r)
+
+
+def lead(group: RankGroup, engine: RankEngine, front: Frontend, stop: threading.Event) -> None:
+    """Rank 0's loop: iteration-level scheduling of up to `max_running` requests. Each turn is one broadcast to
+    every rank: a new request (its prefill and first token), or a decode round (one step of every running request,
+    with the ones whose caller left marked cancelled), or an idle tick. A request is admitted whenever there is
+    room, but never twice in a row while others decode, so a long prefill does not hold the running requests back
+    and a new request does not wait for the running ones to finish. Requests that finished are answered in order
+    on every rank; a drawn shadow recompute runs once nothing runs or waits."""
+    s, metrics = front.s, front.metrics
+    running: list = []          # [(Running, Stream)]
+    admitted = False
+    while not stop.is_set():
+        item = None
+        if len(running) < s.max_running and not (admitted and running):
+            try:
+                item = front.requests.get(timeout=0.5) if not running else front.requests.get_nowait()
+            except queue.Empty:
+                pass
+        if item is not None:
+            req, stream, queued = item
+            metrics.waiting.set(front.requests.qsize())
+            if stream.cancelled():      # its client left while it waited: nothing to run
+                continue
+            stream.queue_s = time.perf_counter() - queued
+            hints = [(r.tenant, engine.key(d.tokens), d.generation) for r in front.waiting() if r.arm == "reuse"
+                     for d in r.documents]
+            job = Job(req, hints, shadow=req.arm == "reuse" and random.random() < s.shadow_fraction)
+            group.broadcast(job)
+            try:
+                running.append((engine.start(job, stream), stream))
+            except Exception as e:
+                stream.fail(f"the request failed on the worker: {type(e).__name__}")
+                raise
+            admitted = True
+        elif running:
+            plan = [stream.cancelled() for _, stream in running]
+            group.broadcast(plan)
+            for (r, _), cancelled in zip(running, plan):
+                engine.advance(r, cancelled)
+            admitted = False
+        else:
+            group.broadcast(None)
+            continue
+        metrics.running.set(len(running))
+        for r, stream in [x for x in running if x[0].done]:
+            running.remove((r, stream))
+            resp, reports = engine.finish(r)
+            resp.queue_s = stream.queue_s
+            log.info("request %s: %s arm, ttft %.3f s, %d tokens (%s)%s", stream.request_id, resp.arm, resp.ttft_s,
+                     len(resp.tokens), resp.finish_reason, f", fallback {resp.fallback.reason}" if resp.fallback else "")
+            record(metrics, resp, reports)
+            metrics.running.set(len(running))       # before the answer: its client's next request is not counted twice
+            stream.finish(resp)
+            if engine.shadow_pending:       # off the critical path: after the answer, only while nobody waits
+                if not running and front.requests.empty():
+                    group.broadcast(SHADOW)
+                    shadow = engine.shadow()
+                    metrics.shadow.labels("compared").inc()
+                    metrics.shadow_agreement.observe(shadow.agreement)
+                    metrics.shadow_kl.observe(shadow.kl)
+                    log.info("request %s: shadow recompute over %d positions: top-1 agreement %.3f, KL %.4f",
+                             stream.request_id, shadow.positions, shadow.agreement, shadow.kl)
+                else:
+                    engine.drop_shadow()
+                    metrics.shadow.labels("skipped").inc()
+        metrics.running.set(len(running))
+    for _, stream in running:       # stopping: the requests still running end here
+        stream.fail("the worker is stopping")
+
+
 def rank_main(group: RankGroup, s: WorkerSettings) -> None:
     from runtime.model.loader import load_model
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s worker[{group.rank}] %(message)s")
@@ -99,55 +185,12 @@ def rank_main(group: RankGroup, s: WorkerSettings) -> None:
                         Failpoints(s.failpoints))
     try:
         if not group.leader:
-            while (job := group.broadcast()) != STOP:
-                if job == SHADOW:
-                    engine.shadow()
-                elif job is not None:
-                    engine.run(job)
+            follow(group, engine)
             return
         front.vocab_size = cfg.vocab_size
         front.ready.set()
         print("redknot worker: ready", flush=True)
-        while not stop.is_set():
-            try:
-                req, stream, queued = front.requests.get(timeout=0.5)
-            except queue.Empty:
-                group.broadcast(None)
-                continue
-            queue_s = time.perf_counter() - queued
-            front.metrics.waiting.set(front.requests.qsize())
-            if stream.cancelled():      # its client left while it waited: nothing to run
-                continue
-            stream.queue_s = queue_s
-            front.metrics.running.set(1)
-            hints = [(r.tenant, engine.key(d.tokens), d.generation) for r in front.waiting() if r.arm == "reuse"
-                     for d in r.documents]
-            job = Job(req, hints, shadow=req.arm == "reuse" and random.random() < s.shadow_fraction)
-            group.broadcast(job)
-            try:
-                resp, reports = engine.run(job, stream)
-            except Exception as e:
-                stream.fail(f"the request failed on the worker: {type(e).__name__}")
-                raise
-            finally:
-                front.metrics.running.set(0)
-            resp.queue_s = queue_s
-            log.info("request %s: %s arm, ttft %.3f s, %d tokens (%s)%s", stream.request_id, resp.arm, resp.ttft_s,
-                     len(resp.tokens), resp.finish_reason, f", fallback {resp.fallback.reason}" if resp.fallback else "")
-            record(front.metrics, resp, reports)
-            stream.finish(resp)
-            if engine.shadow_pending:       # off the critical path: after the answer, only while nobody waits
-                if front.requests.empty():
-                    group.broadcast(SHADOW)
-                    shadow = engine.shadow()
-                    front.metrics.shadow.labels("compared").inc()
-                    front.metrics.shadow_agreement.observe(shadow.agreement)
-                    front.metrics.shadow_kl.observe(shadow.kl)
-                    log.info("request %s: shadow recompute over %d positions: top-1 agreement %.3f, KL %.4f",
-                             stream.request_id, shadow.positions, shadow.agreement, shadow.kl)
-                else:
-                    engine.drop_shadow()
-                    front.metrics.shadow.labels("skipped").inc()
+        lead(group, engine, front, stop)
         group.broadcast(STOP)
     finally:
         prefetcher.close()

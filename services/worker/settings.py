@@ -20,6 +20,8 @@ class WorkerSettings(CommonSettings):
                                      "share of reuse-arm requests also recomputed off the critical path (after the "
                                      "answer, only while no request waits) to measure live quality: "
                                      "redknot_shadow_agreement_ratio, redknot_shadow_kl (0: off)")
+    max_running: int = setting(4, "REDKNOT_WORKER_MAX_RUNNING", "requests decoding at once, interleaved step by "
+                                                                "step (each holds its KV cache on the GPU)")
     max_queue: int = setting(64, "REDKNOT_WORKER_MAX_QUEUE", "requests waiting beyond this are refused (429 with Retry-After)")
     request_timeout_s: float = setting(600.0, "REDKNOT_WORKER_REQUEST_TIMEOUT_S", "longest wait for one request")
     failpoints: str = setting("", "REDKNOT_WORKER_FAILPOINTS", "testing only: name=seconds pauses (before_fetch: "
