@@ -145,7 +145,7 @@ class OpenAiRoutes:
             if isinstance(m.content, str):
                 text = m.content
             else:
-                text = "".join(p.text for p in m.content if isinstance(p, TextPart))
+                text = "\n".join(p.text for p in m.content if isinstance(p, TextPart))
                 named = [p.document_id for p in m.content if isinstance(p, DocumentPart)]
                 if named and m.role not in ("system", "developer", "user"):
                     raise InvalidInput(f"a document part belongs in a system or user message, not {m.role}")
