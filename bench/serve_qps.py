@@ -22,20 +22,16 @@ import os
 import random
 import statistics
 import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.report import header, write_json  # noqa: E402
-from bench.serve_ttft import QUESTION, TENANT, TOKEN, _client, upload, wait_ready  # noqa: E402
+from bench.serve_ttft import QUESTION, TENANT, TOKEN, _client, random_checkpoint, upload, wait_ready  # noqa: E402
 from bench.ttft import add_model_args, model_config, request  # noqa: E402
-from runtime.model.checkpoint import build_demo_tokenizer  # noqa: E402
-from runtime.model.random_init import write_random_checkpoint  # noqa: E402
 from services.common.stack import LocalStack, StackConfig  # noqa: E402
 
 MODEL = "bench"
@@ -132,12 +128,7 @@ def main() -> int:
     lengths = [int(v) for v in args.lengths.split(",") if v.strip()]
     concs = [int(v) for v in args.concurrency.split(",") if v.strip()]
     cfg, prof = model_config(args)
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="rk-qps-"))
-    work.mkdir(parents=True, exist_ok=True)
-    tok = work / "tokenizer.json"
-    build_demo_tokenizer(1024, tok)
-    ckpt = write_random_checkpoint(work / "checkpoint", cfg, seed=0, device="cuda" if args.device == "cuda" else "cpu",
-                                   tokenizer_json=tok)
+    work, ckpt = random_checkpoint(args, cfg, "rk-qps-")
     header(f"Flash dims x {cfg.n_layers} layers{' (small)' if args.small else ''}, routed experts "
            f"{cfg.n_routed_experts} | budget {prof.budget} | {args.docs} documents, {args.output_tokens} tokens out "
            f"| concurrency {concs}, {args.windows} x {args.window_s:g} s windows | served: API -> worker", args.device)

@@ -52,6 +52,18 @@ QUESTION = ("Question: across every document above, which passage names the gene
 BUILD_TIMEOUT_S = 3600.0
 
 
+def random_checkpoint(args, cfg, prefix: str) -> tuple[Path, Path]:
+    """The bench's work directory (--workdir, or a new temporary one) and in it the random-init checkpoint every
+    service draws identically (the demo tokenizer beside it)."""
+    work = Path(args.workdir or tempfile.mkdtemp(prefix=prefix))
+    work.mkdir(parents=True, exist_ok=True)
+    tok = work / "tokenizer.json"
+    build_demo_tokenizer(1024, tok)
+    ckpt = write_random_checkpoint(work / "checkpoint", cfg, seed=0, device="cuda" if args.device == "cuda" else "cpu",
+                                   tokenizer_json=tok)
+    return work, ckpt
+
+
 def _client(stack: LocalStack) -> httpx.Client:
     return httpx.Client(base_url=stack.api_url, headers={"Authorization": f"Bearer {TOKEN}"},
                         timeout=httpx.Timeout(1800.0, connect=10.0))
@@ -128,12 +140,8 @@ def main() -> int:
     empty_at = [L for L in lengths if not args.empty_at.strip() or L in {int(v) for v in args.empty_at.split(",")}]
     empty_reps = args.empty_reps or args.reps
     cfg, prof = model_config(args)
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="rk-serve-"))
-    work.mkdir(parents=True, exist_ok=True)
+    work, ckpt = random_checkpoint(args, cfg, "rk-serve-")
     tok = work / "tokenizer.json"
-    build_demo_tokenizer(1024, tok)
-    ckpt = write_random_checkpoint(work / "checkpoint", cfg, seed=0, device="cuda" if args.device == "cuda" else "cpu",
-                                   tokenizer_json=tok)
     n_q = len(load_tokenizer(tok).encode(QUESTION).ids)
     header(f"Flash dims x {cfg.n_layers} layers{' (small)' if args.small else ''}"
            f", routed experts {cfg.n_routed_experts} | profile {prof.first_fences}F-{prof.last_fences}F budget "
