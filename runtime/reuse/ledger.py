@@ -35,10 +35,20 @@ class Ledger:
 
     # -- accounting hooks called by the consumer ---------------------------------------------------
     def fence_layer(self, layer: int, rows: int, total_rows: int, out_rows: int | None = None) -> None:
+        self._layer(layer, rows, total_rows, out_rows)
+        self.head_rows_computed += self.n_reloc * self.cfg.n_heads
+
+    def draft_layer(self, layer: int, rows: int, total_rows: int, scored_keys: int) -> None:
+        """The question's draft (select="attention", draft.py) through one reusable layer: its `rows` in full, and
+        their dense scores over `scored_keys` document rows (computed twice: normalizer, then mass). No candidate
+        row is computed, so the head-row and token-row namespaces are unchanged."""
+        self._layer(layer, rows, total_rows)
+        self.reuse_flops["attention"] += 2 * 2 * rows * self.cfg.n_heads * self.cfg.head_dim * scored_keys
+
+    def _layer(self, layer: int, rows: int, total_rows: int, out_rows: int | None = None) -> None:
         f = layer_flops(self.cfg, layer, rows, start=total_rows - rows, out_rows=out_rows)
         for k in OPS:
             self.reuse_flops[k] += getattr(f, k)
-        self.head_rows_computed += self.n_reloc * self.cfg.n_heads
 
     def set_active(self, n: int) -> None:
         self.active = n
