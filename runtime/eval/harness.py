@@ -31,6 +31,7 @@ import torch
 from runtime.llama.model import Llama
 from runtime.llama.tokenizer import ChatTokenizer
 from runtime.llama.adapter import produce_llama, produce_llama_packed, relocate
+from runtime.reuse.greedy import greedy
 from runtime.reuse.llama_engine import LlamaReuseEngine
 from runtime.reuse.profile import ReuseProfile
 from .arms import DEFAULTS, JOIN_ROWS, RECENT_ROWS, arm_list
@@ -281,14 +282,7 @@ def _greedy(model: Llama, tokens: list[int], cap: int, stop: set[int]):
 def _continue(model: Llama, cache, logits: torch.Tensor, cap: int, stop: set[int]):
     """Greedy decoding from the first token's logits: (new ids, first-token logits)."""
     dev = next(model.parameters()).device
-    first, out = logits, []
-    for _ in range(cap):
-        nxt = int(logits.argmax())
-        if nxt in stop:
-            break
-        out.append(nxt)
-        logits = model(torch.tensor([nxt], device=dev), cache)
-    return out, first
+    return greedy(logits, lambda t: model(torch.tensor([t], device=dev), cache), cap, stop), logits
 
 
 def _prefix_only(model: Llama, lay: Layout, cap: int, stop: set[int]):

@@ -27,6 +27,7 @@ from .call import Call, LayerRows, RequestState, ReuseResult
 from .controller import check_active, choose, doc_offsets
 from .draft import draft_rows
 from .fanout import adaptive_fanout
+from .greedy import greedy
 from .keys import SegmentKeys
 from .ledger import Ledger
 from .profile import ReuseProfile
@@ -169,14 +170,7 @@ class ReuseEngine:
         """Greedy answer through the reuse path: reuse prefill, then decode steps over the kept request state."""
         eos = self.cfg.eos_token_id if eos is None else eos
         res = self.prefill(docs, question)
-        logits, out = res.logits, []
-        for _ in range(max_new_tokens):
-            nxt = int(logits.argmax())
-            out.append(nxt)
-            if nxt == eos:
-                break
-            logits = self.decode(res.state, nxt)
-        return out, res
+        return greedy(res.logits, lambda t: self.decode(res.state, t), max_new_tokens, {eos}, keep_stop=True), res
 
     @torch.inference_mode()
     def decode(self, state: RequestState, token: int) -> torch.Tensor:

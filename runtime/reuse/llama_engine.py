@@ -21,6 +21,7 @@ from runtime.llama.adapter import LlamaAdapter, LlamaArtifact, Relocated, reloca
 from runtime.llama.model import KVCache, Llama, LayerCache
 from .certificate import FallbackReason, Verdict, token_hash
 from .controller import check_active, choose, doc_offsets
+from .greedy import greedy
 from .profile import ProfileError, ReuseProfile
 
 
@@ -223,12 +224,4 @@ class LlamaReuseEngine:
         else:
             logits, cache, led = self.prefill_cache(docs, question)
             step = lambda t: self.model(torch.tensor([t], device=logits.device), cache)    # noqa: E731
-        first = logits
-        out = []
-        for _ in range(max_new_tokens):
-            nxt = int(logits.argmax())
-            if nxt in stop:
-                break
-            out.append(nxt)
-            logits = step(nxt)
-        return out, first, led
+        return greedy(logits, step, max_new_tokens, stop), logits, led
