@@ -21,6 +21,7 @@ import torch
 from runtime.llama.model import KVCache, Llama, LayerCache, merge
 from runtime.reuse.certificate import token_hash
 from runtime.reuse.controller import doc_offsets
+from runtime.reuse.ledger import RowLedger
 from runtime.reuse.profile import ReuseProfile
 from runtime.reuse.signals import attention_mass, rel_deviation
 
@@ -140,20 +141,13 @@ def relocate(model: Llama, docs: list[LlamaArtifact]) -> Relocated:
 
 
 @dataclass
-class LlamaLedger:
-    """The shared ledger's namespaces (SPEC §7) for a Llama-family model: head-row and token-row savings over the
-    candidate (relocated) rows, and one analytic FLOP count (projections, attention, MLP) against the recompute
-    arm's."""
-    n_prefix: int
-    n_reloc: int
-    n_new: int
+class LlamaLedger(RowLedger):
+    """The shared row namespaces (SPEC §7) for a Llama-family model, and one analytic FLOP count (projections,
+    attention, MLP) against the recompute arm's."""
     n_layers: int
     n_heads: int
     dims: tuple[int, int, int, int] = (0, 0, 0, 0)     # hidden, head dim, KV heads, MLP width
-    active: int = 0
     active_rows: tuple[int, ...] = ()                  # the relocated rows chosen active, ids among them
-    head_rows: float = 0.0
-    token_rows_skipped: float = 0.0
     flops: float = 0.0
     flops_recompute: float = 0.0
 
@@ -171,23 +165,20 @@ class LlamaLedger:
                                                 + 4 * self.n_heads * self.dims[1] * T * (T + 1) / 2)
 
     def fence(self, rows: int, keys: float) -> None:
-        self.head_rows += self.n_reloc * self.n_heads
+        self.head_rows_computed += self.n_reloc * self.n_heads
         self.flops += rows * self.flops_row(self.n_heads, keys, True)
 
     def reusable(self, n_act: int, n_new: int, n_rest: int, global_heads: int, keys: float, rest_ffn: bool) -> None:
         """A reusable layer (or an artifact-KV last fence, `global_heads` 0, `n_rest` 0): `n_act` active relocated
         and `n_new` new rows in full, `n_rest` other relocated rows on their Global heads."""
-        self.head_rows += n_act * self.n_heads + (self.n_reloc - n_act) * global_heads
+        self.head_rows_computed += n_act * self.n_heads + (self.n_reloc - n_act) * global_heads
         self.token_rows_skipped += self.n_reloc - n_act
         self.flops += (n_act + n_new) * self.flops_row(self.n_heads, keys, True) + \
             n_rest * self.flops_row(global_heads, keys, rest_ffn, qkv_heads=global_heads)
 
     def summary(self) -> dict:
-        units = max(1, self.n_reloc * self.n_layers * self.n_heads)
-        return {"rows": {"prefix": self.n_prefix, "relocated": self.n_reloc, "new": self.n_new,
-                         "active": self.active},
-                "head_row_saving": 1 - self.head_rows / units if self.n_reloc else 0.0,
-                "token_row_saving": self.token_rows_skipped / max(1, self.n_reloc * self.n_layers),
+        return {"rows": self.rows(), "head_row_saving": self.head_row_saving(),
+                "token_row_saving": self.token_row_saving(),
                 "flop_ratio": self.flops_recompute / self.flops if self.flops else float("inf")}
 
 
@@ -205,7 +196,8 @@ class LlamaAdapter:
         self.dims = (c.hidden_size, c.head_dim, c.num_key_value_heads, c.intermediate_size)
 
     def ledger(self, n_prefix: int, n_reloc: int, n_new: int) -> LlamaLedger:
-        return LlamaLedger(n_prefix, n_reloc, n_new, self.n_layers, self.H, self.dims)
+        return LlamaLedger(n_prefix=n_prefix, n_reloc=n_reloc, n_new=n_new, n_layers=self.n_layers, n_heads=self.H,
+                           dims=self.dims)
 
     def deviation(self, k_req, v_req, k_art, v_art) -> torch.Tensor:
         """The first fences' per-row signal: the rows' request-context K against the artifact's K moved to the
