@@ -14,16 +14,18 @@ layers over every relocated row's artifact K/V (what the naive arm sees); the at
 give each relocated row, summed over those layers, rows and heads, ranks the rows."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from runtime.llama.model import KVCache, Llama, LayerCache, merge
-from runtime.reuse.certificate import token_hash
+from runtime.reuse.certificate import Certificate, token_hash
 from runtime.reuse.controller import doc_offsets
 from runtime.reuse.ledger import RowLedger
 from runtime.reuse.profile import ReuseProfile
 from runtime.reuse.signals import attention_mass, rel_deviation
+
+PRODUCER_VERSION = "redknot-llama-producer/1"
 
 @dataclass
 class LlamaArtifact:
@@ -31,11 +33,30 @@ class LlamaArtifact:
     k: list[torch.Tensor]                     # per layer [n, KV, D], RoPE at canonical positions 0..n-1
     v: list[torch.Tensor]                     # per layer [n, KV, D]
     local: list[torch.Tensor | None]          # per layer [n, d]: W_o,L O_L in reusable layers
-    binding: dict = field(default_factory=dict)   # profile and token hash the artifact is certified for
+    cert: Certificate | None = None           # what the artifact is certified for (`certify`)
 
     @property
     def n(self) -> int:
         return len(self.tokens)
+
+
+def expectations(model: Llama, fingerprint: str = "") -> dict:
+    """What a consumer on `model` requires of a certificate (`certificate.validate`'s keywords but the token hash,
+    profile and generation): one rank holding every head and channel, every layer's K/V, the model's dtype and
+    this producer. `fingerprint`: the checkpoint's, where the caller has one (the eval harness produces and
+    consumes on one loaded model and leaves it empty)."""
+    return dict(fingerprint=fingerprint, tp_size=1, tp_rank=0, channel_range=(0, model.cfg.hidden_size),
+                layers_needed=set(range(len(model.layers))),
+                dtype=str(next(model.parameters()).dtype).removeprefix("torch."), producer_version=PRODUCER_VERSION)
+
+
+def certify(model: Llama, tokens: list[int], prof: ReuseProfile, tokenizer_fp: str = "",
+            fingerprint: str = "") -> Certificate:
+    """The certificate of an artifact of `tokens` produced on `model` for `prof` (held in memory: generation 0,
+    no shard digests), in the shared certificate format the DeepSeek artifacts use."""
+    e = expectations(model, fingerprint)
+    return Certificate(e["fingerprint"], token_hash(tokens, tokenizer_fp), len(tokens), prof.to_dict(), 1, 0,
+                       e["channel_range"], tuple(sorted(e["layers_needed"])), e["dtype"], PRODUCER_VERSION)
 
 
 def global_heads(model: Llama, prof: ReuseProfile) -> torch.Tensor:
@@ -44,13 +65,14 @@ def global_heads(model: Llama, prof: ReuseProfile) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def produce_llama(model: Llama, tokens: list[int], prof: ReuseProfile, tokenizer_fp: str = "") -> LlamaArtifact:
-    return produce_llama_many(model, tokens, [prof], tokenizer_fp)[0]
+def produce_llama(model: Llama, tokens: list[int], prof: ReuseProfile, tokenizer_fp: str = "",
+                  fingerprint: str = "") -> LlamaArtifact:
+    return produce_llama_many(model, tokens, [prof], tokenizer_fp, fingerprint)[0]
 
 
 @torch.inference_mode()
-def produce_llama_many(model: Llama, tokens: list[int], profs: list[ReuseProfile],
-                       tokenizer_fp: str = "") -> list[LlamaArtifact]:
+def produce_llama_many(model: Llama, tokens: list[int], profs: list[ReuseProfile], tokenizer_fp: str = "",
+                       fingerprint: str = "") -> list[LlamaArtifact]:
     """One document's artifact for each profile from one forward: K/V do not depend on the profile (the
     artifacts share those tensors), the Local projections only on the fences and Global heads per group."""
     n_layers = len(model.layers)
@@ -78,13 +100,13 @@ def produce_llama_many(model: Llama, tokens: list[int], profs: list[ReuseProfile
                 local[key] = layer.self_attn.project(cap["o"].index_select(1, loc), heads=loc)
             locals_.append(local[key])
         out.append(LlamaArtifact(list(tokens), ks, vs, locals_,
-                                 {"profile": prof.to_dict(), "token_hash": token_hash(tokens, tokenizer_fp)}))
+                                 certify(model, tokens, prof, tokenizer_fp, fingerprint)))
     return out
 
 
 @torch.inference_mode()
-def produce_llama_packed(model: Llama, segments: list[list[int]], profs: list[ReuseProfile],
-                         tokenizer_fp: str = "") -> list[list[LlamaArtifact]]:
+def produce_llama_packed(model: Llama, segments: list[list[int]], profs: list[ReuseProfile], tokenizer_fp: str = "",
+                         fingerprint: str = "") -> list[list[LlamaArtifact]]:
     """`produce_llama_many` for every document of a request in one packed forward (`Llama.forward_packed`):
     per profile, the artifacts of the documents in order; equal to producing each alone up to rounding."""
     n_layers = len(model.layers)
@@ -110,7 +132,7 @@ def produce_llama_packed(model: Llama, segments: list[list[int]], profs: list[Re
                 local[key] = cut(layer.self_attn.project(o.index_select(1, loc), heads=loc))
             per_layer.append(local[key])
         out.append([LlamaArtifact(list(t), list(ks[j]), list(vs[j]), [p[j] for p in per_layer],
-                                  {"profile": prof.to_dict(), "token_hash": token_hash(t, tokenizer_fp)})
+                                  certify(model, t, prof, tokenizer_fp, fingerprint))
                     for j, t in enumerate(segments)])
     return out
 

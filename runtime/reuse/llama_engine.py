@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from runtime.llama.adapter import LlamaAdapter, LlamaArtifact, Relocated, relocate
+from runtime.llama.adapter import LlamaAdapter, LlamaArtifact, Relocated, expectations, relocate
 from runtime.llama.model import KVCache, Llama, LayerCache
-from .certificate import FallbackReason, Verdict, token_hash
+from .certificate import Verdict, token_hash, validate
 from .controller import check_active, choose, doc_offsets
 from .greedy import greedy
 from .profile import ProfileError, ReuseProfile
@@ -27,7 +27,7 @@ from .profile import ProfileError, ReuseProfile
 
 class LlamaReuseEngine:
     def __init__(self, model: Llama, prof: ReuseProfile, mode: str = "reuse", tokenizer_fp: str = "",
-                 split_heads: bool | None = None):
+                 split_heads: bool | None = None, fingerprint: str = ""):
         assert mode in ("reuse", "naive"), mode
         c = model.cfg
         if prof.first_fences + prof.last_fences > len(model.layers):
@@ -36,7 +36,9 @@ class LlamaReuseEngine:
             raise ProfileError(f"ffn_mode={prof.ffn_mode!r}: a Llama layer has no shared expert (skip or native)")
         if not 1 <= prof.global_per_group <= c.heads_per_kv:
             raise ProfileError(f"global_per_group={prof.global_per_group} not in 1..{c.heads_per_kv}")
-        self.model, self.prof, self.mode, self.tokenizer_fp = model, prof, mode, tokenizer_fp
+        self.model, self.prof, self.mode = model, prof, mode
+        # what artifacts are bound to besides the profile and tokens (`certify`): "" where the caller has none
+        self.tokenizer_fp, self.fingerprint = tokenizer_fp, fingerprint
         self.n_layers = len(model.layers)
         # last fences that keep non-active rows' artifact K/V: every head of active and new rows is computed there
         full_layers = set(range(self.n_layers - prof.last_fences, self.n_layers)) \
@@ -47,12 +49,14 @@ class LlamaReuseEngine:
         self.H = c.num_attention_heads
 
     def verify(self, docs: list[LlamaArtifact]) -> Verdict:
-        """Each artifact must be certified for this profile and its own tokens."""
+        """Each artifact's certificate, checked by the shared `certificate.validate` (as the DeepSeek worker's are):
+        this model's fingerprint, dtype and producer, its own tokens, this profile, every layer; the first reject."""
+        expect = expectations(self.model, self.fingerprint)
         for d in docs:
-            if d.binding.get("profile") != self.prof.to_dict():
-                return Verdict.reject(FallbackReason.PROFILE_MISMATCH, "artifact built for another profile")
-            if d.binding.get("token_hash") != token_hash(d.tokens, self.tokenizer_fp):
-                return Verdict.reject(FallbackReason.TOKEN_MISMATCH, "artifact tokens do not match its certificate")
+            v = validate(d.cert, **expect, tokens_hash=token_hash(d.tokens, self.tokenizer_fp), profile=self.prof,
+                         current_generation=0)
+            if not v.ok:
+                return v
         return Verdict.accept()
 
     def _fence(self, i: int) -> bool:

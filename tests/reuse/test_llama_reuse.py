@@ -93,6 +93,8 @@ def test_certificate_binding_is_checked(setup):
     arts = [produce_llama(m, d, prof) for d in docs]
     assert LlamaReuseEngine(m, prof).verify(arts).ok
     assert LlamaReuseEngine(m, prof.replace(budget=0.2)).verify(arts).reason.value == "profile_mismatch"
+    # the shared certificate format and check: a consumer bound to another checkpoint refuses them too
+    assert LlamaReuseEngine(m, prof, fingerprint="other").verify(arts).reason.value == "checkpoint_mismatch"
     arts[1].tokens = arts[1].tokens[:-1] + [5]
     assert LlamaReuseEngine(m, prof).verify(arts).reason.value == "token_mismatch"
 
@@ -270,7 +272,7 @@ def test_artifacts_of_several_profiles_share_one_forward(setup):
     many = produce_llama_many(m, docs[1], profs)
     for p, a in zip(profs, many):
         one = produce_llama(m, docs[1], p)
-        assert a.binding == one.binding and a.k[0] is many[0].k[0]
+        assert a.cert == one.cert and a.k[0] is many[0].k[0]
         for x, y in zip(a.local, one.local):
             assert (x is None) == (y is None) and (x is None or torch.equal(x, y))
 
@@ -284,7 +286,7 @@ def test_packed_artifacts_equal_one_document_at_a_time(setup):
     for p, arts in zip(profs, packed):
         for d, a in zip(docs, arts):
             one = produce_llama(m, d, p)
-            assert a.tokens == one.tokens and a.binding == one.binding
+            assert a.tokens == one.tokens and a.cert == one.cert
             for x, y in zip(a.k + a.v, one.k + one.v):
                 assert rel_err(x, y) <= TOL
             for x, y in zip(a.local, one.local):
