@@ -19,6 +19,8 @@ LOCAL_FORMATS = ("native", "fp8")
 SELECT_RULES = ("mixed", "deviation", "attention")
 # what the first fences' deviation is measured on: K, or K and V (DeepSeek's latent is both: the same signal)
 DEVIATION_SIGNALS = ("k", "kv")
+# the rule every profile ran before `select` and `signal` were profile values (`to_dict` leaves them out)
+PRE_SELECTION_DEFAULTS = {"select": "mixed", "signal": "k"}
 
 
 class ProfileError(ValueError):
@@ -93,7 +95,13 @@ class ReuseProfile:
         return len(self.reusable_layers(cfg)) / cfg.n_layers * self.local_heads(cfg) / cfg.n_heads
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Every setting, as certificates and store keys bind them; the row-selection settings only where they are
+        not the defaults, so what was certified before they existed (the default rule) still matches."""
+        d = dataclasses.asdict(self)
+        for k in ("select", "signal"):
+            if d[k] == PRE_SELECTION_DEFAULTS[k]:
+                del d[k]
+        return d
 
     def replace(self, **kw) -> "ReuseProfile":
         return dataclasses.replace(self, **kw)

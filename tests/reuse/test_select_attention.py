@@ -90,3 +90,14 @@ def test_degenerate_profile_with_the_attention_rule_equals_full_recompute():
     res = ReuseEngine(model, prof).prefill(arts, question)
     assert res.ledger.active == sum(a.n for a in arts[1:])
     assert rel_err(res.logits, ref) <= TOL
+
+
+def test_the_rule_is_certified_and_old_certificates_of_the_default_rule_still_match():
+    """select/signal are part of the profile's dict (certificates, store keys) where they differ from the rule
+    every profile ran before they existed; at those defaults the dict is what it was, so artifacts certified
+    then are still accepted."""
+    old = ReuseProfile(**BASE).to_dict()
+    assert "select" not in old and "signal" not in old
+    assert ReuseProfile(**old) == ReuseProfile(**BASE)
+    new = ReuseProfile(**BASE, select="attention", signal="kv")
+    assert new.to_dict()["select"] == "attention" and ReuseProfile(**new.to_dict()) == new
