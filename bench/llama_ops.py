@@ -83,13 +83,13 @@ PHASES = {"_greedy": "recompute", "_prefix_only": "prefix-only", "produce_llama"
 
 def engine_label(eng, *a, **kw) -> str:
     """The arm's canonical name (`runtime.eval.arms`, which leaves out knobs at the eval's defaults) from the
-    engine's profile and keywords, so the counts line up with the harness's arms."""
+    engine's profile, so the counts line up with the harness's arms."""
     if eng.mode == "naive":
         return "naive"
     from runtime.eval.arms import parse_arm
     p = eng.prof
     return parse_arm(f"reuse@{p.budget}:fences={p.first_fences}+{p.last_fences}:gpg={p.global_per_group}"
-                     f":ffn={p.ffn_mode}:lastkv={p.last_fence_kv}:select={eng.select}:signal={eng.signal}"
+                     f":ffn={p.ffn_mode}:lastkv={p.last_fence_kv}:select={p.select}:signal={p.signal}"
                      f":join={p.join_rows}:recent={p.recent_rows}").name
 
 
@@ -127,12 +127,12 @@ def main() -> int:
 
     def init_path(self, *a, **kw):                  # count the path the engine takes on CUDA unless --cpu-path
         init(self, *a, **kw)
-        self.split_heads = args.cpu_path
+        self.adapter.split_heads = args.cpu_path
     LlamaReuseEngine.__init__ = init_path
     wrap(mode, LlamaReuseEngine, "generate", engine_label)
     wrap(mode, LlamaReuseEngine, "prefill_cache", engine_label)
     wrap(mode, Llama, "greedy_many", "decode (all arms, batched)")
-    import runtime.reuse.llama_engine as engine                 # the fast path runs the controller on host tensors
+    import runtime.reuse.controller as engine                   # the fast path runs the controller on host tensors
     for f in ("choose_active", "choose_by_deviation", "choose_top"):
         wrap(mode, engine, f, "controller (host tensors)")
     budgets = [float(b) for b in args.budgets.split(",")]

@@ -6,9 +6,10 @@ per-layer q/k/v captured. From it come two oracles a serving system cannot have 
                      layers (the rows whose stale K/V the question reads most);
   oracle-deviation   the rows whose K/V in the reusable layers deviate most from their artifact's.
 Beside them the rules the engine implements (`select=`): mixed (the shared controller), deviation (first-fence
-K deviation, CacheBlend-style), attention (the question's draft pass over the artifacts, `_draft_attention`),
-and a seeded random pick. Every rule spends the same budget (ceil(budget x relocated rows)) through the same
-engine (`LlamaReuseEngine.prefill_cache`, the oracles through its `active=` mask).
+K deviation, CacheBlend-style), attention (the question's draft pass over the artifacts,
+`LlamaAdapter.draft_attention`), and a seeded random pick. Every rule spends the same budget (ceil(budget x
+relocated rows)) through the same engine (`LlamaReuseEngine.prefill_cache`, the oracles through its `active=`
+mask).
 
 Per rule: first-token KL(recompute || rule), answer agreement with the recompute arm (greedy, --max-new-tokens),
 and `cover`: the share of the oracle's question-attention mass over relocated rows in reusable layers that the
@@ -34,7 +35,9 @@ from runtime.eval.data import load_task                                         
 from runtime.eval.harness import _kl, eval_profile, layout, stop_tokens                # noqa: E402
 from runtime.eval.metrics import answers_agree                                        # noqa: E402
 from runtime.reuse.controller import choose_top                                       # noqa: E402
-from runtime.reuse.llama_engine import LlamaReuseEngine, _rel_dev, produce_llama_packed, relocate  # noqa: E402
+from runtime.llama.adapter import produce_llama_packed, relocate                     # noqa: E402
+from runtime.reuse.llama_engine import LlamaReuseEngine                              # noqa: E402
+from runtime.reuse.signals import rel_deviation                                      # noqa: E402
 from bench.report import write_json  # noqa: E402
 
 RULES = ("mixed", "deviation", "attention")
@@ -72,19 +75,16 @@ def study(model, tok, ex, budget: float, max_new: int, stop: set[int]) -> dict:
     arts = produce_llama_packed(model, lay.segments, [prof])[0]
     reloc = relocate(model, arts)
     att = question_attention(model, caps, q_start, n0)[reus].sum(0)
-    dev = torch.stack([_rel_dev(caps[i]["k"][n0:q_start], reloc.k[i][n0:]) +
-                       _rel_dev(caps[i]["v"][n0:q_start], reloc.v[i][n0:]) for i in reus]).sum(0)
+    dev = torch.stack([rel_deviation(caps[i]["k"][n0:q_start], reloc.k[i][n0:]) +
+                       rel_deviation(caps[i]["v"][n0:q_start], reloc.v[i][n0:]) for i in reus]).sum(0)
     given = {"oracle-attention": choose_top(prof, att), "oracle-deviation": choose_top(prof, dev),
              "random": choose_top(prof, torch.rand(n_reloc, generator=torch.Generator().manual_seed(0)))}
     names, firsts, caches, covers = ["recompute"], [ref], [cache], {}
     for name in RULES + ORACLES:
-        eng = LlamaReuseEngine(model, prof, select=name if name in RULES else "mixed")
-        chosen = {}
-        if name in RULES:                                     # record the rule's own rows for its cover
-            orig = eng._choose
-            eng._choose = lambda *a, **k: chosen.setdefault("m", orig(*a, **k))    # noqa: B023
+        eng = LlamaReuseEngine(model, prof.replace(select=name if name in RULES else "mixed"))
         logits, c, led = eng.prefill_cache(arts, lay.question, reloc, active=given.get(name))
-        mask = chosen["m"] if name in RULES else given[name]
+        mask = torch.zeros(n_reloc, dtype=torch.bool)
+        mask[list(led.active_rows)] = True                   # the rule's own rows (or the oracle's), for its cover
         assert led.active == int(mask.sum()) == math.ceil(budget * n_reloc - 1e-9), (name, led.active)
         covers[name] = float(att[mask].sum() / att.sum())
         names.append(name), firsts.append(logits), caches.append(c)

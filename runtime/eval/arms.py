@@ -23,8 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime.reuse.llama_engine import DEVIATION_SIGNALS, SELECT_RULES
-from runtime.reuse.profile import LAST_FENCE_KV, ReuseProfile
+from runtime.reuse.profile import DEVIATION_SIGNALS, LAST_FENCE_KV, SELECT_RULES, ReuseProfile
 
 BASELINES = ("recompute", "prefix-only", "naive")
 JOIN_ROWS, RECENT_ROWS = 16, 64
@@ -39,7 +38,7 @@ def _fences(v: str) -> tuple[int, int]:
     return int(a), int(b)
 
 
-# knob -> (profile field or engine keyword, parser that raises ValueError)
+# knob -> (profile field, parser that raises ValueError)
 KNOBS = {
     "fences": ("fences", _fences),
     "gpg": ("global_per_group", int),
@@ -79,17 +78,9 @@ class Arm:
             field, parse = KNOBS[k]
             if field == "fences":
                 kw["first_fences"], kw["last_fences"] = parse(v)
-            elif field not in ("select", "signal"):
+            else:
                 kw[field] = parse(v)
         return base.replace(**kw)
-
-    def engine_kwargs(self) -> dict:
-        """The engine's keywords: the reuse arm's row-selection rule and deviation signal, defaults included
-        (the eval's defaults are not necessarily the engine's); none for the baselines."""
-        if self.kind != "reuse":
-            return {}
-        knobs = dict(self.knobs)
-        return {KNOBS[k][0]: knobs.get(k, DEFAULTS[k]) for k in ("select", "signal")}
 
 
 def parse_arm(spec: str, fences: tuple[int, int] = (3, 3)) -> Arm:

@@ -7,8 +7,9 @@ Each segment is tokenized on its own and the token lists are concatenated, ident
 
 Arms: recompute (the plain model), prefix-only (document 1 reused exactly, the rest recomputed), naive reuse
 (every document row's K/V from its artifact, relocated, only new rows computed), and the reuse arm at each
-budget (rows chosen by the question's draft attention, `select=attention`, unless a variant names another
-rule); optional variants of the reuse arm with other profile knobs (`arms.py`). Per arm: F1 and EM against gold
+budget (rows chosen by the rule the arm's profile names, `ReuseProfile.select`: the eval profile's is the
+question's draft attention, `select=attention`, unless a variant names another rule); optional variants of the
+reuse arm with other profile knobs (`arms.py`). Per arm: F1 and EM against gold
 (LongBench normalization), answer agreement with the recompute arm, first-token KL(recompute || arm), the
 ledger; and the near-tie-robust metrics against the recompute arm (`metrics.py`): teacher-forced top-1
 agreement and mean KL per position over the recompute arm's first `teacher_tokens` continuation tokens (each
@@ -29,9 +30,11 @@ import torch
 
 from runtime.llama.model import Llama
 from runtime.llama.tokenizer import ChatTokenizer
-from runtime.reuse.llama_engine import LlamaReuseEngine, produce_llama, produce_llama_packed, relocate
+from runtime.llama.adapter import produce_llama, produce_llama_packed, relocate
+from runtime.reuse.greedy import greedy
+from runtime.reuse.llama_engine import LlamaReuseEngine
 from runtime.reuse.profile import ReuseProfile
-from .arms import JOIN_ROWS, RECENT_ROWS, arm_list
+from .arms import DEFAULTS, JOIN_ROWS, RECENT_ROWS, arm_list
 from .data import QAExample
 from .metrics import (answer_f1, answers_agree, best_em, best_f1, bootstrap_ci, paired_bootstrap_ci, spans_agree,
                       teacher_forced)
@@ -171,7 +174,7 @@ def _arms(model, lay, ex, arms, engine_arms, base, res, cap, stop, window) -> di
     for arm in engine_arms:
         prof = profs[arm.name]
         arts = produced[json.dumps(prof.to_dict(), sort_keys=True)]
-        eng = LlamaReuseEngine(model, prof, mode=arm.kind, **arm.engine_kwargs())
+        eng = LlamaReuseEngine(model, prof, mode=arm.kind)
         verdict = eng.verify(arts)
         if not verdict.ok:
             raise EvalRejected(f"example {ex.id}: {verdict.reason.value}: {verdict.detail}")
@@ -231,7 +234,7 @@ def _arms_reference(model, lay, ex, arms, engine_arms, base, res, max_new_tokens
         if key not in produced:
             produced[key] = [produce_llama(model, s, prof) for s in lay.segments]
         arts = produced[key]
-        eng = LlamaReuseEngine(model, prof, mode=arm.kind, **arm.engine_kwargs())
+        eng = LlamaReuseEngine(model, prof, mode=arm.kind)
         verdict = eng.verify(arts)
         if not verdict.ok:
             raise EvalRejected(f"example {ex.id}: {verdict.reason.value}: {verdict.detail}")
@@ -262,9 +265,11 @@ def _engine_forced(eng: LlamaReuseEngine, arts, question: list[int], ref: list[i
 
 def eval_profile(fences: tuple[int, int]) -> ReuseProfile:
     """The reuse profile every engine arm starts from: no alignment (no compression blocks on Llama), join and
-    recent rows scaled to ~150-token documents. The naive arm keeps this profile (it selects no rows)."""
+    recent rows scaled to ~150-token documents, the row-selection rule and deviation signal of an arm that names
+    none (`arms.DEFAULTS`). Each arm's engine runs exactly its profile's rule. The naive arm keeps this profile
+    (it selects no rows)."""
     return ReuseProfile(name="eval", first_fences=fences[0], last_fences=fences[1], align=1, join_rows=JOIN_ROWS,
-                        recent_rows=RECENT_ROWS, budget=0.1)
+                        recent_rows=RECENT_ROWS, budget=0.1, select=DEFAULTS["select"], signal=DEFAULTS["signal"])
 
 
 def _greedy(model: Llama, tokens: list[int], cap: int, stop: set[int]):
@@ -277,14 +282,7 @@ def _greedy(model: Llama, tokens: list[int], cap: int, stop: set[int]):
 def _continue(model: Llama, cache, logits: torch.Tensor, cap: int, stop: set[int]):
     """Greedy decoding from the first token's logits: (new ids, first-token logits)."""
     dev = next(model.parameters()).device
-    first, out = logits, []
-    for _ in range(cap):
-        nxt = int(logits.argmax())
-        if nxt in stop:
-            break
-        out.append(nxt)
-        logits = model(torch.tensor([nxt], device=dev), cache)
-    return out, first
+    return greedy(logits, lambda t: model(torch.tensor([t], device=dev), cache), cap, stop), logits
 
 
 def _prefix_only(model: Llama, lay: Layout, cap: int, stop: set[int]):

@@ -38,12 +38,12 @@ class RunSpec:
         d["model_dir"] = str(Path(self.model_dir).resolve())
         d["data"] = str(Path(self.data).resolve()) if self.data else None
         d["device"] = self.device.split(":")[0]                 # cuda:0 and cuda:1 give the same numbers
-        # every arm as it resolves (profile and engine keywords): a changed default changes the key, so a chunk
-        # run under the old default is never reused under the new one
+        # every arm as it resolves (its profile, row-selection rule included): a changed default changes the key,
+        # so a chunk run under the old default is never reused under the new one
         from .arms import arm_list
         from .harness import eval_profile
         base = eval_profile(self.fences)
-        d["arms"] = [[a.name, a.profile(base).to_dict() if a.kind in ("naive", "reuse") else None, a.engine_kwargs()]
+        d["arms"] = [[a.name, a.profile(base).to_dict() if a.kind in ("naive", "reuse") else None]
                      for a in arm_list(list(self.budgets), list(self.variants), self.fences)]
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 

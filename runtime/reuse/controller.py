@@ -1,7 +1,9 @@
-"""The fixed active-row controller shared by every model family's reuse path."""
+"""The fixed active-row controller shared by every model family's reuse path: the profile's `select` rule
+(`choose`) over the signals the first fences give (deviation, the native indexer's picks) or a draft pass."""
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
@@ -63,3 +65,36 @@ def choose_by_deviation(prof: ReuseProfile, deviation: torch.Tensor) -> torch.Te
     """CacheBlend's rule: the whole budget goes to the rows whose first-fence K/V deviate most from their
     artifact (`choose_top` on the deviation)."""
     return choose_top(prof, deviation)
+
+
+def choose(prof: ReuseProfile, deviation: torch.Tensor, idx_score: torch.Tensor | None,
+           draft: Callable[[], torch.Tensor], seg_lens: list[int], deltas: list[int], q_start: int,
+           n_q: int) -> torch.Tensor:
+    """The active relocated rows by the profile's `select` rule: "mixed" (`choose_active`, with the native
+    indexer's picks `idx_score` where the model has an indexer, else none), "deviation" (`choose_by_deviation`)
+    or "attention" (`choose_top` on `draft()`, the question's draft attention per relocated row, computed only
+    for this rule)."""
+    if prof.select == "deviation":
+        return choose_by_deviation(prof, deviation)
+    if prof.select == "attention":
+        return choose_top(prof, draft() if deviation.numel() else deviation)
+    idx = torch.zeros_like(deviation) if idx_score is None else idx_score
+    return choose_active(prof, deviation, idx, seg_lens, deltas, q_start, n_q)
+
+
+def check_active(active: torch.Tensor, n_reloc: int) -> torch.Tensor:
+    """A caller's active-row mask (tests, benchmarks and studies comparing two paths on the same rows), checked:
+    one bool per relocated row."""
+    if active.dtype != torch.bool or tuple(active.shape) != (n_reloc,):
+        raise ValueError(f"active must be a bool mask of the {n_reloc} relocated rows (one bool per relocated "
+                         f"row), got {active.dtype} {tuple(active.shape)}")
+    return active
+
+
+def doc_offsets(lengths: list[int]) -> list[int]:
+    """Each segment's request offset: documents back to back from 0."""
+    out, pos = [], 0
+    for n in lengths:
+        out.append(pos)
+        pos += n
+    return out

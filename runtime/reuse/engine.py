@@ -13,8 +13,6 @@ re-pool, RoPE angles) is built once per request (rows.py), so a reusable layer m
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 import torch
 
@@ -25,8 +23,11 @@ from runtime.model.deepseek_v4 import (NEG_INF, Block, CompressorState, LayerCac
 from runtime.kernels.f32linear import kept_on_weights
 from runtime.kernels.fp8_rows import gather_dequant_rows
 from .artifact import DocumentArtifact, LayerArtifact, Owner
-from .controller import choose_active
+from .call import Call, LayerRows, RequestState, ReuseResult
+from .controller import check_active, choose, doc_offsets
+from .draft import draft_rows
 from .fanout import adaptive_fanout
+from .greedy import greedy
 from .keys import SegmentKeys
 from .ledger import Ledger
 from .profile import ReuseProfile
@@ -37,74 +38,9 @@ from .signals import deviation as fence_deviation, indexer_rows
 from .views import gather_rows, keep_apart, rows_out, rows_view, view_rows
 
 
-@dataclass
-class ReuseResult:
-    logits: torch.Tensor
-    ledger: Ledger
-    active_rows: torch.Tensor                  # request positions of active relocated rows
-    state: "RequestState"
-
-
-@dataclass
-class RequestState:
-    """Everything a request needs to keep decoding: native caches for fence layers, segment keys (artifact +
-    overlay) for reusable layers, and the new-rows segment's own latent and compressor state."""
-    fence_caches: dict[int, LayerCache]
-    seg_keys: dict[int, list[SegmentKeys]]              # reusable layer -> prefix + relocated segments
-    new_latent: dict[int, torch.Tensor]
-    new_comp: dict[int, CompressorState]
-    new_index: dict[int, CompressorState]
-    new_delta: int
-    pos: int
-
-
-@dataclass
-class _Call:
-    """One call's own state (a prefill, or one decode step), made by the call and passed down explicitly: the
-    engine keeps nothing per request, so one engine serves several requests at once. `docs`: the request's
-    documents (None in a decode step); `ledger`: where the call's counts go (None: not counted), those that are
-    device tensors deferred to `flush`, once at the end of the request (no per-layer sync)."""
-    docs: list[DocumentArtifact] | None
-    ledger: Ledger | None
-    deferred: list = field(default_factory=list)
-
-    def defer(self, method: str, *args) -> None:
-        if self.ledger is not None:
-            self.deferred.append((getattr(self.ledger, method), args))
-
-    def flush(self) -> None:
-        calls, self.deferred = self.deferred, []
-        tensors = [a for _, args in calls for a in args if isinstance(a, torch.Tensor)]
-        vals = iter(torch.stack([t.double() for t in tensors]).tolist()) if tensors else iter(())
-        for fn, args in calls:
-            fn(*[next(vals) if isinstance(a, torch.Tensor) else a for a in args])
-
-
-@dataclass(frozen=True)
-class _LayerRows:
-    """What one layer's pass over a call's rows takes (`ReuseEngine._rows`): the layer, the rows' streams and
-    attention input, the call's row plan, and where the other rows' Local contribution comes from."""
-    i: int
-    block: Block
-    x: torch.Tensor                 # [M, hc, D] the rows' residual streams
-    hn: torch.Tensor                # [M, D] their normed attention input
-    post: torch.Tensor              # hc_pre's weights, for hc_post
-    comb: torch.Tensor
-    tokens: torch.Tensor
-    sp: Split
-    n_reloc: int                    # rows [0, n_reloc) are relocated rows, the rest new rows
-    restore: bool                   # the other rows' W_a,L O_L restored from the call's documents
-    fence: bool
-
-    @property
-    def rest(self) -> Rows | None:
-        """The other rows, where this layer computes them (an artifact-KV fence does not)."""
-        return None if self.fence else self.sp.rest
-
-
 class ReuseEngine:
     """The reuse path over one model and profile. It holds only what every request shares (the model, the
-    profile, the Global heads); each call's state is its own (`_Call`, `RequestState`), so concurrent requests
+    profile, the Global heads); each call's state is its own (`Call`, `RequestState`), so concurrent requests
     may share one engine."""
 
     def __init__(self, model: Transformer, profile: ReuseProfile):
@@ -131,17 +67,14 @@ class ReuseEngine:
         m, cfg, prof = self.model, self.cfg, self.profile
         dev = m.embed.weight.device
         prefix, reloc = docs[0], docs[1:]
-        deltas, pos = [], 0
-        for d in docs:
-            assert d.n % prof.align == 0, "artifacts are padded to the profile's alignment"
-            deltas.append(pos)
-            pos += d.n
-        q_start = pos
+        assert all(d.n % prof.align == 0 for d in docs), "artifacts are padded to the profile's alignment"
+        deltas = doc_offsets([d.n for d in docs])
+        q_start = deltas[-1] + docs[-1].n
         tokens = torch.tensor([t for d in reloc for t in d.tokens] + list(question), device=dev)
         positions = shared_arange(prefix.n, q_start + len(question), device=dev)
         n_reloc = q_start - prefix.n
         ledger = Ledger.start(cfg, prof, n_prefix=prefix.n, n_reloc=n_reloc, n_new=len(question))
-        call = _Call(docs, ledger)
+        call = Call(docs, ledger)
 
         state = RequestState({}, {}, {}, {}, {}, q_start, q_start + len(question))
         x = m.embed_streams(tokens)
@@ -169,8 +102,8 @@ class ReuseEngine:
                 continue
             if active is None:
                 with phase("rk.select"):
-                    active = self._choose_active(deviation, idx_score, reloc, deltas[1:], q_start, len(question)) \
-                        if forced is None else self._forced(forced, n_reloc, dev)
+                    active = self._choose_active(call, x, tokens, positions, deviation, idx_score, deltas, n_reloc) \
+                        if forced is None else check_active(forced, n_reloc).to(dev)
                     split = split_rows(active, positions, reloc, len(question), self._geometries())
                 ledger.set_active(split.act_reloc.shape[0])
             x = self._reusable_layer(call, i, block, x, tokens, deltas, split, state, fence=artifact_fence)
@@ -194,16 +127,13 @@ class ReuseEngine:
                                          prev_gate=art.index_prev[1] if art.index_prev else None)
         return lc
 
-    def _choose_active(self, deviation, idx_score, reloc, deltas, q_start, n_q) -> torch.Tensor:
-        return choose_active(self.profile, deviation, idx_score, [d.n for d in reloc], deltas, q_start, n_q)
-
-    @staticmethod
-    def _forced(active: torch.Tensor, n_reloc: int, device) -> torch.Tensor:
-        """A caller's active-row mask, checked: one bool per relocated row."""
-        if active.dtype != torch.bool or tuple(active.shape) != (n_reloc,):
-            raise ValueError(f"active must be a bool mask of the {n_reloc} relocated rows, got {active.dtype} "
-                             f"{tuple(active.shape)}")
-        return active.to(device)
+    def _choose_active(self, call: Call, x, tokens, positions, deviation, idx_score, deltas, n_reloc):
+        """The profile's rule (`controller.choose`) over the first fences' signals; "attention" drafts the question
+        rows (after the first fences: the rows of `x` past `n_reloc`) through this engine's reusable layers."""
+        q_start, n_q = deltas[-1] + call.docs[-1].n, x.shape[0] - n_reloc
+        draft = lambda: draft_rows(self, call, x[n_reloc:], tokens[n_reloc:], positions[n_reloc:], deltas)  # noqa: E731
+        return choose(self.profile, deviation, idx_score, draft, [d.n for d in call.docs[1:]], deltas[1:], q_start,
+                      n_q)
 
     # ------------------------------------------------------------------------------------------------
     def _geometries(self) -> list[tuple[int, bool]]:
@@ -216,7 +146,7 @@ class ReuseEngine:
                     out.append((comp.ratio, comp.overlap))
         return out
 
-    def _reusable_layer(self, call: _Call, i, block, x, tokens, deltas, split, state, fence=False):
+    def _reusable_layer(self, call: Call, i, block, x, tokens, deltas, split, state, fence=False):
         """Prefill of one reusable layer (or, with `fence`, a last fence taking non-active rows' KV from the
         artifact): build the relocated segments' keys, then one pass over the rows."""
         attn, docs = block.attn, call.docs
@@ -231,7 +161,7 @@ class ReuseEngine:
         state.seg_keys[i] = segs
         state.new_comp[i], state.new_index[i] = comp_state, idx_state
         state.new_latent[i] = hn.new_zeros((0, self.cfg.head_dim))
-        return self._rows(call, _LayerRows(i, block, x, hn, post, comb, tokens, split, n_reloc,
+        return self._rows(call, LayerRows(i, block, x, hn, post, comb, tokens, split, n_reloc,
                                            bool(n_reloc) and not fence, fence), state)
 
     @torch.inference_mode()
@@ -240,14 +170,7 @@ class ReuseEngine:
         """Greedy answer through the reuse path: reuse prefill, then decode steps over the kept request state."""
         eos = self.cfg.eos_token_id if eos is None else eos
         res = self.prefill(docs, question)
-        logits, out = res.logits, []
-        for _ in range(max_new_tokens):
-            nxt = int(logits.argmax())
-            out.append(nxt)
-            if nxt == eos:
-                break
-            logits = self.decode(res.state, nxt)
-        return out, res
+        return greedy(res.logits, lambda t: self.decode(res.state, t), max_new_tokens, {eos}, keep_stop=True), res
 
     @torch.inference_mode()
     def decode(self, state: RequestState, token: int) -> torch.Tensor:
@@ -258,18 +181,18 @@ class ReuseEngine:
         positions = torch.tensor([state.pos], device=dev)
         x = m.embed_streams(tokens)
         one = Split(Rows(None, positions, np.array([state.pos])), None)
-        call = _Call(None, None)
+        call = Call(None, None)
         for i, block in enumerate(m.layers):
             if i in state.fence_caches:
                 x = block(x, tokens, positions, state.fence_caches[i], m.q_chunk)
                 continue
             h, post, comb = block.hc_pre(x, "attn")
-            x = self._rows(call, _LayerRows(i, block, x, block.attn_norm(h), post, comb, tokens, one, 0, False,
+            x = self._rows(call, LayerRows(i, block, x, block.attn_norm(h), post, comb, tokens, one, 0, False,
                                             self.profile.is_fence(self.cfg, i)), state)
         state.pos += 1
         return m.logits(x)[0]
 
-    def _relocated_keys(self, call: _Call, i, attn, hn, deltas, sp: Split):
+    def _relocated_keys(self, call: Call, i, attn, hn, deltas, sp: Split):
         """Keys of the prefix (its artifact) and of every relocated segment (artifact, with the active rows'
         recomputed latent and their blocks' re-pooled entries overlaid on copies, or in place on the request's own
         staged copies: `_writable`); returns the compressor states carried to the new rows' segment. The active
@@ -356,7 +279,7 @@ class ReuseEngine:
             carried.prev_kv, carried.prev_gate = ck[plan.carry, :, :D].clone(), cg[plan.carry, :, :D].clone()
         return carried
 
-    def _rows(self, call: _Call, lr: _LayerRows, state: RequestState) -> torch.Tensor:
+    def _rows(self, call: Call, lr: LayerRows, state: RequestState) -> torch.Tensor:
         """One layer over the rows of this call: rows [0, n_reloc) are relocated rows (active or not), the rest
         new rows, whose latent and compressor state extend the request's own segment. Active rows: every head,
         MoE (adaptive fanout, or native top-k in a fence); other rows: Global heads + restored W_a,L O_L, FFN per
@@ -385,7 +308,7 @@ class ReuseEngine:
             return self._active_ffn(call, lr, x_attn)
         return self._ffn(call, lr, x_attn)
 
-    def _new_keys(self, lr: _LayerRows, state: RequestState) -> list[SegmentKeys]:
+    def _new_keys(self, lr: LayerRows, state: RequestState) -> list[SegmentKeys]:
         """The new rows' latent and compressor state appended to the request's own segment; every segment's keys
         in this layer (prefix, relocated, new)."""
         attn, i, nrows = lr.block.attn, lr.i, slice(lr.n_reloc, lr.x.shape[0])
@@ -400,7 +323,7 @@ class ReuseEngine:
                 new_seg.index_keys = attn.indexer.compressor(lr.hn[nrows], state.new_index[i])
         return state.seg_keys[i] + [new_seg]
 
-    def _active_attention(self, lr: _LayerRows, segs, qr, P, split: bool):
+    def _active_attention(self, lr: LayerRows, segs, qr, P, split: bool):
         """The active rows' attention, every head, through the native W_a, into their rows of P (its first block
         in the split layout). Returns P and the (query, key, head) triples attended."""
         act, attn, cfg = lr.sp.act, lr.block.attn, self.cfg
@@ -416,7 +339,7 @@ class ReuseEngine:
                 P = act.put_(P, attn.project_relative(o.to(lr.hn.dtype)))
         return P, p * attn.n_heads
 
-    def _global_attention(self, call: _Call, lr: _LayerRows, segs, qr, P, split: bool):
+    def _global_attention(self, call: Call, lr: LayerRows, segs, qr, P, split: bool):
         """The other rows' Global heads (their slice of wq_b and of W_a), added onto their restored W_a,L O_L, into
         their rows of P (its last block in the split layout). Returns P and the triples attended."""
         rest, attn, cfg = lr.rest, lr.block.attn, self.cfg
@@ -445,7 +368,7 @@ class ReuseEngine:
             P = rest.put_(P, pg)
         return P, p * Hg
 
-    def _active_ffn(self, call: _Call, lr: _LayerRows, x_attn) -> torch.Tensor:
+    def _active_ffn(self, call: Call, lr: LayerRows, x_attn) -> torch.Tensor:
         """In a fence, or with ffn_mode "skip": only active rows have an FFN; the others keep the attention
         sub-block's output (residual identity), or, in an artifact-KV fence, are not computed at all (their
         streams are left as they were)."""
@@ -470,7 +393,7 @@ class ReuseEngine:
             # the active rows' new streams written straight into their rows of this layer's own output
             return block.hc_post(y, xa, post2, comb2, out=keep, out_rows=act.idx)
 
-    def _ffn(self, call: _Call, lr: _LayerRows, x_attn) -> torch.Tensor:
+    def _ffn(self, call: Call, lr: LayerRows, x_attn) -> torch.Tensor:
         """Every row's FFN: active rows MoE with adaptive fanout; the others per ffn_mode ("native": the full
         MoE, else the shared expert only)."""
         act, rest, block, tokens = lr.sp.act, lr.rest, lr.block, lr.tokens
@@ -510,7 +433,7 @@ class ReuseEngine:
             pairs = pairs + p
         return res, pairs
 
-    def _own_picks(self, call: _Call, i, sp: Split) -> torch.Tensor:
+    def _own_picks(self, call: Call, i, sp: Split) -> torch.Tensor:
         """[n_rest, k] entry ids: each non-active relocated row's own document's offline picks, in its own segment
         (its window still crosses the joins). Only relocated rows are non-active, in document order."""
         picks = [call.docs[j].layers[i].picks for j, _, _ in sp.rest_local]
@@ -584,7 +507,7 @@ class ReuseEngine:
             gather_dequant_rows(c, s, ids, ids, out[off:off + ids.numel()])
         return out
 
-    def _moe_adaptive(self, call: _Call, block, h, tokens) -> torch.Tensor:
+    def _moe_adaptive(self, call: Call, block, h, tokens) -> torch.Tensor:
         """Top-6 by the router, then k = smallest k >= min_experts whose normalized cumulative weight reaches
         tau; the k experts run with their original weights; the shared expert always runs."""
         prof = self.profile

@@ -16,29 +16,64 @@ from .profile import ReuseProfile
 OPS = ("projections", "attention", "indexer", "moe")
 
 
-@dataclass
-class Ledger:
-    cfg: ModelConfig
-    profile: ReuseProfile
+@dataclass(kw_only=True)
+class RowLedger:
+    """The row namespaces (1 and 2) and row counts every model family's ledger keeps the same way; each family's
+    ledger adds its FLOP model and says how many layers and heads a candidate row has (`n_layers`, `n_heads`)."""
     n_prefix: int
     n_reloc: int
     n_new: int
     active: int = 0
     head_rows_computed: float = 0.0        # over candidate rows, all layers
     token_rows_skipped: float = 0.0
+
+    def head_row_saving(self) -> float:
+        units = self.n_reloc * self.n_layers * self.n_heads
+        return 0.0 if units == 0 else 1.0 - self.head_rows_computed / units
+
+    def token_row_saving(self) -> float:
+        units = self.n_reloc * self.n_layers
+        return 0.0 if units == 0 else self.token_rows_skipped / units
+
+    def rows(self) -> dict:
+        return {"prefix": self.n_prefix, "relocated": self.n_reloc, "new": self.n_new, "active": self.active}
+
+
+@dataclass
+class Ledger(RowLedger):
+    cfg: ModelConfig
+    profile: ReuseProfile
     reuse_flops: dict = field(default_factory=lambda: {k: 0.0 for k in OPS})
     ttft_s: dict = field(default_factory=dict)
 
     @staticmethod
     def start(cfg, profile, n_prefix, n_reloc, n_new) -> "Ledger":
-        return Ledger(cfg, profile, n_prefix, n_reloc, n_new)
+        return Ledger(cfg, profile, n_prefix=n_prefix, n_reloc=n_reloc, n_new=n_new)
+
+    @property
+    def n_layers(self) -> int:
+        return self.cfg.n_layers
+
+    @property
+    def n_heads(self) -> int:
+        return self.cfg.n_heads
 
     # -- accounting hooks called by the consumer ---------------------------------------------------
     def fence_layer(self, layer: int, rows: int, total_rows: int, out_rows: int | None = None) -> None:
+        self._layer(layer, rows, total_rows, out_rows)
+        self.head_rows_computed += self.n_reloc * self.cfg.n_heads
+
+    def draft_layer(self, layer: int, rows: int, total_rows: int, scored_keys: int) -> None:
+        """The question's draft (select="attention", draft.py) through one reusable layer: its `rows` in full, and
+        their dense scores over `scored_keys` document rows (computed twice: normalizer, then mass). No candidate
+        row is computed, so the head-row and token-row namespaces are unchanged."""
+        self._layer(layer, rows, total_rows)
+        self.reuse_flops["attention"] += 2 * 2 * rows * self.cfg.n_heads * self.cfg.head_dim * scored_keys
+
+    def _layer(self, layer: int, rows: int, total_rows: int, out_rows: int | None = None) -> None:
         f = layer_flops(self.cfg, layer, rows, start=total_rows - rows, out_rows=out_rows)
         for k in OPS:
             self.reuse_flops[k] += getattr(f, k)
-        self.head_rows_computed += self.n_reloc * self.cfg.n_heads
 
     def set_active(self, n: int) -> None:
         self.active = n
@@ -84,14 +119,6 @@ class Ledger:
                 out[k] += getattr(f, k)
         return out
 
-    def head_row_saving(self) -> float:
-        units = self.n_reloc * self.cfg.n_layers * self.cfg.n_heads
-        return 0.0 if units == 0 else 1.0 - self.head_rows_computed / units
-
-    def token_row_saving(self) -> float:
-        units = self.n_reloc * self.cfg.n_layers
-        return 0.0 if units == 0 else self.token_rows_skipped / units
-
     def flop_saving(self) -> dict:
         ref = self.recompute_flops()
         out = {k: (1 - self.reuse_flops[k] / ref[k]) if ref[k] else 0.0 for k in OPS}
@@ -105,7 +132,7 @@ class Ledger:
 
     def summary(self) -> dict:
         return {
-            "rows": {"prefix": self.n_prefix, "relocated": self.n_reloc, "new": self.n_new, "active": self.active},
+            "rows": self.rows(),
             "head_row_saving": self.head_row_saving(),
             "structural_ceiling": self.structural_ceiling(),
             "token_row_saving": self.token_row_saving(),

@@ -13,6 +13,14 @@ from runtime.model.config import ModelConfig
 FFN_MODES = ("skip", "shared-expert-only", "native")
 LAST_FENCE_KV = ("recompute", "artifact")
 LOCAL_FORMATS = ("native", "fp8")
+# how the budget is spent (controller.choose): "mixed" = the controller's protected classes (dirty, joins, the
+# native indexer's picks where the model has one, recent rows); "deviation" = the rows whose first-fence K/V moved
+# most (CacheBlend); "attention" = the rows the question attends to most in a draft pass over the artifacts
+SELECT_RULES = ("mixed", "deviation", "attention")
+# what the first fences' deviation is measured on: K, or K and V (DeepSeek's latent is both: the same signal)
+DEVIATION_SIGNALS = ("k", "kv")
+# the rule every profile ran before `select` and `signal` were profile values (`to_dict` leaves them out)
+PRE_SELECTION_DEFAULTS = {"select": "mixed", "signal": "k"}
 
 
 class ProfileError(ValueError):
@@ -39,6 +47,8 @@ class ReuseProfile:
     # the stored Local contribution W_a,L O_L: "native" = the model's dtype; "fp8" = e4m3 codes with one power-of-two
     # scale per row and 128 channels (half the bytes of bf16), dequantized on the device in the restore
     local_format: str = "native"
+    select: str = "mixed"         # SELECT_RULES: which rule spends the budget
+    signal: str = "k"             # DEVIATION_SIGNALS
 
     def __post_init__(self):
         if not 0.0 < self.budget <= 1.0:
@@ -51,6 +61,10 @@ class ReuseProfile:
             raise ProfileError(f"last_fence_kv={self.last_fence_kv!r} not in {LAST_FENCE_KV}")
         if self.local_format not in LOCAL_FORMATS:
             raise ProfileError(f"local_format={self.local_format!r} not in {LOCAL_FORMATS}")
+        if self.select not in SELECT_RULES:
+            raise ProfileError(f"select={self.select!r} not in {SELECT_RULES}")
+        if self.signal not in DEVIATION_SIGNALS:
+            raise ProfileError(f"signal={self.signal!r} not in {DEVIATION_SIGNALS}")
         if self.global_picks not in ("online", "artifact"):
             raise ProfileError(f"global_picks={self.global_picks!r} not in ('online', 'artifact')")
         if self.first_fences < 1:
@@ -81,7 +95,13 @@ class ReuseProfile:
         return len(self.reusable_layers(cfg)) / cfg.n_layers * self.local_heads(cfg) / cfg.n_heads
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Every setting, as certificates and store keys bind them; the row-selection settings only where they are
+        not the defaults, so what was certified before they existed (the default rule) still matches."""
+        d = dataclasses.asdict(self)
+        for k in ("select", "signal"):
+            if d[k] == PRE_SELECTION_DEFAULTS[k]:
+                del d[k]
+        return d
 
     def replace(self, **kw) -> "ReuseProfile":
         return dataclasses.replace(self, **kw)

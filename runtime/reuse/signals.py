@@ -1,5 +1,6 @@
-"""The first fences' signals for choosing a request's active rows (`controller.choose_active`): how far each
-relocated row's latent moved in the request's context, and which rows the native indexer picks for the question."""
+"""The signals for choosing a request's active rows (`controller.choose`): how far each relocated row's K/V (the
+latent, on DeepSeek) moved in the request's context in the first fences, which rows the native indexer picks for
+the question, and how much attention the question gives each row in a draft pass (`attention_mass`)."""
 from __future__ import annotations
 
 import torch
@@ -15,10 +16,25 @@ def deviation(block, latent_req, reloc, deltas, layer) -> torch.Tensor:
     for d, delta in zip(reloc, deltas):
         art = d.layers[layer].latent
         moved = Rotary.apply(art, *block.attn.rotary.cos_sin(torch.full((d.n,), delta, device=art.device)))
-        got = latent_req[a:a + d.n]
-        outs.append((got.float() - moved.float()).norm(dim=-1) / moved.float().norm(dim=-1).clamp_min(1e-12))
+        outs.append(rel_deviation(latent_req[a:a + d.n], moved))
         a += d.n
     return torch.cat(outs)
+
+
+def rel_deviation(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Per row ||got - ref|| / ||ref|| over every other dimension (heads, channels), float32."""
+    g, r = got.float().flatten(1), ref.float().flatten(1)
+    return (g - r).norm(dim=-1) / r.norm(dim=-1).clamp_min(1e-12)
+
+
+def attention_mass(q: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor, scale: float) -> torch.Tensor:
+    """Per key row [S] float32: the attention probability exp(q.k x scale - lse) summed over query rows and
+    heads, for queries q [T,H,D] (query head h reads KV head h // (H / KV)) whose softmax normalizers are lse
+    [T,H] (natural log) and keys [S,KV,D] that every query sees."""
+    T, H, D = q.shape
+    KV = keys.shape[1]
+    s = torch.einsum("tkgd,skd->tkgs", q.view(T, KV, H // KV, D).float(), keys.float()) * scale
+    return torch.exp(s - lse.view(T, KV, H // KV, 1)).sum((0, 1, 2))
 
 
 def indexer_rows(topk, n_reloc, prefix_n, n_q, block) -> torch.Tensor:

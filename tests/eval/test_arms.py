@@ -1,4 +1,5 @@
-"""Arm specs: canonical names, knobs mapped onto the profile and the engine, errors named before any run."""
+"""Arm specs: canonical names, knobs mapped onto the profile (the row-selection rule included), errors named
+before any run."""
 import pytest
 
 from runtime.eval.arms import Arm, ArmError, arm_list, parse_arm
@@ -18,16 +19,17 @@ def test_names_are_canonical():
     assert parse_arm("reuse@0.25:fences=3+3", fences=(2, 2)).name == "reuse@25%:fences=3+3"
 
 
-def test_knobs_reach_the_profile_and_the_engine():
+def test_knobs_reach_the_profile():
     base = eval_profile((3, 3))
     a = parse_arm("reuse@0.2:fences=4+2:gpg=2:ffn=native:lastkv=artifact:join=8:recent=0:select=deviation:signal=kv")
     p = a.profile(base)
     assert (p.budget, p.first_fences, p.last_fences, p.global_per_group, p.ffn_mode, p.last_fence_kv,
             p.join_rows, p.recent_rows) == (0.2, 4, 2, 2, "native", "artifact", 8, 0)
-    assert a.engine_kwargs() == {"select": "deviation", "signal": "kv"}
-    assert Arm("naive").profile(base) == base and Arm("naive").engine_kwargs() == {}
+    assert (p.select, p.signal) == ("deviation", "kv")
+    assert Arm("naive").profile(base) == base
     # the eval's default rule is the question's draft attention; the shared controller is a named variant
-    assert parse_arm("reuse@0.25").engine_kwargs() == {"select": "attention", "signal": "k"}
+    assert (parse_arm("reuse@0.25").profile(base).select, parse_arm("reuse@0.25").profile(base).signal) == \
+        ("attention", "k")
     assert parse_arm("reuse@0.25:select=mixed").name == "reuse@25%:select=mixed"
     assert parse_arm("reuse@0.25:select=attention").name == "reuse@25%"
 

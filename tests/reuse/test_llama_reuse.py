@@ -5,7 +5,8 @@ import torch
 
 from runtime.llama.config import LlamaConfig
 from runtime.llama.model import Llama
-from runtime.reuse.llama_engine import LlamaReuseEngine, produce_llama
+from runtime.llama.adapter import produce_llama
+from runtime.reuse.llama_engine import LlamaReuseEngine
 from runtime.reuse.profile import ReuseProfile
 
 TOL = 1e-4
@@ -45,9 +46,10 @@ def full(m, docs, question):
 def test_degenerate_profile_equals_full_recompute_prefill_and_decode(setup, last_fence_kv, select):
     m, docs, question = setup
     G = m.cfg.num_attention_heads // m.cfg.num_key_value_heads
-    prof = ReuseProfile(**BASE, budget=1.0, global_per_group=G, ffn_mode="native", last_fence_kv=last_fence_kv)
+    prof = ReuseProfile(**BASE, budget=1.0, global_per_group=G, ffn_mode="native", last_fence_kv=last_fence_kv,
+                        select=select)
     arts = [produce_llama(m, d, prof) for d in docs]
-    eng = LlamaReuseEngine(m, prof, select=select)
+    eng = LlamaReuseEngine(m, prof)
     logits, state, _ = eng.prefill(arts, question)
     cache = m.new_cache()
     ref = m.prefill(torch.tensor([t for d in docs for t in d] + question), cache)
@@ -91,6 +93,8 @@ def test_certificate_binding_is_checked(setup):
     arts = [produce_llama(m, d, prof) for d in docs]
     assert LlamaReuseEngine(m, prof).verify(arts).ok
     assert LlamaReuseEngine(m, prof.replace(budget=0.2)).verify(arts).reason.value == "profile_mismatch"
+    # the shared certificate format and check: a consumer bound to another checkpoint refuses them too
+    assert LlamaReuseEngine(m, prof, fingerprint="other").verify(arts).reason.value == "checkpoint_mismatch"
     arts[1].tokens = arts[1].tokens[:-1] + [5]
     assert LlamaReuseEngine(m, prof).verify(arts).reason.value == "token_mismatch"
 
@@ -126,8 +130,8 @@ def test_deviation_selection_takes_the_most_deviating_rows(setup):
     assert choose_by_deviation(p, dev).nonzero().flatten().tolist() == [1, 3]
     a = [produce_llama(m, d, p) for d in docs]
     mixed = LlamaReuseEngine(m, p).prefill(a, question)
-    top = LlamaReuseEngine(m, p, select="deviation").prefill(a, question)
-    kv = LlamaReuseEngine(m, p, select="deviation", signal="kv").prefill(a, question)
+    top = LlamaReuseEngine(m, p.replace(select="deviation")).prefill(a, question)
+    kv = LlamaReuseEngine(m, p.replace(select="deviation", signal="kv")).prefill(a, question)
     n_reloc = sum(len(d) for d in docs[1:])
     assert mixed[2].active == top[2].active == kv[2].active == -(-n_reloc // 4)
     assert not torch.equal(mixed[0], top[0]) and not torch.equal(top[0], kv[0])
@@ -142,8 +146,8 @@ def test_attention_selection_takes_the_rows_the_question_drafts_to(setup):
     m, docs, question = setup
     from runtime.llama.model import LayerCache
     from runtime.reuse.controller import choose_top
-    from runtime.reuse.llama_engine import LlamaLedger, relocate
-    p = ReuseProfile(**BASE, budget=0.25)
+    from runtime.llama.adapter import relocate
+    p = ReuseProfile(**BASE, budget=0.25, select="attention")
     arts = [produce_llama(m, d, p) for d in docs]
     reloc = relocate(m, arts)
     n0, q_start, nq = len(docs[0]), reloc.n, len(question)
@@ -164,39 +168,39 @@ def test_attention_selection_takes_the_rows_the_question_drafts_to(setup):
         s = s.masked_fill(pos[None, None, :] > pos[q_start:, None, None], float("-inf"))
         want += torch.softmax(s, -1)[:, :, n0:q_start].sum((0, 1))
         xq = xq_next
-    eng = LlamaReuseEngine(m, p, select="attention")
-    led = LlamaLedger(n0, q_start - n0, nq, len(m.layers), m.cfg.num_attention_heads)
-    got = eng._draft_attention(x[q_start:], pos[q_start:], reloc, n0, q_start, led)
+    eng = LlamaReuseEngine(m, p)
+    led = eng.adapter.ledger(n0, q_start - n0, nq)
+    got = eng.adapter.draft_attention(x[q_start:], pos[q_start:], reloc, n0, q_start, led)
     assert rel_err(got, want) <= TOL and led.flops > 0
     # the budget goes to the top rows by that score; the rules pick different rows and give different logits
     top = choose_top(p, got)
     assert int(top.sum()) == -(-(q_start - n0) // 4) and got[top].min() >= got[~top].max()
-    outs = {r: LlamaReuseEngine(m, p, select=r).prefill_cache(arts, question) for r in ("mixed", "attention")}
+    outs = {r: LlamaReuseEngine(m, p.replace(select=r)).prefill_cache(arts, question) for r in ("mixed", "attention")}
     assert outs["mixed"][2].active == outs["attention"][2].active == int(top.sum())
     assert not torch.equal(outs["mixed"][0], outs["attention"][0])
     # the same active count, so the ledgers differ by the draft alone: question rows x reusable layers
     R = len(m.layers) - p.first_fences - p.last_fences
-    draft = R * nq * eng._flops_row(m.cfg.num_attention_heads, (q_start + T + 1) / 2, True)
+    draft = R * nq * led.flops_row(m.cfg.num_attention_heads, (q_start + T + 1) / 2, True)
     assert outs["attention"][2].flops - outs["mixed"][2].flops == pytest.approx(draft)
 
 
 def test_a_given_active_mask_replaces_the_rule_and_bad_masks_are_refused(setup):
-    """prefill_cache(active=...): the rule's own rows give the rule's result; other rows give another result
-    with the same ledger counts; a mask of the wrong shape, or one given to the naive arm, is refused."""
+    """prefill_cache(active=...): the rule's own rows (the ledger's `active_rows`) give the rule's result; other
+    rows give another result with the same ledger counts; a mask of the wrong shape, or one given to the naive
+    arm, is refused."""
     m, docs, question = setup
     from runtime.reuse.controller import choose_top
     p = ReuseProfile(**BASE, budget=0.25)
     arts = [produce_llama(m, d, p) for d in docs]
     n_reloc = sum(len(d) for d in docs[1:])
-    eng = LlamaReuseEngine(m, p, select="deviation")
-    seen = {}
-    orig = eng._choose
-    eng._choose = lambda *a, **k: seen.setdefault("mask", orig(*a, **k))
-    ref, _, ref_led = eng.prefill_cache(arts, question)
-    same, _, led = LlamaReuseEngine(m, p, select="deviation").prefill_cache(arts, question, active=seen["mask"])
+    ref, _, ref_led = LlamaReuseEngine(m, p.replace(select="deviation")).prefill_cache(arts, question)
+    mask = torch.zeros(n_reloc, dtype=torch.bool)
+    mask[list(ref_led.active_rows)] = True
+    assert int(mask.sum()) == ref_led.active == -(-n_reloc // 4)
+    same, _, led = LlamaReuseEngine(m, p.replace(select="deviation")).prefill_cache(arts, question, active=mask)
     assert torch.equal(same, ref) and led.__dict__ == ref_led.__dict__
     other = choose_top(p, torch.arange(n_reloc, dtype=torch.float32))          # the last rows instead
-    assert not torch.equal(other, seen["mask"])
+    assert not torch.equal(other, mask)
     got, _, led = LlamaReuseEngine(m, p).prefill_cache(arts, question, active=other)
     assert not torch.equal(got, ref) and led.active == ref_led.active
     with pytest.raises(ValueError, match="one bool per relocated row"):
@@ -213,7 +217,7 @@ def test_profiles_a_llama_cannot_run_are_refused(setup):
     with pytest.raises(ProfileError, match="global_per_group"):
         LlamaReuseEngine(m, ReuseProfile(**BASE, global_per_group=m.cfg.heads_per_kv + 1))
     with pytest.raises(ValueError, match="select"):
-        LlamaReuseEngine(m, ReuseProfile(**BASE), select="random")
+        LlamaReuseEngine(m, ReuseProfile(**BASE, select="random"))
 
 
 @pytest.mark.parametrize("mode, last_fence_kv", [("reuse", "recompute"), ("reuse", "artifact"), ("naive", "recompute")])
@@ -248,9 +252,9 @@ def test_prefill_on_the_request_cache_equals_the_segment_path(setup, mode, last_
     split by heads) against `prefill` (queries rotated per segment, LSE merge): the same logits, the same
     ledger, and the cache equals the reference's assembled one."""
     m, docs, question = setup
-    prof = ReuseProfile(**BASE, budget=0.25, last_fence_kv=last_fence_kv, ffn_mode=ffn)
+    prof = ReuseProfile(**BASE, budget=0.25, last_fence_kv=last_fence_kv, ffn_mode=ffn, select=select, signal=signal)
     arts = [produce_llama(m, d, prof) for d in docs]
-    eng = LlamaReuseEngine(m, prof, mode=mode, select=select, signal=signal, split_heads=split_heads)
+    eng = LlamaReuseEngine(m, prof, mode=mode, split_heads=split_heads)
     ref, state, ref_led = eng.prefill(arts, question)
     got, cache, led = eng.prefill_cache(arts, question)
     assert rel_err(got, ref) <= TOL
@@ -263,12 +267,12 @@ def test_prefill_on_the_request_cache_equals_the_segment_path(setup, mode, last_
 
 def test_artifacts_of_several_profiles_share_one_forward(setup):
     m, docs, _ = setup
-    from runtime.reuse.llama_engine import produce_llama_many
+    from runtime.llama.adapter import produce_llama_many
     profs = [ReuseProfile(**BASE, budget=b) for b in (0.1, 0.25)] + [ReuseProfile(**BASE, global_per_group=2)]
     many = produce_llama_many(m, docs[1], profs)
     for p, a in zip(profs, many):
         one = produce_llama(m, docs[1], p)
-        assert a.binding == one.binding and a.k[0] is many[0].k[0]
+        assert a.cert == one.cert and a.k[0] is many[0].k[0]
         for x, y in zip(a.local, one.local):
             assert (x is None) == (y is None) and (x is None or torch.equal(x, y))
 
@@ -276,13 +280,13 @@ def test_artifacts_of_several_profiles_share_one_forward(setup):
 def test_packed_artifacts_equal_one_document_at_a_time(setup):
     """All documents in one packed forward (block-diagonal mask) against one forward per document."""
     m, docs, _ = setup
-    from runtime.reuse.llama_engine import produce_llama_packed
+    from runtime.llama.adapter import produce_llama_packed
     profs = [ReuseProfile(**BASE, budget=0.25), ReuseProfile(**BASE, global_per_group=2)]
     packed = produce_llama_packed(m, docs, profs)
     for p, arts in zip(profs, packed):
         for d, a in zip(docs, arts):
             one = produce_llama(m, d, p)
-            assert a.tokens == one.tokens and a.binding == one.binding
+            assert a.tokens == one.tokens and a.cert == one.cert
             for x, y in zip(a.k + a.v, one.k + one.v):
                 assert rel_err(x, y) <= TOL
             for x, y in zip(a.local, one.local):

@@ -8,6 +8,7 @@ from runtime.model.checkpoint import random_state
 from runtime.model.config import FLASH, PRO, tiny_reuse
 from runtime.model.deepseek_v4 import (Transformer, entry_attention, gathered_attention, merge_with_sink, Rotary,
                                        unweighted_rms_norm, window_attention)
+from runtime.reuse.controller import choose
 from runtime.reuse.engine import ReuseEngine
 from runtime.reuse.keys import SegmentKeys
 from runtime.reuse.segments import segment_attention
@@ -139,16 +140,14 @@ def test_normal_profile_is_approximate_and_ledger_counts_what_was_skipped(model,
 def test_controller_priority_order(model):
     """dirty (top half of the budget) -> join rows nearest the join -> indexer picks -> recency -> deviation."""
     prof = ReuseProfile(**BASE, budget=0.25, join_rows=2, recent_rows=4)
-    eng = ReuseEngine(model, prof)
-
-    class Doc:
-        n = 16
-    reloc, deltas = [Doc(), Doc()], [16, 32]
+    prof.check(model.cfg)
+    reloc, deltas = [16, 16], [16, 32]
     dev = torch.zeros(32)
     dev[[5, 20, 9]] = torch.tensor([3.0, 2.0, 1.0])
     idx = torch.zeros(32)
     idx[12] = 5.0
-    act = eng._choose_active(dev, idx, reloc, deltas, q_start=48, n_q=4)
+    # the engine's rule (controller.choose with the profile's default select="mixed"): no draft is needed
+    act = choose(prof, dev, idx, None, reloc, deltas, q_start=48, n_q=4)
     assert int(act.sum()) == 8
     # dirty: top 4 by deviation (5, 20, 9, then the stable first zero: 0); joins nearest first: 0,15,16,31
     assert set(torch.nonzero(act).flatten().tolist()) == {5, 20, 9, 0, 15, 16, 31, 1}

@@ -44,7 +44,7 @@ def _corrupt_local_shard(d):
     open(os.path.join(d, name), "wb").write(bytes(data))
 
 
-def _rank(rank, size, port, ckpt, root, corrupt, backend="gloo"):
+def _rank(rank, size, port, ckpt, root, corrupt, backend="gloo", prof=PROF):
     torch.set_num_threads(1)
     device = "cpu"
     if backend == "nccl":
@@ -55,12 +55,12 @@ def _rank(rank, size, port, ckpt, root, corrupt, backend="gloo"):
     try:
         model = load_model(ckpt, par=Parallel(rank, size), device=device)
         docs, question = _docs()
-        dirs = [build(model, d, PROF, IDENT, os.path.join(root, f"rank{rank}", f"doc{i}")) for i, d in enumerate(docs)]
+        dirs = [build(model, d, prof, IDENT, os.path.join(root, f"rank{rank}", f"doc{i}")) for i, d in enumerate(docs)]
         assert all(f".local.r{rank}." in n for d in dirs for n in os.listdir(d) if ".local." in n)
         if corrupt and rank == 1:
             _corrupt_local_shard(dirs[1])
         counter = FallbackCounter()
-        out = answer(model, PROF, docs, dirs, question, IDENT, current_generation=1, counter=counter)
+        out = answer(model, prof, docs, dirs, question, IDENT, current_generation=1, counter=counter)
         torch.save(out.logits.cpu(), os.path.join(root, f"logits{rank}.pt"))
         with open(os.path.join(root, f"result{rank}.json"), "w") as fh:
             json.dump({"arm": out.arm, "reason": out.verdict.reason and out.verdict.reason.value,
@@ -91,10 +91,10 @@ BACKENDS = ["gloo", pytest.param("nccl", marks=pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="NCCL needs two CUDA devices"))]
 
 
-def _run(setup, tmp_path, corrupt, backend="gloo"):
+def _run(setup, tmp_path, corrupt, backend="gloo", prof=PROF):
     ckpt = setup[0]
     try:
-        mp.start_processes(_rank, args=(2, _free_port(), ckpt, str(tmp_path), corrupt, backend), nprocs=2,
+        mp.start_processes(_rank, args=(2, _free_port(), ckpt, str(tmp_path), corrupt, backend, prof), nprocs=2,
                            join=True, start_method="spawn")
     except mp.ProcessExitedException:
         # a gloo teardown abort after every rank passed the final barrier does not touch the results
@@ -117,6 +117,22 @@ def test_tp2_reuse_equals_tp1_reuse(setup, tmp_path, backend):
     tp1, tp2 = setup[3], results[0]["ledger"]
     assert tp2["head_row_saving"] == pytest.approx(tp1["head_row_saving"])
     assert tp2["flop_saving"]["attention"] == pytest.approx(tp1["flop_saving"]["attention"])
+
+
+def test_tp2_attention_rule_takes_the_tp1_rows(setup, tmp_path):
+    """select="attention": each rank drafts with its own heads and the scores are summed over ranks, so both ranks
+    choose the rows one rank holding every head chooses, and the answer is TP=1's."""
+    prof = PROF.replace(select="attention")
+    model = load_model(setup[0])
+    docs, question = _docs()
+    dirs = [build(model, d, prof, IDENT, tmp_path / "tp1" / f"doc{i}") for i, d in enumerate(docs)]
+    ref = answer(model, prof, docs, dirs, question, IDENT, current_generation=1)
+    assert ref.arm == "reuse"
+    (tmp_path / "tp2").mkdir()
+    results, logits = _run(setup, tmp_path / "tp2", corrupt=False, prof=prof)
+    assert [r["arm"] for r in results] == ["reuse", "reuse"]
+    assert rel(logits, ref.logits) <= 1e-5
+    assert results[0]["ledger"]["flop_saving"] == pytest.approx(ref.ledger.summary()["flop_saving"])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
