@@ -45,9 +45,6 @@ class Sampler:
         return int(torch.multinomial(probs, 1, generator=self.gen))
 
 
-GREEDY = Sampling()
-
-
 class Decoding:
     """One request's decoding, a step at a time (so that the worker can interleave several requests): the first
     token is drawn from the prefill's `logits` at construction; each `advance()` runs one decode step (`step(token)`)
@@ -83,18 +80,3 @@ class Decoding:
             self.finish = CANCELLED
             return
         self._draw(self.step(self.tokens[-1]))
-
-
-def decode(logits: torch.Tensor, step: Callable[[int], torch.Tensor], n: int, eos: int | None,
-           sample: Callable[[torch.Tensor], int], emit: Callable[[int], None] | None = None,
-           stopped: Callable[[], bool] | None = None) -> tuple[list[int], FinishReason]:
-    """Up to `n` tokens, the steps run back to back; `stopped()` is asked before each further step."""
-    with torch.inference_mode():
-        d = Decoding(logits, step, n, eos, sample, emit)
-        while not d.done:
-            d.advance(stopped is not None and stopped())
-    return d.tokens, d.finish
-
-
-def greedy(logits: torch.Tensor, step: Callable[[int], torch.Tensor], n: int, eos: int) -> list[int]:
-    return decode(logits, step, n, eos, Sampler(GREEDY, logits.device))[0]

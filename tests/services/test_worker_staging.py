@@ -30,7 +30,7 @@ from services.common.failpoints import Failpoints
 from services.common.serving import Binding
 from services.common.tenants import Tenants
 from services.common.tp import RankGroup, launch
-from services.worker.decode import greedy
+from runtime.reuse.greedy import greedy
 from services.worker.engine import Job, RankEngine
 from services.worker.prefetch import Prefetcher
 from services.worker.protocol import WorkerDocument, WorkerRequest
@@ -102,7 +102,8 @@ def test_the_forward_consumes_group_g_while_group_g_plus_1_is_still_arriving(set
     assert out.arm == "reuse" and out.verdict.ok
     assert torch.equal(out.logits, ref.logits)                        # the same numbers as whole directories
     assert out.ledger.summary() == ref.ledger.summary()
-    assert greedy(out.logits, out.step, 6, CFG.eos_token_id) == greedy(ref.logits, ref.step, 6, CFG.eos_token_id)
+    assert greedy(out.logits, out.step, 6, {CFG.eos_token_id}, True) == \
+        greedy(ref.logits, ref.step, 6, {CFG.eos_token_id}, True)
     for g in range(len(GROUPS)):
         # never read before it was verified and staged (its event recorded), then waited on
         assert trace.index("staged", g) < trace.index("ready", g) <= trace.index("consume", g)
@@ -162,7 +163,7 @@ def test_the_worker_streams_groups_from_the_store_then_the_tier_and_falls_back_o
     ref = whole(setup)
     for d in dirs:
         client.put_artifact([d])
-    want = greedy(ref.logits, ref.step, 5, CFG.eos_token_id)
+    want = greedy(ref.logits, ref.step, 5, {CFG.eos_token_id}, True)   # what the worker decodes at temperature 0
     trace = Trace()
     eng = _engine(m, store.target, tmp_path / "tier", trace)
     try:
@@ -300,3 +301,28 @@ def test_a_shadow_recompute_measures_the_served_answer_against_the_recompute_arm
     assert got.positions == len(toks) == 5
     assert got.agreement == pytest.approx(agree, abs=1e-6) and got.kl == pytest.approx(kl, rel=1e-3, abs=1e-6)
     assert got.kl > 1e-4 and 0 < got.agreement <= 1      # the 25% budget approximates: a measurable divergence
+
+
+def test_decoding_at_temperature_0_is_the_shared_greedy_loop_and_sampling_repeats_with_its_seed(setup):
+    """The worker's step-wise decoding (decode.Decoding) gives the engines' greedy answer at temperature 0, tells
+    why it ended, and draws the same tokens again from the same seed (others differ)."""
+    from services.worker.decode import Decoding, Sampler, Sampling
+
+    def run(sampling: Sampling, n: int = 8, cancel_after: int | None = None) -> Decoding:
+        ref = whole(setup)
+        d = Decoding(ref.logits, ref.step, n, CFG.eos_token_id, Sampler(sampling, ref.logits.device))
+        while not d.done:
+            d.advance(cancel_after is not None and len(d.tokens) >= cancel_after)
+        return d
+    ref = whole(setup)
+    g = run(Sampling())
+    assert g.tokens == greedy(ref.logits, ref.step, 8, {CFG.eos_token_id}, True)
+    assert g.finish == ("stop" if g.tokens[-1] == CFG.eos_token_id else "length")
+    assert run(Sampling(), cancel_after=3).tokens == g.tokens[:3] and run(Sampling(), cancel_after=3).finish == \
+        "cancelled"
+    a = run(Sampling(1.2, 1.0, 7))
+    assert run(Sampling(1.2, 1.0, 7)).tokens == a.tokens
+    assert any(run(Sampling(1.2, 1.0, s)).tokens != a.tokens for s in (8, 9, 10))
+    assert run(Sampling(1.2, 1e-9, 3)).tokens == g.tokens          # top_p this small keeps only the argmax
+    with pytest.raises(ValueError):
+        Sampler(Sampling(-1.0), ref.logits.device)
