@@ -26,8 +26,8 @@ from services.common.tenants import Tenants
 from services.store.redis_client import sync_client
 
 from .core import ArtifactApi, Limits, UploadParams, store_client_factory
-from .errors import (HTTP_STATUS, InvalidInput, InvalidRequest, NotReady, PayloadTooLarge, Unauthenticated, UnsupportedMediaType,
-                     error_response)
+from .errors import (HTTP_STATUS, InvalidInput, InvalidRequest, NotReady, PayloadTooLarge, Unauthenticated,
+                     UnsupportedMediaType, error_response)
 from .generation import Generations
 from .guard import BodyGuard
 from .metrics import ApiMetrics, ResponseCounter

@@ -211,8 +211,12 @@ class Answer:
                  head: WorkerHead, text: TextStream):
         self.r, self.body, self.kind, self.id = routes, body, kind, ident
         self.prepared, self.head, self.text = prepared, head, text
-        self.tokens: list[int] = []
         self.finish = "length"
+
+    @property
+    def tokens(self) -> list[int]:
+        """The token ids received so far (the text stream keeps them)."""
+        return self.text.ids
 
     def _frame(self, choices: list, **extra) -> dict:
         return {"id": self.id, "object": "chat.completion" if self.kind == "chat" else "text_completion",
@@ -225,7 +229,6 @@ class Answer:
                 if isinstance(event, WorkerResponse):
                     self.finish = "stop" if event.finish_reason == "stop" else "length"
                 elif isinstance(event, int):
-                    self.tokens.append(event)
                     delta = self.text.push(event)
                     if delta:
                         yield delta

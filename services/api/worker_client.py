@@ -28,8 +28,9 @@ class WorkerClient:
 
     async def stream(self, req: WorkerRequest,
                      request_id: str = "") -> AsyncIterator[WorkerHead | int | WorkerResponse]:
-        """The WorkerHead with the first token, each token id as the worker draws it, then the WorkerResponse. Refusals raise before the first token:
-        InvalidInput (422), Busy (429), NotReady (503, or the worker unreachable), WorkerFailed."""
+        """The WorkerHead with the first token, each token id as the worker draws it, then the WorkerResponse.
+        Refusals raise before the first token: InvalidInput (422), Busy (429), NotReady (503, or the worker
+        unreachable), WorkerFailed."""
         headers = {"Content-Type": "application/json", "Authorization": f"Bearer {self.tenants.token(req.tenant)}"}
         if request_id:
             headers["X-Request-ID"] = request_id

@@ -315,6 +315,7 @@ class RankEngine:
             ledger["ttft_s"] = {arm: ttft}
             rows = ledger["rows"]
             cached = max(0, rows["prefix"] + rows["relocated"] - rows["active"])
-        prompt = sum(len(pad_document(d, self.binding.profile.align, self.eos)) for d in docs) + len(req.question)
+        align = self.binding.profile.align       # each document padded to a multiple of it (pad_document)
+        prompt = sum(len(d) + (-len(d)) % align for d in docs) + len(req.question)
         return WorkerHead(arm=arm, ttft_s=ttft, fetch_s=fetch_s, ledger=ledger, fallback=fallback,
                           prompt_tokens=prompt, cached_tokens=cached)
