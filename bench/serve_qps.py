@@ -154,9 +154,10 @@ def main() -> int:
                     for _ in range(2):          # the first compiles and fills the tier; the second is timed
                         sent, _, done, _ = one_request(c, sets[L], arm, args.output_tokens)
                     slowest = max(slowest, done - sent)
-        # a window holds at least three requests of the highest concurrency (requests run one step at a time each:
-        # at concurrency C a request takes about C times as long), or it measures when requests end, not a rate
-        need = 3 * slowest * max(concs)
+        # a window holds about three completed requests or more, or it measures when requests end, not a rate: the
+        # worker runs one forward at a time, so at any concurrency requests complete at least as often as one request
+        # takes alone (at concurrency C each takes about C times as long, but C of them run)
+        need = 3 * slowest
         if need > args.window_s:
             print(f"  windows widened from {args.window_s:g} s to {need:.1f} s: a request took {slowest:.2f} s",
                   flush=True)
