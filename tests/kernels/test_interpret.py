@@ -11,14 +11,14 @@ import torch
 import runtime.kernels as K
 import runtime.kernels._triton as T
 import runtime.reuse.segments as segments_mod
-from runtime.model.checkpoint import random_state
 from runtime.model.config import tiny_reuse
-from runtime.model.deepseek_v4 import Block, Transformer, hc_mix_weights
+from runtime.model.deepseek_v4 import Block, hc_mix_weights
 from runtime.policy import RuntimePolicy
 from runtime.reuse.engine import ReuseEngine
 from runtime.reuse.picks import pick_runs, split_picks
 from runtime.reuse.producer import produce
 from runtime.reuse.profile import ReuseProfile
+from tests.tiny import tiny_model
 
 pytestmark = pytest.mark.skipif(not (T.HAVE_TRITON and T.INTERPRET and not torch.cuda.is_available()),
                                 reason="needs Triton's interpreter on a machine without a GPU")
@@ -33,8 +33,7 @@ def rel_err(a, b):
 
 @pytest.fixture(scope="module")
 def model():
-    m = Transformer(CFG)
-    m.load_state_dict(random_state(CFG, seed=1))
+    m = tiny_model(CFG, seed=1)
     return m.eval()
 
 

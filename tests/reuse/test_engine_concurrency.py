@@ -8,13 +8,12 @@ import threading
 import pytest
 import torch
 
-from runtime.model.checkpoint import random_state
 from runtime.model.config import tiny_reuse
-from runtime.model.deepseek_v4 import Transformer
 from runtime.reuse.artifact import DocumentArtifact
 from runtime.reuse.engine import ReuseEngine
 from runtime.reuse.producer import produce
 from runtime.reuse.profile import ReuseProfile
+from tests.tiny import tiny_model
 
 CFG = tiny_reuse()
 PROF = ReuseProfile(first_fences=2, last_fences=2, align=16, budget=0.25, recent_rows=16, join_rows=8,
@@ -66,8 +65,7 @@ def _equal(a, b) -> bool:
 
 @pytest.fixture(scope="module")
 def model():
-    m = Transformer(CFG)
-    m.load_state_dict(random_state(CFG, seed=1))
+    m = tiny_model(CFG, seed=1)
     return m.eval()
 
 

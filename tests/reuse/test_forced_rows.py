@@ -5,20 +5,18 @@ row is refused."""
 import pytest
 import torch
 
-from runtime.model.checkpoint import random_state
 from runtime.model.config import tiny_reuse
-from runtime.model.deepseek_v4 import Transformer
 from runtime.reuse.engine import ReuseEngine
 from runtime.reuse.producer import produce
 from runtime.reuse.profile import ReuseProfile
+from tests.tiny import tiny_model
 
 CFG = tiny_reuse()
 PROF = ReuseProfile(first_fences=2, last_fences=2, align=16, budget=0.25, recent_rows=16, join_rows=8)
 
 
 def test_forced_active_rows_are_the_rows_taken():
-    model = Transformer(CFG)
-    model.load_state_dict(random_state(CFG, seed=1))
+    model = tiny_model(CFG, seed=1)
     model.eval()
     g = torch.Generator().manual_seed(5)
     arts = [produce(model, torch.randint(2, CFG.vocab_size, (n,), generator=g).tolist(), PROF) for n in (48, 64, 32)]

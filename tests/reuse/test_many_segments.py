@@ -10,12 +10,11 @@ in tests/reuse/test_reuse_exactness.py."""
 import pytest
 import torch
 
-from runtime.model.checkpoint import random_state
 from runtime.model.config import tiny_reuse
-from runtime.model.deepseek_v4 import Transformer
 from runtime.reuse.engine import ReuseEngine
 from runtime.reuse.producer import produce
 from runtime.reuse.profile import ReuseProfile, degenerate
+from tests.tiny import tiny_model
 
 from .test_reuse_exactness import BASE, TOL, rel_err
 
@@ -24,8 +23,7 @@ CFG = tiny_reuse().replace(index_topk=4096)
 
 @pytest.fixture(scope="module")
 def model():
-    m = Transformer(CFG)
-    m.load_state_dict(random_state(CFG, seed=1))
+    m = tiny_model(CFG, seed=1)
     return m
 
 

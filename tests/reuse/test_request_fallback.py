@@ -5,13 +5,12 @@ import os
 import pytest
 import torch
 
-from runtime.model.checkpoint import random_state
 from runtime.model.config import tiny
-from runtime.model.deepseek_v4 import Transformer
 from runtime.reuse.certificate import FallbackCounter, FallbackReason as R
 from runtime.reuse.producer import pad_document
 from runtime.reuse.profile import ReuseProfile
 from runtime.reuse.request import ServingIdentity, answer, build
+from tests.tiny import tiny_model
 
 CFG = tiny(n_layers=6, compress_ratios=(0, 4, 16, 4, 16, 4), n_hash_layers=2)
 PROF = ReuseProfile(first_fences=2, last_fences=2, align=16, budget=0.25, recent_rows=16, join_rows=8)
@@ -20,8 +19,7 @@ IDENT = ServingIdentity("f" * 64, "tok-v1")
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    m = Transformer(CFG)
-    m.load_state_dict(random_state(CFG, seed=11))
+    m = tiny_model(CFG, seed=11)
     g = torch.Generator().manual_seed(12)
     docs = [torch.randint(2, CFG.vocab_size, (n,), generator=g).tolist() for n in (40, 70, 30)]
     question = torch.randint(2, CFG.vocab_size, (10,), generator=g).tolist()

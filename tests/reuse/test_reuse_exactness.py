@@ -4,9 +4,8 @@ import math
 import pytest
 import torch
 
-from runtime.model.checkpoint import random_state
 from runtime.model.config import FLASH, PRO, tiny_reuse
-from runtime.model.deepseek_v4 import (Transformer, entry_attention, gathered_attention, merge_with_sink, Rotary,
+from runtime.model.deepseek_v4 import (entry_attention, gathered_attention, merge_with_sink, Rotary,
                                        unweighted_rms_norm, window_attention)
 from runtime.reuse.controller import choose
 from runtime.reuse.engine import ReuseEngine
@@ -15,6 +14,7 @@ from runtime.reuse.segments import segment_attention
 from runtime.reuse.producer import produce
 from runtime.reuse.profile import FLASH_PROFILE, PRO_PROFILE, ReuseProfile, degenerate
 from runtime.reuse.roles import global_mask, local_mask
+from tests.tiny import tiny_model
 
 TOL = 1e-4
 CFG = tiny_reuse()
@@ -27,8 +27,7 @@ def rel_err(a, b):
 
 @pytest.fixture(scope="module")
 def model():
-    m = Transformer(CFG)
-    m.load_state_dict(random_state(CFG, seed=1))
+    m = tiny_model(CFG, seed=1)
     return m
 
 

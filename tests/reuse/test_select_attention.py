@@ -4,15 +4,15 @@ document row; it takes other rows than the default rule, the rows it ranks highe
 and the degenerate profile still reproduces full recomputation."""
 import torch
 
-from runtime.model.checkpoint import random_state
 from runtime.model.config import tiny_reuse
-from runtime.model.deepseek_v4 import LayerCache, Rotary, Transformer
+from runtime.model.deepseek_v4 import LayerCache, Rotary
 from runtime.reuse.call import Call
 from runtime.reuse.controller import choose_top, doc_offsets
 from runtime.reuse.draft import document_mass, draft_rows
 from runtime.reuse.engine import ReuseEngine
 from runtime.reuse.producer import produce
 from runtime.reuse.profile import ReuseProfile, degenerate
+from tests.tiny import tiny_model
 
 CFG = tiny_reuse()
 BASE = dict(first_fences=2, last_fences=2, align=16, recent_rows=16, join_rows=8)
@@ -24,8 +24,7 @@ def rel_err(a, b):
 
 
 def setup():
-    model = Transformer(CFG)
-    model.load_state_dict(random_state(CFG, seed=1))
+    model = tiny_model(CFG, seed=1)
     model.eval()
     g = torch.Generator().manual_seed(5)
     docs = [torch.randint(2, CFG.vocab_size, (n,), generator=g).tolist() for n in (48, 64, 32)]

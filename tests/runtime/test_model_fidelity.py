@@ -6,8 +6,10 @@ import torch
 
 from runtime.model.checkpoint import random_state, write_official_checkpoint
 from runtime.model.config import tiny
+from runtime.model.deepseek_v4 import Transformer
 from runtime.model.loader import load_model
 from tests.runtime.hf_oracle import hf_model_from_state
+from tests.tiny import tiny_model
 
 TOL = 1e-4
 
@@ -88,7 +90,6 @@ def test_greedy_generation_matches_transformers():
     cfg, _ = CONFIGS["mixed"]
     state = random_state(cfg, seed=5)
     hf = hf_model_from_state(cfg, state)
-    from runtime.model.deepseek_v4 import Transformer
     model = Transformer(cfg)
     model.load_state_dict(state)
     tokens = torch.randint(2, cfg.vocab_size, (60,), generator=torch.Generator().manual_seed(6))
@@ -106,7 +107,6 @@ def test_fp8_activation_simulation_is_a_switch():
     cfg, T = CONFIGS["mixed"]
     assert cfg.quant_sim is False
     state = random_state(cfg, seed=9)
-    from runtime.model.deepseek_v4 import Transformer
     plain, sim = Transformer(cfg), Transformer(cfg.replace(quant_sim=True))
     plain.load_state_dict(state)
     sim.load_state_dict(state)
@@ -123,10 +123,8 @@ def test_fp8_activation_simulation_is_a_switch():
 def test_moe_routed_equals_a_pass_per_expert():
     """MoE.routed groups (row, slot) pairs by one stable sort (one host read per call): the result is bitwise the
     per-expert `torch.where(idx == e)` formulation it replaced, dropped slots (-1) included."""
-    from runtime.model.deepseek_v4 import Transformer
     cfg = tiny(n_layers=2)
-    m = Transformer(cfg)
-    m.load_state_dict(random_state(cfg, seed=3))
+    m = tiny_model(cfg, seed=3)
     moe = m.layers[1].ffn
     g = torch.Generator().manual_seed(0)
     x = torch.randn(97, cfg.dim, generator=g)

@@ -6,10 +6,10 @@ the experts' own storage, re-made when a weight is replaced."""
 import pytest
 import torch
 
-from runtime.model.checkpoint import random_state
 from runtime.model.config import tiny
 from runtime.model.deepseek_v4 import MoE, Transformer
 from runtime.model.parallel import Parallel
+from tests.tiny import tiny_model
 
 TOL = 1e-6
 
@@ -28,8 +28,7 @@ def routing(moe, T, drop, seed=0):
 
 
 def layer(cfg, seed=3):
-    m = Transformer(cfg)
-    m.load_state_dict(random_state(cfg, seed=seed))
+    m = tiny_model(cfg, seed=seed)
     return m.layers[cfg.n_layers - 1].ffn                        # a score-routed layer (past the hash layers)
 
 

@@ -17,7 +17,6 @@ import torch
 
 from runtime.model.checkpoint import build_demo_tokenizer, load_tokenizer, random_state, write_official_checkpoint
 from runtime.model.config import tiny
-from runtime.model.deepseek_v4 import Transformer
 from runtime.model.parallel import Parallel
 from runtime.reuse.certificate import FallbackCounter, FallbackReason
 from runtime.reuse.stager import SourceError, StagedSource, Trace
@@ -31,6 +30,7 @@ from services.common.serving import Binding
 from services.common.tenants import Tenants
 from services.common.tp import RankGroup, launch
 from runtime.reuse.greedy import greedy
+from tests.tiny import tiny_model
 from services.worker.engine import Job, RankEngine
 from services.worker.prefetch import Prefetcher
 from services.worker.protocol import WorkerDocument, WorkerRequest
@@ -47,8 +47,7 @@ GATE_S = 60.0          # a deadlock guard only: a pipeline that waited for every
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    m = Transformer(CFG)
-    m.load_state_dict(random_state(CFG, seed=11))
+    m = tiny_model(CFG, seed=11)
     g = torch.Generator().manual_seed(12)
     docs = [torch.randint(2, CFG.vocab_size, (n,), generator=g).tolist() for n in (40, 70)]
     question = torch.randint(2, CFG.vocab_size, (10,), generator=g).tolist()
