@@ -496,6 +496,59 @@ class Attention(nn.Module):
         """W_b once, row-parallel: one all-reduce."""
         return self.par.all_reduce(self.wo_b(p))
 
+    # -- one request's keys and attention (the full forward and the batched decode step) --------------
+    def _extend(self, x, kv, qr, positions, cache: LayerCache, q_chunk: int, a0: int = 0):
+        """Rows x [T,d] (latent kv [T,D]) appended to `cache`: its window, compressed entries and indexer keys.
+        Returns (keys [n_past+T, D]: the window's past rows then these, n_past, the entries or None, the indexer's
+        picks for rows a0.. or None; qr holds rows a0.. only)."""
+        past = cache.window_kv
+        keys = kv if past is None else torch.cat([past, kv])
+        n_past = 0 if past is None else past.shape[0]
+        W = self.cfg.window_size
+        cache.window_kv = keys[-(W - 1):].clone() if W > 1 else keys[:0].clone()
+        entries = self.compressor(x, cache.compressor) if self.compressor is not None else None
+        idx = self.indexer(x, qr, positions, cache.indexer, q_chunk, start=a0) if self.indexer is not None else None
+        return keys, n_past, entries, idx
+
+    def _attend(self, q, keys, first: int, positions, entries, picks, fast: bool, shift: int) -> torch.Tensor:
+        """Outputs [t,H,D] (float32 on the reference path) of queries q [t,H,D] sitting at key rows first.. and
+        at `positions`: the window over `keys`, the entries (HCA: those complete before each query; CSA: its
+        indexer `picks`), the sink in the merge. `shift`: positions minus key rows (the kernel's HCA visibility)."""
+        W = self.cfg.window_size
+        if fast:   # one fused pass over window rows and entries; the sink joins in the merge
+            mode = {WINDOW: "none", HCA: "causal", CSA: "picks"}[self.kind]
+            cpos = torch.arange(first, first + q.shape[0], device=q.device)
+            part = K.sparse_mqa_attention(q, keys, cpos, W, entries, mode, self.ratio or 1, picks, self.scale,
+                                          pos_shift=shift)
+            return merge_with_sink([part], self.attn_sink)
+        parts = [window_attention(q, keys, first, W, self.scale)]
+        if self.kind == HCA:
+            visible = torch.arange(entries.shape[0], device=q.device)[None, :] < \
+                ((positions + 1) // self.ratio)[:, None]
+            parts.append(entry_attention(q, entries, visible, self.scale))
+        elif self.kind == CSA:
+            parts.append(gathered_attention(q, entries, picks, self.scale))
+        return merge_with_sink(parts, self.attn_sink)
+
+    def decode(self, x: torch.Tensor, positions: torch.Tensor, at: list[int], caches: list[LayerCache]) -> torch.Tensor:
+        """One new row for each of B requests: x [B,d] at `positions` [B] (the same as host ints `at`), request b's
+        row after what caches[b] holds. The row-wise work (W_q, the latent, W_a, W_b) runs once for the batch;
+        each request's cache update, indexer picks and attention run on its own cache. Equal to B one-row
+        forwards."""
+        qr = self.q_norm(self.wq_a(x))
+        kv = self.latent(x, positions)
+        q = self.queries_from(qr, positions)
+        fast = K.enabled(x)
+        o = torch.empty((x.shape[0], self.n_heads, self.cfg.head_dim), dtype=x.dtype, device=x.device)
+        for b, cache in enumerate(caches):
+            if cache.capture is not None:
+                raise ValueError("a batched decode step captures no layer outputs")
+            rows = slice(b, b + 1)
+            keys, n_past, entries, idx = self._extend(x[rows], kv[rows], qr[rows], positions[rows], cache, 1)
+            shift = at[b] - n_past if fast and self.kind == HCA else 0
+            o[rows] = self._attend(q[rows], keys, n_past, positions[rows], entries, idx, fast, shift)
+        return self.output(self.project(o, positions))
+
     # -- full forward --------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerCache, q_chunk: int,
                 out_rows: int | None = None) -> torch.Tensor:
@@ -512,18 +565,7 @@ class Attention(nn.Module):
         a0 = 0 if out_rows is None else max(T - int(out_rows), 0)
         qr = self.q_norm(self.wq_a(x[a0:]))
         kv = self.latent(x, positions)
-        past = cache.window_kv
-        keys = kv if past is None else torch.cat([past, kv])
-        n_past = 0 if past is None else past.shape[0]
-        W = self.cfg.window_size
-        cache.window_kv = keys[-(W - 1):].clone() if W > 1 else keys[:0].clone()
-
-        entries, idx = None, None
-        if self.compressor is not None:
-            entries = self.compressor(x, cache.compressor)
-        if self.indexer is not None:
-            idx = self.indexer(x, qr, positions, cache.indexer, q_chunk, start=a0)
-
+        keys, n_past, entries, idx = self._extend(x, kv, qr, positions, cache, q_chunk, a0)
         fast = K.enabled(x)
         # the kernel sees key rows; HCA's entry visibility needs positions, which differ from key rows whenever the
         # cache keeps only the window's last rows (decoding, the reuse arm's fence layers): one sync per HCA call
@@ -537,21 +579,7 @@ class Attention(nn.Module):
             pc = positions[a:b]
             qc = self.queries_from(qr[a - a0:b - a0], pc)
             ic = idx[a - a0:b - a0] if idx is not None else None
-            if fast:   # one fused pass over window rows and entries; the sink joins in the merge
-                mode = {WINDOW: "none", HCA: "causal", CSA: "picks"}[self.kind]
-                cpos = torch.arange(n_past + a, n_past + b, device=x.device)
-                part = K.sparse_mqa_attention(qc, keys[: n_past + b], cpos, W, entries, mode, self.ratio or 1,
-                                            ic, self.scale, pos_shift=shift)
-                oc = merge_with_sink([part], self.attn_sink).to(x.dtype)
-            else:
-                parts = [window_attention(qc, keys[: n_past + b], n_past + a, W, self.scale)]
-                if self.kind == HCA:
-                    visible = torch.arange(entries.shape[0], device=x.device)[None, :] < \
-                        ((pc + 1) // self.ratio)[:, None]
-                    parts.append(entry_attention(qc, entries, visible, self.scale))
-                elif self.kind == CSA:
-                    parts.append(gathered_attention(qc, entries, ic, self.scale))
-                oc = merge_with_sink(parts, self.attn_sink).to(x.dtype)
+            oc = self._attend(qc, keys[: n_past + b], n_past + a, pc, entries, ic, fast, shift).to(x.dtype)
             if o_all is not None:
                 o_all[a - a0:b - a0] = oc
             pch = self.project(oc, pc)
@@ -841,9 +869,21 @@ class Block(nn.Module):
                 a0 = max(x.shape[0] - int(out_rows), 0)
                 x, post, comb, tokens = x[a0:], post[a0:], comb[a0:], tokens[a0:]
             x = self.hc_post(y, x, post, comb)
+        return self.feed_forward(x, tokens)
+
+    def feed_forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The layer's second half: the FFN (MoE) on the mixed streams, row by row."""
         with phase("blk.ffn"):
             h, post, comb = self.hc_pre(x, "ffn")
             return self.hc_post(self.ffn(self.ffn_norm(h), tokens), x, post, comb)
+
+    def decode(self, x, tokens, positions, at: list[int], caches: list[LayerCache]) -> torch.Tensor:
+        """`forward` of one new row for each of B requests (x [B, hc, d]), each over its own cache
+        (Attention.decode); every other part of the layer is row-wise and runs once for the batch."""
+        with phase("blk.attn"):
+            h, post, comb = self.hc_pre(x, "attn")
+            x = self.hc_post(self.attn.decode(self.attn_norm(h), positions, at, caches), x, post, comb)
+        return self.feed_forward(x, tokens)
 
 
 # ============================================================================ the model
@@ -924,6 +964,23 @@ class Transformer(nn.Module):
                       out_rows=None if all_logits else prefill_out_rows(self.cfg, i, lc))
         cache.pos += T
         return self.logits(x) if all_logits else self.logits(x[-1:])[0]
+
+    @torch.inference_mode()
+    def decode(self, tokens: torch.Tensor, caches: list[ModelCache]) -> torch.Tensor:
+        """One decode step of B requests at once: token b [B] after what caches[b] holds (each request at its own
+        position); returns their next logits [B, vocab]. Equal, request by request, to `forward` of that one
+        token over that cache (up to the rounding of batched products); the projections, the MoE and the head
+        run once for the batch."""
+        if tokens.dim() != 1 or tokens.shape[0] != len(caches) or not caches:
+            raise ValueError(f"decode: {tuple(tokens.shape)} tokens for {len(caches)} caches")
+        at = [c.pos for c in caches]
+        positions = torch.tensor(at, device=tokens.device)
+        x = self.embed_streams(tokens)
+        for i, layer in enumerate(self.layers):
+            x = layer.decode(x, tokens, positions, at, [c.layers[i] for c in caches])
+        for c in caches:
+            c.pos += 1
+        return self.logits(x)
 
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, cache: ModelCache, chunk: int | None = None) -> torch.Tensor:

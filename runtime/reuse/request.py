@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from runtime.model.deepseek_v4 import Transformer
+from runtime.model.deepseek_v4 import ModelCache, Transformer
 from .certificate import Certificate, FallbackCounter, Verdict, agree, digest_bytes, token_hash
 from .engine import ReuseEngine
 from runtime.model.parallel import Parallel
@@ -44,6 +44,9 @@ class Outcome:
     # continues this request by one token in the arm that ran (reuse: ReuseEngine.decode over the kept request
     # state; recompute: the native cache of the full prefill) and returns the next logits; no second prefill
     step: Callable[[int], torch.Tensor] | None = field(default=None, repr=False)
+    # recompute: that native cache, so a server may batch this request's decode steps with others'
+    # (Transformer.decode); None for the reuse arm
+    cache: ModelCache | None = field(default=None, repr=False)
     # on a fallback: the index of the document whose artifact THIS rank rejected (its certificate, manifest or a
     # shard; None where the rank only followed another's reject or nothing of one document was at fault)
     document: int | None = None
@@ -98,7 +101,7 @@ def _recompute(model: Transformer, padded: list[list[int]], question: list[int],
     full = torch.tensor([t for p in padded for t in p] + list(question), device=dev)
     cache = model.new_cache()
     return Outcome(model(full, cache), "recompute", verdict, None,
-                   step=lambda t: model(torch.tensor([t], device=dev), cache), document=document)
+                   step=lambda t: model(torch.tensor([t], device=dev), cache), cache=cache, document=document)
 
 
 def _prefetched(model: Transformer, arts: list) -> list:

@@ -55,13 +55,20 @@ class Decoding:
         self.step, self.n, self.eos, self.sample, self.emit = step, n, eos, sample, emit
         self.tokens: list[int] = []
         self.finish: FinishReason | None = None
-        self._draw(logits)
+        self.draw(logits)
 
     @property
     def done(self) -> bool:
         return self.finish is not None
 
-    def _draw(self, logits: torch.Tensor) -> None:
+    @property
+    def last(self) -> int:
+        """The token the next step feeds."""
+        return self.tokens[-1]
+
+    def draw(self, logits: torch.Tensor) -> None:
+        """The next token from `logits`: those of the step that fed `last` (`advance`'s own, or a batched step's
+        row for this request)."""
         nxt = self.sample(logits)
         self.tokens.append(nxt)
         if self.emit is not None:
@@ -79,4 +86,4 @@ class Decoding:
         if cancelled:
             self.finish = CANCELLED
             return
-        self._draw(self.step(self.tokens[-1]))
+        self.draw(self.step(self.last))

@@ -24,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-from runtime.model.deepseek_v4 import Transformer
+from runtime.model.deepseek_v4 import ModelCache, Transformer
 from runtime.reuse.certificate import BROKEN_ARTIFACT, FallbackReason, Verdict
 from runtime.reuse.stager import HotSource, StagedSource, Trace
 from runtime.reuse.producer import pad_document
@@ -83,6 +83,7 @@ class Running:
     published: list[Future]
     shadow: bool
     sampler: object
+    cache: ModelCache | None = None     # the recompute arm's native cache: its decode steps are batched
 
     @property
     def done(self) -> bool:
@@ -237,7 +238,7 @@ class RankEngine:
         fetch_s, published = 0.0, []
         t0 = time.perf_counter()
         if req.arm == "recompute":
-            logits, step, _ = self._recompute(docs, req.question)
+            logits, step, cache = self._recompute(docs, req.question)
             arm, ledger, verdict, document = "recompute", None, Verdict.accept(), None
         else:
             self.failpoints.hit("before_fetch")
@@ -250,6 +251,7 @@ class RankEngine:
                                     control=self.group.control, trace=self.trace,
                                     groups=[range(g.lo, g.hi) for g in self.prefetcher.groups])
                 logits, step, arm, verdict, document = out.logits, out.step, out.arm, out.verdict, out.document
+                cache = out.cache
                 ledger = out.ledger.summary() if out.ledger is not None else None
                 # this rank's own copy failed verification (the others say rank_disagreement): it leaves the tier,
                 # so the next request fetches it again
@@ -273,11 +275,32 @@ class RankEngine:
             sampler = _Recording(sampler)
         decoding = Decoding(logits, step, req.max_new_tokens, None if req.ignore_eos else self.eos, sampler,
                             sink.emit if sink is not None else None)
-        return Running(job, docs, head, decoding, first, verdict, document, published, shadow, sampler)
+        return Running(job, docs, head, decoding, first, verdict, document, published, shadow, sampler, cache)
 
     def advance(self, r: Running, cancelled: bool = False) -> None:
-        """One decode step of `r` (every rank; rank 0 decided `cancelled` for all)."""
+        """One decode step of `r` alone (every rank; rank 0 decided `cancelled` for all)."""
         r.decoding.advance(cancelled)
+
+    @torch.inference_mode()
+    def advance_all(self, rs: list[Running], cancelled: list[bool]) -> int:
+        """One decode step of every request in `rs` (every rank, the same plan): the ones that hold a native cache
+        (the recompute arm, and reuse requests that fell back) in one batched forward (Transformer.decode),
+        each reuse-arm request by its own step over its kept segment keys. Returns how many were batched."""
+        batch = []
+        for r, c in zip(rs, cancelled):
+            if r.cache is None or c or r.done:
+                r.decoding.advance(c)
+            else:
+                batch.append(r)
+        if len(batch) == 1:
+            batch[0].decoding.advance()
+        elif batch:
+            dev = self.model.embed.weight.device
+            logits = self.model.decode(torch.tensor([r.decoding.last for r in batch], device=dev),
+                                       [r.cache for r in batch])
+            for r, row in zip(batch, logits):
+                r.decoding.draw(row)
+        return len(batch)
 
     def finish(self, r: Running) -> tuple[WorkerResponse | None, list[RankReport]]:
         """A done request's bookkeeping (every rank, in the same order): its shadow kept if it was drawn, its fetches

@@ -12,6 +12,7 @@ RATIO_BUCKETS = tuple(i / 20 for i in range(1, 21))
 TTFT_BUCKETS = (.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120)
 FETCH_BUCKETS = (.001, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30)
 KL_BUCKETS = (.001, .003, .01, .03, .1, .3, 1, 3, 10)
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32)
 FLOP_OPS = ("projections", "attention", "indexer", "moe", "total")
 
 
@@ -31,6 +32,9 @@ class WorkerMetrics:
                              "decoding step by step, interleaved; at most its max_running)", registry=r)
         self.waiting = Gauge("redknot_requests_waiting", "Requests queued at this worker group, not yet started",
                              registry=r)
+        self.decode_batch = Histogram("redknot_decode_batch_size", "Requests whose decode step ran in one batched "
+                                      "forward, per decode round that batched any (native-cache requests: the "
+                                      "recompute arm and fallbacks)", buckets=BATCH_BUCKETS, registry=r)
         self.fallbacks = Counter("redknot_fallbacks", "Explicit fallbacks to recomputation by root reason",
                                  ["reason"], registry=r)
         self.fetch_bytes = Counter("redknot_artifact_fetch_bytes", "Bytes fetched from the store by every rank",

@@ -65,8 +65,7 @@ def follow(group: RankGroup, engine: RankEngine) -> None:
         elif isinstance(msg, Job):
             running.append(engine.start(msg))
         elif isinstance(msg, list):             # a decode round: one step of each running request
-            for r, cancelled in zip(running, msg):
-                engine.advance(r, cancelled)
+            engine.advance_all(running, msg)
         for r in [r for r in running if r.done]:
             running.remove(r)
             engine.finish(r)
@@ -108,8 +107,9 @@ def lead(group: RankGroup, engine: RankEngine, front: Frontend, stop: threading.
         elif running:
             plan = [stream.cancelled() for _, stream in running]
             group.broadcast(plan)
-            for (r, _), cancelled in zip(running, plan):
-                engine.advance(r, cancelled)
+            batched = engine.advance_all([r for r, _ in running], plan)
+            if batched:
+                metrics.decode_batch.observe(batched)
             admitted = False
         else:
             group.broadcast(None)

@@ -5,14 +5,14 @@ runs. The full last layer they are compared with: `all_logits=True` (every row's
 import pytest
 import torch
 
-from runtime.model.checkpoint import random_state
 from runtime.model.config import tiny_reuse
-from runtime.model.deepseek_v4 import Transformer, prefill_out_rows
+from runtime.model.deepseek_v4 import prefill_out_rows
 from runtime.model.flops import layer_flops
 from runtime.reuse.engine import ReuseEngine
 from runtime.reuse.ledger import Ledger
 from runtime.reuse.producer import produce
 from runtime.reuse.profile import ReuseProfile
+from tests.tiny import tiny_model
 
 CFG = tiny_reuse()
 # float32 on the CPU: the last row's products run in a GEMM of 1 row instead of T rows, whose blocking may sum in
@@ -22,22 +22,12 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def model():
-    m = Transformer(CFG)
-    m.load_state_dict(random_state(CFG, seed=5))
-    return m
+    return tiny_model(CFG, seed=5)
 
 
 def _on(device):
     """The model on `device` (float32; on CUDA with the Triton kernels: the fast path's trimmed last layer)."""
-    if device == "cuda":
-        import runtime.kernels as K
-        if not (torch.cuda.is_available() and K.available()):
-            pytest.skip("needs CUDA and Triton")
-        with torch.device("cuda"):
-            m = Transformer(CFG)
-        m.load_state_dict(random_state(CFG, seed=5))
-        return m.eval()
-    return None
+    return tiny_model(CFG, seed=5, device="cuda") if device == "cuda" else None
 
 
 def _tokens(n, seed=0):
