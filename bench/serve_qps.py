@@ -164,9 +164,10 @@ def main() -> int:
             args.window_s = need
         for L in lengths:
             for conc in concs:
-                pair = {arm: run_concurrency(stack, sets[L], arm, conc, args.output_tokens, args.window_s, args.windows)
-                        for arm in ("recompute", "reuse")}
-                for arm, r in pair.items():
+                pair = {}
+                for arm in ("recompute", "reuse"):     # each row printed as soon as it exists
+                    r = pair[arm] = run_concurrency(stack, sets[L], arm, conc, args.output_tokens, args.window_s,
+                                                    args.windows)
                     r["length"] = L
                     r["ratio_req_s"] = r["req_s"] / pair["recompute"]["req_s"] if pair["recompute"]["req_s"] else None
                     rows.append(r)
