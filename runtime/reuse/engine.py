@@ -13,6 +13,8 @@ re-pool, RoPE angles) is built once per request (rows.py), so a reusable layer m
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import torch
 
@@ -174,23 +176,59 @@ class ReuseEngine:
 
     @torch.inference_mode()
     def decode(self, state: RequestState, token: int) -> torch.Tensor:
-        """One new row after a reuse prefill: fences native, reusable layers over the kept segment keys."""
+        """One new row after a reuse prefill (`decode_batch` of this request alone)."""
+        return self.decode_batch([state], [token])[0]
+
+    @torch.inference_mode()
+    def decode_batch(self, states: list[RequestState], tokens: list[int]) -> torch.Tensor:
+        """One new row for each of B requests after their reuse prefills through this engine (one profile: the
+        same fence layers); returns their logits [B, vocab]. Fences: the native layer over each request's own
+        cache, batched (Block.decode). Reusable layers: the row-wise work (mHC, W_q, W_a, W_b, the FFN) once for
+        the batch; each request's new keys and segment attention over its own kept segments. Equal, request by
+        request, to each one's step alone (up to the rounding of batched products)."""
+        if not states or len(states) != len(tokens):
+            raise ValueError(f"decode_batch: {len(tokens)} tokens for {len(states)} requests")
         m = self.model
         dev = m.embed.weight.device
-        tokens = torch.tensor([token], device=dev)
-        positions = torch.tensor([state.pos], device=dev)
-        x = m.embed_streams(tokens)
-        one = Split(Rows(None, positions, np.array([state.pos])), None)
+        at = [s.pos for s in states]
+        tok = torch.tensor(tokens, device=dev)
+        positions = torch.tensor(at, device=dev)
+        rows = Split(Rows(None, positions, np.array(at)), None)
+        x = m.embed_streams(tok)
         call = Call(None, None)
         for i, block in enumerate(m.layers):
-            if i in state.fence_caches:
-                x = block(x, tokens, positions, state.fence_caches[i], m.q_chunk)
+            if i in states[0].fence_caches:
+                x = block.decode(x, tok, positions, at, [s.fence_caches[i] for s in states])
                 continue
             h, post, comb = block.hc_pre(x, "attn")
-            x = self._rows(call, LayerRows(i, block, x, block.attn_norm(h), post, comb, tokens, one, 0, False,
-                                            self.profile.is_fence(self.cfg, i)), state)
-        state.pos += 1
-        return m.logits(x)[0]
+            x = self._decode_layer(call, LayerRows(i, block, x, block.attn_norm(h), post, comb, tok, rows, 0, False,
+                                                   self.profile.is_fence(self.cfg, i)), states)
+        for s in states:
+            s.pos += 1
+        return m.logits(x)
+
+    def _decode_layer(self, call: Call, lr: LayerRows, states: list[RequestState]) -> torch.Tensor:
+        """A reusable layer (or an artifact-KV fence) of a decode step: row b is request b's new row, active (every
+        head, MoE); its latent and compressor states join request b's own segment, and it attends over request
+        b's segments; everything else runs once for the batch (as `_rows` does for one call's rows)."""
+        attn, cfg, B = lr.block.attn, self.cfg, lr.x.shape[0]
+        with phase("rk.wq_a"):
+            qr = attn.q_norm(attn.wq_a(lr.hn))
+        with phase("rk.attn.active"):
+            q = unweighted_rms_norm(attn.wq_b(qr).view(B, attn.n_heads, cfg.head_dim), cfg.norm_eps)
+            o = q.new_empty(q.shape)
+            act = lr.sp.act
+            for b, state in enumerate(states):
+                one = slice(b, b + 1)
+                segs = self._new_keys(replace(lr, x=lr.x[one], hn=lr.hn[one]), state)
+                o[one] = self._attend(attn, q[one], Rows(None, act.pos[one], act.pos_host[one]), segs,
+                                      attn.attn_sink, lr.hn[one] if attn.indexer else None, qr[one])[0]
+            P = attn.project_relative(o.to(lr.hn.dtype))
+        with phase("rk.output"):
+            x_attn = lr.block.hc_post(attn.output(P), lr.x, lr.post, lr.comb)
+        if lr.fence or self.profile.ffn_mode == "skip":
+            return self._active_ffn(call, lr, x_attn)
+        return self._ffn(call, lr, x_attn)
 
     def _relocated_keys(self, call: Call, i, attn, hn, deltas, sp: Split):
         """Keys of the prefix (its artifact) and of every relocated segment (artifact, with the active rows'

@@ -17,6 +17,7 @@ import torch
 
 from runtime.model.deepseek_v4 import ModelCache, Transformer
 from .certificate import Certificate, FallbackCounter, Verdict, agree, digest_bytes, token_hash
+from .call import RequestState
 from .engine import ReuseEngine
 from runtime.model.parallel import Parallel
 from .ledger import Ledger
@@ -44,9 +45,10 @@ class Outcome:
     # continues this request by one token in the arm that ran (reuse: ReuseEngine.decode over the kept request
     # state; recompute: the native cache of the full prefill) and returns the next logits; no second prefill
     step: Callable[[int], torch.Tensor] | None = field(default=None, repr=False)
-    # recompute: that native cache, so a server may batch this request's decode steps with others'
-    # (Transformer.decode); None for the reuse arm
+    # what `step` continues, so a server may batch this request's decode steps with others': the recompute arm's
+    # native cache (Transformer.decode), or the reuse arm's request state (ReuseEngine.decode_batch)
     cache: ModelCache | None = field(default=None, repr=False)
+    state: RequestState | None = field(default=None, repr=False)
     # on a fallback: the index of the document whose artifact THIS rank rejected (its certificate, manifest or a
     # shard; None where the rank only followed another's reject or nothing of one document was at fault)
     document: int | None = None
@@ -116,7 +118,8 @@ def _reuse(model: Transformer, profile: ReuseProfile, docs: list, question: list
     which it stages itself: not wrapped again)."""
     engine = ReuseEngine(model, profile)
     res = engine.prefill(docs, question)
-    return Outcome(res.logits, "reuse", verdict, res.ledger, step=lambda t: engine.decode(res.state, t))
+    return Outcome(res.logits, "reuse", verdict, res.ledger, step=lambda t: engine.decode(res.state, t),
+                   state=res.state)
 
 
 @torch.inference_mode()

@@ -25,7 +25,9 @@ from typing import Protocol
 import torch
 
 from runtime.model.deepseek_v4 import ModelCache, Transformer
+from runtime.reuse.call import RequestState
 from runtime.reuse.certificate import BROKEN_ARTIFACT, FallbackReason, Verdict
+from runtime.reuse.engine import ReuseEngine
 from runtime.reuse.stager import HotSource, StagedSource, Trace
 from runtime.reuse.producer import pad_document
 from runtime.reuse.request import answer_staged
@@ -83,7 +85,8 @@ class Running:
     published: list[Future]
     shadow: bool
     sampler: object
-    cache: ModelCache | None = None     # the recompute arm's native cache: its decode steps are batched
+    cache: ModelCache | None = None     # what its decode steps continue (batched with others'): the recompute
+    state: RequestState | None = None   # arm's native cache, or the reuse arm's request state
 
     @property
     def done(self) -> bool:
@@ -163,6 +166,7 @@ class RankEngine:
         self.failpoints, self.trace = failpoints, trace
         self.tier = prefetcher.tier
         self.eos = model.cfg.eos_token_id
+        self.reuse = ReuseEngine(model, binding.profile)      # the reuse arm's batched decode steps
         self._pending: _Pending | None = None       # the last reuse request's shadow recompute, if one was drawn
 
     def key(self, tokens: list[int]) -> DocumentKey:
@@ -239,6 +243,7 @@ class RankEngine:
         t0 = time.perf_counter()
         if req.arm == "recompute":
             logits, step, cache = self._recompute(docs, req.question)
+            state = None
             arm, ledger, verdict, document = "recompute", None, Verdict.accept(), None
         else:
             self.failpoints.hit("before_fetch")
@@ -251,7 +256,7 @@ class RankEngine:
                                     control=self.group.control, trace=self.trace,
                                     groups=[range(g.lo, g.hi) for g in self.prefetcher.groups])
                 logits, step, arm, verdict, document = out.logits, out.step, out.arm, out.verdict, out.document
-                cache = out.cache
+                cache, state = out.cache, out.state
                 ledger = out.ledger.summary() if out.ledger is not None else None
                 # this rank's own copy failed verification (the others say rank_disagreement): it leaves the tier,
                 # so the next request fetches it again
@@ -275,32 +280,35 @@ class RankEngine:
             sampler = _Recording(sampler)
         decoding = Decoding(logits, step, req.max_new_tokens, None if req.ignore_eos else self.eos, sampler,
                             sink.emit if sink is not None else None)
-        return Running(job, docs, head, decoding, first, verdict, document, published, shadow, sampler, cache)
+        return Running(job, docs, head, decoding, first, verdict, document, published, shadow, sampler, cache, state)
 
     def advance(self, r: Running, cancelled: bool = False) -> None:
         """One decode step of `r` alone (every rank; rank 0 decided `cancelled` for all)."""
         r.decoding.advance(cancelled)
 
     @torch.inference_mode()
-    def advance_all(self, rs: list[Running], cancelled: list[bool]) -> int:
-        """One decode step of every request in `rs` (every rank, the same plan): the ones that hold a native cache
-        (the recompute arm, and reuse requests that fell back) in one batched forward (Transformer.decode),
-        each reuse-arm request by its own step over its kept segment keys. Returns how many were batched."""
-        batch = []
+    def advance_all(self, rs: list[Running], cancelled: list[bool]) -> list[int]:
+        """One decode step of every request in `rs` (every rank, the same plan), in at most two batched forwards:
+        the requests that hold a native cache (the recompute arm, and reuse requests that fell back) through
+        Transformer.decode, the reuse-arm requests through ReuseEngine.decode_batch over their kept segments.
+        Returns the sizes of the batches that ran."""
+        native, reuse = [], []
         for r, c in zip(rs, cancelled):
-            if r.cache is None or c or r.done:
+            if c or r.done:
                 r.decoding.advance(c)
             else:
-                batch.append(r)
-        if len(batch) == 1:
-            batch[0].decoding.advance()
-        elif batch:
-            dev = self.model.embed.weight.device
-            logits = self.model.decode(torch.tensor([r.decoding.last for r in batch], device=dev),
-                                       [r.cache for r in batch])
-            for r, row in zip(batch, logits):
+                (native if r.cache is not None else reuse).append(r)
+        dev = self.model.embed.weight.device
+        if native:
+            logits = self.model.decode(torch.tensor([r.decoding.last for r in native], device=dev),
+                                       [r.cache for r in native])
+            for r, row in zip(native, logits):
                 r.decoding.draw(row)
-        return len(batch)
+        if reuse:
+            logits = self.reuse.decode_batch([r.state for r in reuse], [r.decoding.last for r in reuse])
+            for r, row in zip(reuse, logits):
+                r.decoding.draw(row)
+        return [len(b) for b in (native, reuse) if b]
 
     def finish(self, r: Running) -> tuple[WorkerResponse | None, list[RankReport]]:
         """A done request's bookkeeping (every rank, in the same order): its shadow kept if it was drawn, its fetches

@@ -32,9 +32,9 @@ class WorkerMetrics:
                              "decoding step by step, interleaved; at most its max_running)", registry=r)
         self.waiting = Gauge("redknot_requests_waiting", "Requests queued at this worker group, not yet started",
                              registry=r)
-        self.decode_batch = Histogram("redknot_decode_batch_size", "Requests whose decode step ran in one batched "
-                                      "forward, per decode round that batched any (native-cache requests: the "
-                                      "recompute arm and fallbacks)", buckets=BATCH_BUCKETS, registry=r)
+        self.decode_batch = Histogram("redknot_decode_batch_size", "Requests whose decode steps ran in one batched "
+                                      "forward (one per decode round and kind: native caches, the recompute arm and "
+                                      "fallbacks; reuse-arm request states)", buckets=BATCH_BUCKETS, registry=r)
         self.fallbacks = Counter("redknot_fallbacks", "Explicit fallbacks to recomputation by root reason",
                                  ["reason"], registry=r)
         self.fetch_bytes = Counter("redknot_artifact_fetch_bytes", "Bytes fetched from the store by every rank",

@@ -107,9 +107,8 @@ def lead(group: RankGroup, engine: RankEngine, front: Frontend, stop: threading.
         elif running:
             plan = [stream.cancelled() for _, stream in running]
             group.broadcast(plan)
-            batched = engine.advance_all([r for r, _ in running], plan)
-            if batched:
-                metrics.decode_batch.observe(batched)
+            for n in engine.advance_all([r for r, _ in running], plan):
+                metrics.decode_batch.observe(n)
             admitted = False
         else:
             group.broadcast(None)

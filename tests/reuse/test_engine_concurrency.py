@@ -101,3 +101,32 @@ def test_two_requests_at_once_through_one_engine_equal_each_alone(model):
     assert len(meetings) == 2 and all(m.met for m in meetings)          # both met mid-prefill
     for k in range(2):
         assert got[k] is not None and _equal(got[k], alone[k]), k
+
+
+def test_decode_steps_of_several_requests_in_one_batch_equal_each_alone(model):
+    """ReuseEngine.decode_batch: three requests (different documents, lengths and so positions; the same request
+    twice among them) decode together; each request's logits at every step equal its own decode steps alone (float32 on
+    the CPU: the batched products may sum in another order; measured ~1e-7 relative). A batch that changes
+    between steps (a request sitting one out) keeps every request on its own state."""
+    engine = ReuseEngine(model, PROF)
+    reqs = _requests(model)
+    reqs = [reqs[0], reqs[1], reqs[0]]
+    alone = [engine.prefill(d, q) for d, q in reqs]
+    together = [engine.prefill(d, q) for d, q in reqs]
+    last_a = [r.logits for r in alone]
+    last_t = [r.logits for r in together]
+    worst = 0.0
+    for step in range(6):
+        ids = [0, 1, 2] if step != 2 else [0, 2]
+        toks = [int(last_a[i].argmax()) for i in ids]
+        assert toks == [int(last_t[i].argmax()) for i in ids]
+        out = engine.decode_batch([together[i].state for i in ids], toks)
+        for row, (i, t) in enumerate(zip(ids, toks)):
+            last_a[i] = engine.decode(alone[i].state, t)
+            last_t[i] = out[row]
+            worst = max(worst, ((last_t[i] - last_a[i]).abs().max() / last_a[i].abs().max()).item())
+    assert worst < 1e-5, worst
+    assert [r.state.pos for r in together] == [r.state.pos for r in alone]
+    assert torch.equal(last_t[0], last_t[2])          # the same request twice in one batch: the same answer
+    with pytest.raises(ValueError, match="tokens"):
+        engine.decode_batch([together[0].state], [1, 2])
