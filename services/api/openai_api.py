@@ -262,9 +262,13 @@ class Answer:
             return _sse({**self._frame(choices, **extra), "object": chunk})
 
         try:
-            if self.kind == "chat":         # the first chunk: the first token exists (the head came with it)
+            # the first chunk: the first token exists (the head came with it), whatever its text: a token's text
+            # follows once it is final (a whole UTF-8 character, not the start of a stop sequence)
+            if self.kind == "chat":
                 yield frame([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
                               "logprobs": None}])
+            else:
+                yield frame([self._choice("", None, True)])
             async for delta in self._consume(events):
                 yield frame([self._choice(delta, None, True)])
             yield frame([self._choice(None if self.kind == "chat" else "", self.finish, True)],

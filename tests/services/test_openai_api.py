@@ -3,7 +3,7 @@
 chat and completions, streamed and not, equal to /v1/generate at temperature 0; sampling with a seed; stop
 sequences; usage with the reused rows; request ids; clear errors. 16 concurrent streaming clients for 30 s complete
 with no error and the worker's gauges agree with them; concurrent recompute-arm requests decode in one batched
-forward and answer as they do alone."""
+forward per arm and answer as they do alone."""
 from __future__ import annotations
 
 import json
@@ -105,6 +105,7 @@ def test_completions_equal_generate_at_temperature_0_streamed_and_not(client, ht
                                          stream=True, stream_options={"include_usage": True},
                                          extra_body={"documents": docs, "arm": arm})
     chunks = list(streamed)
+    assert chunks[0].choices[0].text == "" and chunks[0].choices[0].finish_reason is None   # sent at the first token
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want["answer"]
     assert chunks[-1].usage.completion_tokens == len(want["tokens"])
     final = [c for c in chunks if c.choices and c.choices[0].finish_reason][0]
@@ -126,21 +127,30 @@ def test_chat_applies_the_chat_template_the_same_way_in_both_arms(client, http, 
         assert out.usage.prompt_tokens == same.usage.prompt_tokens
 
 
-def test_streamed_chat_sends_its_first_chunk_before_the_answer_is_done(client, docs):
-    whole = client.chat.completions.create(model="redknot-tiny", messages=chat_messages(docs), max_tokens=32,
-                                           temperature=0)
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_streams_send_their_first_chunk_before_the_answer_is_done(client, docs, kind):
+    if kind == "chat":
+        ask = lambda **kw: client.chat.completions.create(model="redknot-tiny", messages=chat_messages(docs),  # noqa: E731
+                                                          max_tokens=32, temperature=0, **kw)
+        text = lambda choice: choice.delta.content or ""                                                    # noqa: E731
+        whole_text = lambda out: out.choices[0].message.content                                             # noqa: E731
+    else:
+        ask = lambda **kw: client.completions.create(model="redknot-tiny", prompt=QUESTION, max_tokens=32,   # noqa: E731
+                                                     temperature=0, extra_body={"documents": docs}, **kw)
+        text = lambda choice: choice.text                                                                   # noqa: E731
+        whole_text = lambda out: out.choices[0].text                                                        # noqa: E731
+    whole = ask()
     t0 = time.perf_counter()
-    stream = client.chat.completions.create(model="redknot-tiny", messages=chat_messages(docs), max_tokens=32,
-                                            temperature=0, stream=True)
+    stream = ask(stream=True)
     first, parts, finish = None, [], None
     for chunk in stream:
         first = first or time.perf_counter()
         if chunk.choices:
-            parts.append(chunk.choices[0].delta.content or "")
+            parts.append(text(chunk.choices[0]))
             finish = chunk.choices[0].finish_reason or finish
     done = time.perf_counter()
     n = len(whole.model_extra["redknot"]["tokens"])
-    assert "".join(parts) == whole.choices[0].message.content and finish == whole.choices[0].finish_reason
+    assert "".join(parts) == whole_text(whole) and finish == whole.choices[0].finish_reason
     assert n > 8, "the tiny model ended its answer early; the timing below needs a longer one"
     assert first - t0 < done - t0, (first - t0, done - t0)
     # the first chunk leaves with the first token: well before the remaining n - 1 decode steps are done
@@ -277,18 +287,20 @@ def test_16_concurrent_streaming_clients_complete_and_the_gauges_agree(stack, cl
           f"p99 {q[98]:.3f} s")
 
 
-def test_concurrent_recompute_requests_decode_in_one_forward_and_answer_as_alone(stack, http, docs):
-    """Recompute-arm requests in flight together take their decode steps in one batched forward
-    (Transformer.decode; `redknot_decode_batch_size` counts the batches) and answer exactly what each answers
+@pytest.mark.parametrize("arm", ["recompute", "reuse"])
+def test_concurrent_requests_decode_in_one_forward_and_answer_as_alone(stack, http, docs, arm):
+    """Requests in flight together take their decode steps in one batched forward per arm (Transformer.decode,
+    ReuseEngine.decode_batch; `redknot_decode_batch_size` counts the batches) and answer exactly what each answers
     alone at temperature 0."""
     questions = [f"Question {i}: where does the river go?" for i in range(4)]
-    alone = [generate(http, docs, q, 12, arm="recompute")["tokens"] for q in questions]
+    alone = [generate(http, docs, q, 12, arm=arm) for q in questions]
     worker = stack.metrics_targets()["worker"]
     before = scrape(worker)
     with ThreadPoolExecutor(4) as pool:
-        together = list(pool.map(lambda q: generate(http, docs, q, 12, arm="recompute")["tokens"], questions))
+        together = list(pool.map(lambda q: generate(http, docs, q, 12, arm=arm), questions))
     after = scrape(worker)
-    assert together == alone
+    assert all(r["arm"] == arm and r["fallback"] is None for r in alone + together)
+    assert [r["tokens"] for r in together] == [r["tokens"] for r in alone]
     count = after["redknot_decode_batch_size_count"] - before.get("redknot_decode_batch_size_count", 0)
     single = after['redknot_decode_batch_size_bucket{le="1.0"}'] - before.get(
         'redknot_decode_batch_size_bucket{le="1.0"}', 0)
