@@ -7,7 +7,7 @@ builder is stopped before the clock starts and every document is in the worker's
 fixed: every request is the same shape (the documents of its length and the same question) and generates exactly
 --output-tokens tokens (`ignore_eos`), streamed through `POST /v1/completions` with the `openai` wire format. At each
 concurrency C, C clients send requests back to back for --windows windows of --window-s seconds (after a warm-up
-window); per window: requests completed in it per second and tokens generated in it per second. Reported: the mean
+window; one more window at a time while fewer than 3 requests completed in them); per window: requests completed in it per second and tokens generated in it per second. Reported: the mean
 over windows with a 95% bootstrap confidence interval, the median time to the first streamed chunk, and the reuse
 arm's throughput over the recompute arm's at the same concurrency.
 
@@ -66,32 +66,48 @@ def one_request(c: httpx.Client, ids: list[str], arm: str, n_out: int) -> tuple[
     return sent, first, time.perf_counter(), tokens
 
 
+MIN_DONE = 3           # requests completed inside the timed windows before a case ends
+MAX_EXTRA = 10         # at most this many times --windows windows are timed
+
+
 def run_concurrency(stack: LocalStack, ids: list[str], arm: str, conc: int, n_out: int, window_s: float,
                     windows: int) -> dict:
-    """`conc` clients back to back for one warm-up window then `windows` timed ones."""
+    """`conc` clients back to back for one warm-up window then `windows` timed ones, and one more window at a time
+    while fewer than MIN_DONE requests completed in the timed ones (slow requests or a loaded machine: a rate
+    from no completed request is no measurement)."""
     t0 = time.perf_counter() + window_s                  # the first timed window starts after the warm-up one
-    end = t0 + windows * window_s
     done: list[tuple[float, float, float, int]] = []
     errors: list[BaseException] = []
     lock = threading.Lock()
+    stop = threading.Event()
 
     def client() -> None:
         try:
             with _client(stack) as c:
-                while time.perf_counter() < end:
+                while not stop.is_set():
                     out = one_request(c, ids, arm, n_out)
                     with lock:
                         done.append(out)
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
             errors.append(e)
+            stop.set()
 
     threads = [threading.Thread(target=client) for _ in range(conc)]
     for t in threads:
         t.start()
+    end = t0 + windows * window_s
+    while not stop.wait(max(0.0, end - time.perf_counter())):
+        with lock:
+            enough = sum(t0 <= r[2] < end for r in done) >= MIN_DONE
+        if enough or end >= t0 + MAX_EXTRA * windows * window_s:
+            break
+        end += window_s
+    stop.set()
     for t in threads:
         t.join()
     if errors:
         raise errors[0]
+    windows = round((end - t0) / window_s)
     req_s, tok_s = [], []
     for w in range(windows):
         lo, hi = t0 + w * window_s, t0 + (w + 1) * window_s
@@ -99,6 +115,8 @@ def run_concurrency(stack: LocalStack, ids: list[str], arm: str, conc: int, n_ou
         req_s.append(len(inside) / window_s)
         tok_s.append(sum(r[3] for r in inside) / window_s)
     timed = [r for r in done if t0 <= r[2] < end]
+    if len(timed) < MIN_DONE:
+        raise SystemExit(f"{arm} x{conc}: {len(timed)} requests completed in {windows} windows of {window_s:g} s")
     if any(r[3] != n_out for r in timed):
         raise SystemExit(f"a request generated {[r[3] for r in timed if r[3] != n_out][0]} tokens, not {n_out}")
     return dict(arm=arm, concurrency=conc, requests=len(timed), req_s=statistics.fmean(req_s),
@@ -148,20 +166,9 @@ def main() -> int:
                 wait_ready(c, sets[L])
             builder_code = stack.services["builder"].stop()
             stack.restart("worker")
-            slowest = 0.0
             for L in lengths:
                 for arm in ("recompute", "reuse"):
-                    for _ in range(2):          # the first compiles and fills the tier; the second is timed
-                        sent, _, done, _ = one_request(c, sets[L], arm, args.output_tokens)
-                    slowest = max(slowest, done - sent)
-        # a window holds about three completed requests or more, or it measures when requests end, not a rate: the
-        # worker runs one forward at a time, so at any concurrency requests complete at least as often as one request
-        # takes alone (at concurrency C each takes about C times as long, but C of them run)
-        need = 3 * slowest
-        if need > args.window_s:
-            print(f"  windows widened from {args.window_s:g} s to {need:.1f} s: a request took {slowest:.2f} s",
-                  flush=True)
-            args.window_s = need
+                    one_request(c, sets[L], arm, args.output_tokens)    # compiles; fills the tier
         for L in lengths:
             for conc in concs:
                 pair = {}

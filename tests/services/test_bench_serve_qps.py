@@ -22,7 +22,7 @@ def test_serve_qps_small_drives_both_arms_at_each_concurrency(tmp_path):
     assert {(row["arm"], row["concurrency"]) for row in run["rows"]} == {(a, c) for a in ("recompute", "reuse")
                                                                          for c in (1, 2)}
     for row in run["rows"]:
-        assert row["requests"] > 0 and len(row["windows_req_s"]) == 3, row
+        assert row["requests"] >= 3 and len(row["windows_req_s"]) >= 3, row     # windows added until 3 completed
         lo, hi = row["req_s_ci"]
         assert lo - 1e-9 <= row["req_s"] <= hi + 1e-9, row       # the mean inside its bootstrap interval
         assert row["tok_s"] == pytest.approx(row["req_s"] * run["output_tokens"]), row
