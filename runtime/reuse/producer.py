@@ -12,12 +12,16 @@ from .roles import local_mask
 PRODUCER_VERSION = "redknot-producer/1"
 
 
+def padded_length(n: int, align: int) -> int:
+    """A document of n tokens after `pad_document`: the next multiple of `align`."""
+    return n + (-n) % align
+
+
 def pad_document(tokens: list[int], align: int, pad_id: int) -> list[int]:
     """Documents are padded at the end with the pad token up to a multiple of `align`, so every segment
     start in a request stays aligned to compression blocks. The padding is part of the document's tokens
     and is identical in both arms."""
-    n = len(tokens)
-    return list(tokens) + [pad_id] * ((-n) % align)
+    return list(tokens) + [pad_id] * (padded_length(len(tokens), align) - len(tokens))
 
 
 @torch.inference_mode()

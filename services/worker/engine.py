@@ -29,7 +29,7 @@ from runtime.reuse.call import RequestState
 from runtime.reuse.certificate import BROKEN_ARTIFACT, FallbackReason, Verdict
 from runtime.reuse.engine import ReuseEngine
 from runtime.reuse.stager import HotSource, StagedSource, Trace
-from runtime.reuse.producer import pad_document
+from runtime.reuse.producer import pad_document, padded_length
 from runtime.reuse.request import answer_staged
 from services.common.failpoints import Failpoints
 from services.common.serving import Binding
@@ -346,7 +346,6 @@ class RankEngine:
             ledger["ttft_s"] = {arm: ttft}
             rows = ledger["rows"]
             cached = max(0, rows["prefix"] + rows["relocated"] - rows["active"])
-        align = self.binding.profile.align       # each document padded to a multiple of it (pad_document)
-        prompt = sum(len(d) + (-len(d)) % align for d in docs) + len(req.question)
+        prompt = sum(padded_length(len(d), self.binding.profile.align) for d in docs) + len(req.question)
         return WorkerHead(arm=arm, ttft_s=ttft, fetch_s=fetch_s, ledger=ledger, fallback=fallback,
                           prompt_tokens=prompt, cached_tokens=cached)
