@@ -48,7 +48,7 @@ SYNCS = {"aten::_local_scalar_dense", "aten::nonzero"}
 
 def _gpu_path() -> None:
     """Route the consumer through its GPU code path with each kernel counted as one launch."""
-    import runtime.reuse.engine as engine
+    import runtime.reuse.deepseek as deepseek
     import runtime.reuse.picks as picks_mod
     import runtime.reuse.segments as consumer
     from runtime.kernels.reference import sparse_mqa_reference
@@ -142,12 +142,12 @@ def _gpu_path() -> None:
         MoE.grouped_ok = lambda self, x: True
         torch._grouped_mm = one("grouped_mm", torch._grouped_mm)    # its CPU fallback's host reads are not CUDA's
         RMSNorm._counted = True
-    layer = engine.ReuseEngine._reusable_layer
+    layer = deepseek.DeepSeekAdapter._reusable_layer
 
     def counted(self, *a, **kw):
         with torch.profiler.record_function("reusable_layer"):
             return layer(self, *a, **kw)
-    engine.ReuseEngine._reusable_layer = counted
+    deepseek.DeepSeekAdapter._reusable_layer = counted
 
 
 def main() -> int:
@@ -222,7 +222,7 @@ def main() -> int:
             phases[ph] += c
             phase_ops[(ph, op)] += c
     print("per reusable layer" if pick is None else f"reusable layer {args.layer}",
-          "by innermost phase label (runtime/reuse/engine.py):")
+          "by innermost phase label (runtime/reuse/deepseek.py):")
     for k, v in phases.most_common():
         print(f"  {k:28s} {v / div:6.0f}")
         if args.by_phase:

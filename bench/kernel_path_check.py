@@ -26,29 +26,27 @@ CFG = tiny_reuse()
 
 
 def run(model, arts, question, prof, force):
+    """The reuse prefill with every layer's output traced; `force`: the active rows (None: the profile's rule).
+    Returns the result, the trace and the active rows as a mask over the relocated rows."""
     eng = ReuseEngine(model, prof)
     trace = {}
-    own_layer, own_choose = eng._reusable_layer, eng._choose_active
+    own_layer = eng.adapter._reusable_layer
 
-    def layer(i, block, x, *a, **kw):
-        out = own_layer(i, block, x, *a, **kw)
+    def layer(call, i, *a, **kw):
+        out = own_layer(call, i, *a, **kw)
         trace[i] = out.float().cpu().clone()
         return out
     hooks = [b.register_forward_hook(lambda mod, inp, out, i=i: trace.__setitem__(i, out.float().cpu().clone()))
              for i, b in enumerate(model.layers)]
-    eng._reusable_layer = layer
-    chosen = {}
-
-    def choose(*a):
-        chosen["a"] = own_choose(*a) if force is None else force
-        return chosen["a"]
-    eng._choose_active = choose
+    eng.adapter._reusable_layer = layer
     try:
-        res = eng.prefill(arts, question)
+        res = eng.prefill(arts, question, active=force)
     finally:
         for h in hooks:
             h.remove()
-    return res, trace, chosen["a"]
+    active = torch.zeros(sum(a.n for a in arts[1:]), dtype=torch.bool)
+    active[(res.active_rows - arts[0].n).cpu()] = True
+    return res, trace, active
 
 
 def main() -> int:

@@ -112,7 +112,7 @@ def main() -> int:
     from runtime.llama.loader import load_llama
     from runtime.llama.model import Llama
     from runtime.llama.tokenizer import ChatTokenizer
-    from runtime.reuse.llama_engine import LlamaReuseEngine
+    from runtime.reuse.engine import ReuseEngine
 
     d = convert_gguf().out
     model, tok = load_llama(d), ChatTokenizer.from_dir(d)
@@ -123,14 +123,14 @@ def main() -> int:
     for name, label in PHASES.items():
         if hasattr(harness, name):
             wrap(mode, harness, name, label)
-    init = LlamaReuseEngine.__init__
+    init = ReuseEngine.__init__
 
     def init_path(self, *a, **kw):                  # count the path the engine takes on CUDA unless --cpu-path
         init(self, *a, **kw)
         self.adapter.split_heads = args.cpu_path
-    LlamaReuseEngine.__init__ = init_path
-    wrap(mode, LlamaReuseEngine, "generate", engine_label)
-    wrap(mode, LlamaReuseEngine, "prefill_cache", engine_label)
+    ReuseEngine.__init__ = init_path
+    wrap(mode, ReuseEngine, "generate", engine_label)
+    wrap(mode, ReuseEngine, "prefill_cache", engine_label)
     wrap(mode, Llama, "greedy_many", "decode (all arms, batched)")
     import runtime.reuse.controller as engine                   # the fast path runs the controller on host tensors
     for f in ("choose_active", "choose_by_deviation", "choose_top"):

@@ -8,7 +8,7 @@ per-layer q/k/v captured. From it come two oracles a serving system cannot have 
 Beside them the rules the engine implements (`select=`): mixed (the shared controller), deviation (first-fence
 K deviation, CacheBlend-style), attention (the question's draft pass over the artifacts,
 `LlamaAdapter.draft_attention`), and a seeded random pick. Every rule spends the same budget (ceil(budget x
-relocated rows)) through the same engine (`LlamaReuseEngine.prefill_cache`, the oracles through its `active=`
+relocated rows)) through the same engine (`ReuseEngine.prefill_cache`, the oracles through its `active=`
 mask).
 
 Per rule: first-token KL(recompute || rule), answer agreement with the recompute arm (greedy, --max-new-tokens),
@@ -35,8 +35,8 @@ from runtime.eval.data import load_task                                         
 from runtime.eval.harness import _kl, eval_profile, layout, stop_tokens                # noqa: E402
 from runtime.eval.metrics import answers_agree                                        # noqa: E402
 from runtime.reuse.controller import choose_top                                       # noqa: E402
-from runtime.llama.adapter import produce_llama_packed, relocate                     # noqa: E402
-from runtime.reuse.llama_engine import LlamaReuseEngine                              # noqa: E402
+from runtime.llama.artifacts import produce_llama_packed, relocate                   # noqa: E402
+from runtime.reuse.engine import ReuseEngine                                        # noqa: E402
 from runtime.reuse.signals import rel_deviation                                      # noqa: E402
 from bench.report import write_json  # noqa: E402
 
@@ -81,8 +81,9 @@ def study(model, tok, ex, budget: float, max_new: int, stop: set[int]) -> dict:
              "random": choose_top(prof, torch.rand(n_reloc, generator=torch.Generator().manual_seed(0)))}
     names, firsts, caches, covers = ["recompute"], [ref], [cache], {}
     for name in RULES + ORACLES:
-        eng = LlamaReuseEngine(model, prof.replace(select=name if name in RULES else "mixed"))
-        logits, c, led = eng.prefill_cache(arts, lay.question, reloc, active=given.get(name))
+        eng = ReuseEngine(model, prof.replace(select=name if name in RULES else "mixed"))
+        r = eng.prefill_cache(arts, lay.question, reloc, active=given.get(name))
+        logits, c, led = r.logits, r.state, r.ledger
         mask = torch.zeros(n_reloc, dtype=torch.bool)
         mask[list(led.active_rows)] = True                   # the rule's own rows (or the oracle's), for its cover
         assert led.active == int(mask.sum()) == math.ceil(budget * n_reloc - 1e-9), (name, led.active)

@@ -486,7 +486,7 @@ def main() -> int:
                 avg = prof_.key_averages()
                 print(avg.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=60))
                 dev_t = (lambda e: e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total)
-                print(f"## {arm} arm at {L}: phases (labels in runtime/reuse/engine.py and Block.forward; nested "
+                print(f"## {arm} arm at {L}: phases (labels in runtime/reuse/deepseek.py and Block.forward; nested "
                       f"labels count inside their parents), CUDA time of the kernels each launched")
                 for e in sorted((e for e in avg if e.key.startswith(("rk.", "blk."))), key=lambda e: -dev_t(e)):
                     print(f"   {e.key:16s} calls {e.count:6d}  CUDA {dev_t(e) / 1e3:9.1f} ms  "

@@ -30,9 +30,9 @@ import torch
 
 from runtime.llama.model import Llama
 from runtime.llama.tokenizer import ChatTokenizer
-from runtime.llama.adapter import produce_llama, produce_llama_packed, relocate
+from runtime.llama.artifacts import produce_llama, produce_llama_packed, relocate
 from runtime.reuse.greedy import greedy
-from runtime.reuse.llama_engine import LlamaReuseEngine
+from runtime.reuse.engine import ReuseEngine
 from runtime.reuse.profile import ReuseProfile
 from .arms import DEFAULTS, JOIN_ROWS, RECENT_ROWS, arm_list
 from .data import QAExample
@@ -174,14 +174,14 @@ def _arms(model, lay, ex, arms, engine_arms, base, res, cap, stop, window) -> di
     for arm in engine_arms:
         prof = profs[arm.name]
         arts = produced[json.dumps(prof.to_dict(), sort_keys=True)]
-        eng = LlamaReuseEngine(model, prof, mode=arm.kind)
+        eng = ReuseEngine(model, prof, mode=arm.kind)
         verdict = eng.verify(arts)
         if not verdict.ok:
             raise EvalRejected(f"example {ex.id}: {verdict.reason.value}: {verdict.detail}")
         t0 = time.perf_counter()
-        first, cache, led = eng.prefill_cache(arts, lay.question, reloc)
+        r = eng.prefill_cache(arts, lay.question, reloc)
         res[arm.name].seconds += time.perf_counter() - t0
-        started[arm.name] = (first, cache, led.summary())
+        started[arm.name] = (r.logits, r.state, r.ledger.summary())
     t0 = time.perf_counter()
     names = list(started)
     ids = model.greedy_many([started[a][1] for a in names], [started[a][0] for a in names], cap, stop)
@@ -234,14 +234,14 @@ def _arms_reference(model, lay, ex, arms, engine_arms, base, res, max_new_tokens
         if key not in produced:
             produced[key] = [produce_llama(model, s, prof) for s in lay.segments]
         arts = produced[key]
-        eng = LlamaReuseEngine(model, prof, mode=arm.kind)
+        eng = ReuseEngine(model, prof, mode=arm.kind)
         verdict = eng.verify(arts)
         if not verdict.ok:
             raise EvalRejected(f"example {ex.id}: {verdict.reason.value}: {verdict.detail}")
         t0 = time.perf_counter()
-        ids, first, led = eng.generate(arts, lay.question, max_new_tokens, stop, reference=True)
+        ids, r = eng.generate(arts, lay.question, max_new_tokens, stop)
         res[arm.name].seconds += time.perf_counter() - t0
-        answers[arm.name] = (ids, first, led.summary(), _engine_forced(eng, arts, lay.question, ref, n))
+        answers[arm.name] = (ids, r.logits, r.ledger.summary(), _engine_forced(eng, arts, lay.question, ref, n))
     return answers
 
 
@@ -256,11 +256,11 @@ def _prefix_only_forced(model: Llama, lay: Layout, ref: list[int], n: int) -> to
     return torch.stack(out)
 
 
-def _engine_forced(eng: LlamaReuseEngine, arts, question: list[int], ref: list[int], n: int) -> torch.Tensor:
+def _engine_forced(eng: ReuseEngine, arts, question: list[int], ref: list[int], n: int) -> torch.Tensor:
     """An engine arm's logits along the recompute continuation: its own per-segment prefill, then its own
     decode fed the recompute tokens instead of its argmax."""
-    logits, state, _ = eng.prefill(arts, question)
-    return torch.stack([logits] + [eng.decode(state, t) for t in ref[:n - 1]])
+    r = eng.prefill(arts, question)
+    return torch.stack([r.logits] + [eng.decode(r.state, t) for t in ref[:n - 1]])
 
 
 def eval_profile(fences: tuple[int, int]) -> ReuseProfile:

@@ -1,6 +1,6 @@
-"""The Llama family's side of the reuse path (Llama, Qwen2, SmolLM2): its artifacts, their producer and
-relocation, and the per-layer math the engine (`runtime/reuse/llama_engine.py`) runs under the shared controller,
-ledger and certificate.
+"""The Llama family's side of the reuse path (Llama, Qwen2, SmolLM2): the per-layer math and passes the engine
+(`runtime/reuse/engine.py`) runs under the shared request loop, controller, ledger and certificate; its artifacts,
+their producers and relocation are `artifacts.py`.
 
 What differs from DeepSeek-V4 and simplifies it: K and V are separate per KV head, RoPE turns whole heads and
 only K carries it (so relocation rotates the query and needs no output de-rotation), there is no sink, no
@@ -14,153 +14,18 @@ layers over every relocated row's artifact K/V (what the naive arm sees); the at
 give each relocated row, summed over those layers, rows and heads, ranks the rows."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 
+from runtime.llama.artifacts import LlamaArtifact, Relocated, expectations, global_heads, relocate
 from runtime.llama.model import KVCache, Llama, LayerCache, merge
-from runtime.reuse.certificate import Certificate, token_hash
 from runtime.reuse.controller import doc_offsets
 from runtime.reuse.ledger import RowLedger
-from runtime.reuse.profile import ReuseProfile
+from runtime.reuse.loop import Pass, ReuseResult
+from runtime.reuse.profile import ProfileError, ReuseProfile
 from runtime.reuse.signals import attention_mass, rel_deviation
-
-PRODUCER_VERSION = "redknot-llama-producer/1"
-
-@dataclass
-class LlamaArtifact:
-    tokens: list[int]
-    k: list[torch.Tensor]                     # per layer [n, KV, D], RoPE at canonical positions 0..n-1
-    v: list[torch.Tensor]                     # per layer [n, KV, D]
-    local: list[torch.Tensor | None]          # per layer [n, d]: W_o,L O_L in reusable layers
-    cert: Certificate | None = None           # what the artifact is certified for (`certify`)
-
-    @property
-    def n(self) -> int:
-        return len(self.tokens)
-
-
-def expectations(model: Llama, fingerprint: str = "") -> dict:
-    """What a consumer on `model` requires of a certificate (`certificate.validate`'s keywords but the token hash,
-    profile and generation): one rank holding every head and channel, every layer's K/V, the model's dtype and
-    this producer. `fingerprint`: the checkpoint's, where the caller has one (the eval harness produces and
-    consumes on one loaded model and leaves it empty)."""
-    return dict(fingerprint=fingerprint, tp_size=1, tp_rank=0, channel_range=(0, model.cfg.hidden_size),
-                layers_needed=set(range(len(model.layers))),
-                dtype=str(next(model.parameters()).dtype).removeprefix("torch."), producer_version=PRODUCER_VERSION)
-
-
-def certify(model: Llama, tokens: list[int], prof: ReuseProfile, tokenizer_fp: str = "",
-            fingerprint: str = "") -> Certificate:
-    """The certificate of an artifact of `tokens` produced on `model` for `prof` (held in memory: generation 0,
-    no shard digests), in the shared certificate format the DeepSeek artifacts use."""
-    e = expectations(model, fingerprint)
-    return Certificate(e["fingerprint"], token_hash(tokens, tokenizer_fp), len(tokens), prof.to_dict(), 1, 0,
-                       e["channel_range"], tuple(sorted(e["layers_needed"])), e["dtype"], PRODUCER_VERSION)
-
-
-def global_heads(model: Llama, prof: ReuseProfile) -> torch.Tensor:
-    G = model.cfg.num_attention_heads // model.cfg.num_key_value_heads
-    return torch.arange(model.cfg.num_attention_heads) % G < prof.global_per_group
-
-
-@torch.inference_mode()
-def produce_llama(model: Llama, tokens: list[int], prof: ReuseProfile, tokenizer_fp: str = "",
-                  fingerprint: str = "") -> LlamaArtifact:
-    return produce_llama_many(model, tokens, [prof], tokenizer_fp, fingerprint)[0]
-
-
-@torch.inference_mode()
-def produce_llama_many(model: Llama, tokens: list[int], profs: list[ReuseProfile], tokenizer_fp: str = "",
-                       fingerprint: str = "") -> list[LlamaArtifact]:
-    """One document's artifact for each profile from one forward: K/V do not depend on the profile (the
-    artifacts share those tensors), the Local projections only on the fences and Global heads per group."""
-    n_layers = len(model.layers)
-    dev = next(model.parameters()).device
-    cache = model.new_cache()
-    for lc in cache.layers:
-        lc.capture = {}
-    model(torch.tensor(tokens, device=dev), cache)
-    caps = [lc.capture for lc in cache.layers]
-    for lc in cache.layers:
-        lc.capture = None
-    ks = [c["k"].clone() for c in caps]
-    vs = [c["v"].clone() for c in caps]
-    local: dict[tuple[int, int], torch.Tensor] = {}                 # (layer, global_per_group) -> W_o,L O_L
-    out = []
-    for prof in profs:
-        loc = (~global_heads(model, prof)).nonzero().flatten().to(dev)      # Local head ids (host mask: no sync)
-        locals_ = []
-        for i, (layer, cap) in enumerate(zip(model.layers, caps)):
-            if i < prof.first_fences or i >= n_layers - prof.last_fences:
-                locals_.append(None)
-                continue
-            key = (i, prof.global_per_group)
-            if key not in local:
-                local[key] = layer.self_attn.project(cap["o"].index_select(1, loc), heads=loc)
-            locals_.append(local[key])
-        out.append(LlamaArtifact(list(tokens), ks, vs, locals_,
-                                 certify(model, tokens, prof, tokenizer_fp, fingerprint)))
-    return out
-
-
-@torch.inference_mode()
-def produce_llama_packed(model: Llama, segments: list[list[int]], profs: list[ReuseProfile], tokenizer_fp: str = "",
-                         fingerprint: str = "") -> list[list[LlamaArtifact]]:
-    """`produce_llama_many` for every document of a request in one packed forward (`Llama.forward_packed`):
-    per profile, the artifacts of the documents in order; equal to producing each alone up to rounding."""
-    n_layers = len(model.layers)
-    caps = model.forward_packed(segments)
-    dev = caps[0][0].device
-    bounds = [0]
-    for t in segments:
-        bounds.append(bounds[-1] + len(t))
-    cut = lambda x: [x[a:b] for a, b in zip(bounds, bounds[1:])]            # noqa: E731
-    ks = list(zip(*(cut(k) for k, _, _ in caps)))                          # per document, per layer
-    vs = list(zip(*(cut(v) for _, v, _ in caps)))
-    local: dict[tuple[int, int], list[torch.Tensor]] = {}
-    out = []
-    for prof in profs:
-        loc = (~global_heads(model, prof)).nonzero().flatten().to(dev)
-        per_layer = []
-        for i, (layer, (_, _, o)) in enumerate(zip(model.layers, caps)):
-            if i < prof.first_fences or i >= n_layers - prof.last_fences:
-                per_layer.append([None] * len(segments))
-                continue
-            key = (i, prof.global_per_group)
-            if key not in local:
-                local[key] = cut(layer.self_attn.project(o.index_select(1, loc), heads=loc))
-            per_layer.append(local[key])
-        out.append([LlamaArtifact(list(t), list(ks[j]), list(vs[j]), [p[j] for p in per_layer],
-                                  certify(model, t, prof, tokenizer_fp, fingerprint))
-                    for j, t in enumerate(segments)])
-    return out
-
-
-@dataclass
-class Relocated:
-    """Every document row's artifact K/V at its request position (K rotated by its segment's offset; the
-    prefix's offset is 0), per layer [q_start, KV, D]. The naive and reuse arms of one request share it: the
-    artifacts' K/V do not depend on the profile."""
-    k: list[torch.Tensor]
-    v: list[torch.Tensor]
-    deltas: list[int]
-    n: int                                    # q_start: rows before the question
-
-
-@torch.inference_mode()
-def relocate(model: Llama, docs: list[LlamaArtifact]) -> Relocated:
-    deltas = doc_offsets([d.n for d in docs])
-    pos = deltas[-1] + docs[-1].n
-    dev = docs[0].k[0].device
-    shift = torch.tensor([dl for d, dl in zip(docs, deltas) for _ in range(d.n)], device=dev)
-    L = len(model.layers)
-    k = torch.cat([torch.stack(d.k, dim=1) for d in docs])                # [q_start, L, KV, D]
-    k = model.rotary.rotate(k, shift)
-    v = torch.cat([torch.stack(d.v, dim=1) for d in docs])
-    return Relocated([k[:, i] for i in range(L)], [v[:, i] for i in range(L)], deltas, pos)
-
-
 
 @dataclass
 class LlamaLedger(RowLedger):
@@ -205,17 +70,72 @@ class LlamaLedger(RowLedger):
 
 
 class LlamaAdapter:
-    """The per-layer math of the reuse path on one Llama-family model and profile. `full_layers`: the last fences
-    that keep non-active rows' artifact K/V (every head of active and new rows is computed there). `split_heads`:
-    the cache path's reusable attention split by heads (`reusable_attention`)."""
+    """The Llama family's side of the reuse engine over one model and profile (`runtime/reuse/engine.py`): its
+    passes (`begin`: per-segment attention with queries rotated per segment and an LSE merge; `cache_pass`: the
+    request's own KV cache, relocated once) and the per-layer math they run. `mode`: "reuse" or "naive".
+    `split_heads`: the cache path's reusable attention split by heads (`reusable_attention`; default: off CUDA).
+    In the last fences with `last_fence_kv="artifact"` (`full_layers`), non-active rows keep their artifact K/V
+    and every head of active and new rows is computed."""
+    family = "llama"
 
-    def __init__(self, model: Llama, prof: ReuseProfile, full_layers: set[int], split_heads: bool):
+    def __init__(self, model: Llama, prof: ReuseProfile, mode: str = "reuse", split_heads: bool | None = None):
         c = model.cfg
-        self.model, self.prof, self.full_layers, self.split_heads = model, prof, full_layers, split_heads
-        self.gmask = global_heads(model, prof)
+        if prof.first_fences + prof.last_fences > len(model.layers):
+            raise ValueError("fences exceed the model's layers")
+        if prof.ffn_mode not in ("skip", "native"):
+            raise ProfileError(f"ffn_mode={prof.ffn_mode!r}: a Llama layer has no shared expert (skip or native)")
+        if not 1 <= prof.global_per_group <= c.heads_per_kv:
+            raise ProfileError(f"global_per_group={prof.global_per_group} not in 1..{c.heads_per_kv}")
+        self.model, self.prof, self.mode = model, prof, mode
         self.n_layers = len(model.layers)
+        self.full_layers = set(range(self.n_layers - prof.last_fences, self.n_layers)) \
+            if mode == "reuse" and prof.last_fence_kv == "artifact" else set()
+        self.split_heads = split_heads if split_heads is not None else \
+            next(model.parameters()).device.type != "cuda"
+        self.gmask = global_heads(model, prof)
         self.H, self.KV, self.D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.dims = (c.hidden_size, c.head_dim, c.num_key_value_heads, c.intermediate_size)
+
+    def expectations(self, fingerprint: str = "") -> dict:
+        return expectations(self.model, fingerprint)
+
+    def stop_tokens(self) -> set[int]:
+        return set(self.model.cfg.eos_token_ids)
+
+    def scope(self):
+        return contextlib.nullcontext()
+
+    def is_fence(self, i: int) -> bool:
+        """A layer that recomputes every row from its hidden state."""
+        return self.mode == "reuse" and (i < self.prof.first_fences or (
+            i >= self.n_layers - self.prof.last_fences and i not in self.full_layers))
+
+    def begin(self, docs: list[LlamaArtifact], question: list[int]) -> "SegmentsPass":
+        return SegmentsPass(self, docs, question)
+
+    def cache_pass(self, docs: list[LlamaArtifact], question: list[int], reloc: Relocated | None = None) -> "CachePass":
+        return CachePass(self, docs, question, reloc if reloc is not None else relocate(self.model, docs))
+
+    def decode_batch(self, states: list, tokens: list[int]) -> torch.Tensor:
+        """One new row per request, request by request: on a request cache (`cache_pass`) the model's own forward;
+        on a per-segment state (`begin`) the per-segment layers. [B, V]"""
+        return torch.stack([self.model(torch.tensor([t], device=self.model.embed_tokens.weight.device), s)
+                            if isinstance(s, KVCache) else self._decode(s, t) for s, t in zip(states, tokens)])
+
+    def _decode(self, state: dict, token: int) -> torch.Tensor:
+        m = self.model
+        dev = m.embed_tokens.weight.device
+        pos = torch.tensor([state["pos"]], device=dev)
+        x = m.embed(torch.tensor([token], device=dev))
+        none = torch.zeros(0, dtype=torch.bool, device=dev)
+        uncounted = self.ledger(0, 0, 0)
+        for i, layer in enumerate(m.layers):
+            if i in state["fence"]:
+                x = layer(x, pos, state["fence"][i])
+            else:
+                x = self.layer(i, layer, x, pos, None, None, none, 0, state, uncounted)
+        state["pos"] += 1
+        return m.logits(x)[0]
 
     def ledger(self, n_prefix: int, n_reloc: int, n_new: int) -> LlamaLedger:
         return LlamaLedger(n_prefix=n_prefix, n_reloc=n_reloc, n_new=n_new, n_layers=self.n_layers, n_heads=self.H,
@@ -343,7 +263,6 @@ class LlamaAdapter:
             state["segs"][i] = self.segments(i, attn, h, docs, deltas, active, n_rc, dev)
         segs = state["segs"][i]
         nrows = slice(n_rc, x.shape[0])
-        new_pos = positions[nrows] - state["delta_q"]
         q_new, k_new, v_new = attn.qkv(h[nrows], positions[nrows])
         k_new = attn.rotary.rotate(k_new, torch.full((k_new.shape[0],), -state["delta_q"], device=dev))
         nk, nv = state["new"].get(i, (k_new[:0], v_new[:0]))
@@ -401,3 +320,154 @@ class LlamaAdapter:
             assert lc.n == state["pos"], f"layer {i}: {lc.n} rows assembled, the request has {state['pos']}"
             layers.append(lc)
         return KVCache(layers, pos=state["pos"])
+
+
+def _record(led: LlamaLedger, active: torch.Tensor) -> torch.Tensor:
+    """The chosen relocated rows in the ledger (`active`, `active_rows`); the mask on the host."""
+    active = active.cpu()
+    led.active = int(active.sum())
+    led.active_rows = tuple(active.nonzero().flatten().tolist())
+    return active
+
+
+class SegmentsPass(Pass):
+    """The reference pass: every segment's K/V where it lies (the artifact's, active rows' overlaid on copies),
+    queries rotated per segment, partial outputs merged by log-sum-exp. Its state (`finish`) continues through
+    `LlamaAdapter._decode`, or as one cache through `LlamaAdapter.assemble`."""
+
+    def __init__(self, ad: LlamaAdapter, docs: list[LlamaArtifact], question: list[int]):
+        m = ad.model
+        dev = next(m.parameters()).device
+        super().__init__(ad.prof, [d.n for d in docs], doc_offsets([d.n for d in docs]), len(question), ad.n_layers,
+                         dev)
+        self.ad, self.docs = ad, docs
+        T_all = self.q_start + self.n_q
+        self.led = ad.ledger(docs[0].n, self.n_reloc, self.n_q)
+        self.led.recompute(T_all)
+        naive = ad.mode == "naive"
+        computed = list(range(self.q_start if naive else docs[0].n, T_all))
+        tok_all = torch.tensor([t for d in docs for t in d.tokens] + list(question), device=dev)
+        self.positions = torch.tensor(computed, device=dev)
+        self.x = m.embed(tok_all[self.positions])
+        self.n_rc = 0 if naive else self.n_reloc              # relocated rows this arm computes
+        self.state = {"fence": {}, "segs": {}, "new": {}, "delta_q": self.q_start, "pos": T_all}
+
+    def signals(self):
+        return self.deviation.cpu(), None
+
+    def is_fence(self, i: int) -> bool:
+        return self.ad.is_fence(i)
+
+    def fence(self, i: int, signals: bool) -> None:
+        ad, layer = self.ad, self.ad.model.layers[i]
+        self.x, lc, k_req, v_req = ad.fence(layer, self.x, self.positions, self.docs[0], i)
+        self.state["fence"][i] = lc
+        self.led.fence(self.x.shape[0], self.positions.float().mean().item() + 1)
+        if signals:
+            a, dev = 0, self.x.device
+            for d, dl in zip(self.docs[1:], self.deltas[1:]):
+                moved = layer.self_attn.rotary.rotate(d.k[i], torch.full((d.n,), dl, device=dev))
+                self.deviation[a:a + d.n] += ad.deviation(k_req[a:a + d.n], v_req[a:a + d.n], moved, d.v[i])
+                a += d.n
+
+    def draft(self) -> torch.Tensor:
+        nq = self.n_q
+        return self.ad.draft_attention(self.x[-nq:], self.positions[-nq:], relocate(self.ad.model, self.docs),
+                                       self.docs[0].n, self.q_start, self.led).cpu()
+
+    def activate(self, active: torch.Tensor) -> None:
+        self.active = _record(self.led, active).to(self.x.device)
+
+    def reusable(self, i: int) -> None:
+        self.x = self.ad.layer(i, self.ad.model.layers[i], self.x, self.positions, self.docs, self.deltas,
+                               self.active, self.n_rc, self.state, self.led)
+
+    def finish(self) -> ReuseResult:
+        act = self.docs[0].n + self.active.nonzero().flatten()
+        return ReuseResult(self.ad.model.logits(self.x[-1:])[0], self.led, act, self.state)
+
+
+class CachePass(Pass):
+    """The pass on the request's own KV cache: every layer's K/V held at request positions (relocated rows'
+    artifact K rotated once, `relocate`), active and new rows' K/V computed at their request positions and written
+    over them, and each layer's rows attending once over the whole cache with the causal mask (RoPE: R(a) R(b) =
+    R(a+b), so this equals `SegmentsPass` up to rounding). The naive arm is the model's own layers over the
+    question on the relocated cache. Its state is the KVCache plain decoding continues; its ledger equals
+    `SegmentsPass`'s; two host syncs (the deviations to the host controller, the mean key count) instead of
+    several per layer."""
+
+    def __init__(self, ad: LlamaAdapter, docs: list[LlamaArtifact], question: list[int], reloc: Relocated):
+        m = ad.model
+        dev = next(m.parameters()).device
+        super().__init__(ad.prof, [d.n for d in docs], doc_offsets([d.n for d in docs]), len(question), ad.n_layers,
+                         dev)
+        assert reloc.n == self.q_start, (reloc.n, self.q_start)
+        self.ad, self.docs, self.reloc = ad, docs, reloc
+        T_all = self.q_start + self.n_q
+        self.T_all, self.n0 = T_all, docs[0].n
+        self.led = ad.ledger(self.n0, self.n_reloc, self.n_q)
+        self.led.recompute(T_all)
+        layers = []
+        for i in range(ad.n_layers):                       # the relocated rows, room for the new ones
+            k = reloc.k[i].new_empty((T_all,) + reloc.k[i].shape[1:])
+            v = reloc.v[i].new_empty((T_all,) + reloc.v[i].shape[1:])
+            k[:self.q_start], v[:self.q_start] = reloc.k[i], reloc.v[i]
+            layers.append(LayerCache(k, v, self.q_start))
+        self.cache = KVCache(layers, pos=self.q_start)
+        self.naive = ad.mode == "naive"
+        first = self.q_start if self.naive else self.n0
+        tokens = ([] if self.naive else [t for d in docs[1:] for t in d.tokens]) + list(question)
+        self.positions = torch.arange(first, T_all, device=dev)
+        self.keys = self.positions.float().mean().item() + 1
+        self.k_pos = torch.arange(T_all, device=dev)
+        self.x = m.embed(torch.tensor(tokens, device=dev))
+
+    def signals(self):
+        return self.deviation.cpu(), None
+
+    def is_fence(self, i: int) -> bool:
+        return self.ad.is_fence(i)
+
+    def fence(self, i: int, signals: bool) -> None:
+        ad, n0, n = self.ad, self.n0, self.n_reloc
+        self.x, self.cache.layers[i], k_req, v_req = ad.fence(ad.model.layers[i], self.x, self.positions,
+                                                              self.docs[0], i)
+        self.led.fence(self.x.shape[0], self.keys)
+        if signals:
+            self.deviation += ad.deviation(k_req[:n], v_req[:n], self.reloc.k[i][n0:], self.reloc.v[i][n0:])
+
+    def draft(self) -> torch.Tensor:
+        nq = self.n_q
+        return self.ad.draft_attention(self.x[-nq:], self.positions[-nq:], self.reloc, self.n0, self.q_start,
+                                       self.led).cpu()
+
+    def activate(self, active: torch.Tensor) -> None:
+        # the controller ranks and fills classes row by row on a host copy (one transfer), not the device
+        active = _record(self.led, active)
+        dev = self.x.device
+        computed = torch.cat([active, torch.ones(self.n_q, dtype=torch.bool)])            # rows of x
+        self.sel = computed.nonzero().flatten().to(dev)
+        computed, self.active = computed.to(dev), active.to(dev)
+        self.n_act = self.sel.shape[0] - self.n_q
+        # per row and head: every head of a computed row, the Global heads of the others
+        self.heads = (computed[:, None] | self.ad.gmask.to(dev)[None, :]).to(self.x.dtype)[:, :, None]
+        self.rest = (~self.active).to(self.x.dtype)[:, None]
+
+    def reusable(self, i: int) -> None:
+        ad, layer = self.ad, self.ad.model.layers[i]
+        if self.naive:                           # the model's own layer over the question rows
+            self.x = layer(self.x, self.positions, self.cache.layers[i])
+            self.led.reusable(0, self.n_q, 0, 0, self.keys, False)
+            return
+        full = i in ad.full_layers
+        self.x, self.positions, self.sel = ad.cache_layer(i, layer, self.x, self.positions, self.sel, self.heads,
+                                                          self.rest, self.docs, self.cache.layers[i], self.T_all,
+                                                          self.k_pos)
+        self.led.reusable(self.n_act, self.n_q, 0 if full else self.n_reloc - self.n_act,
+                          0 if full else int(self.ad.gmask.sum()), self.keys,
+                          self.ad.prof.ffn_mode == "native" and not full)
+
+    def finish(self) -> ReuseResult:
+        self.cache.pos = self.T_all
+        act = self.n0 + self.active.nonzero().flatten()
+        return ReuseResult(self.ad.model.logits(self.x[-1:])[0], self.led, act, self.cache)

@@ -1,4 +1,4 @@
-"""What one call of the DeepSeek-V4 reuse engine carries (a prefill, a decode step, or the question's draft
+"""What one call of the DeepSeek-V4 reuse adapter carries (a prefill, a decode step, or the question's draft
 pass): its own state, made by the call and passed down explicitly, so one engine serves several requests at once,
 and the request state a prefill hands to decode."""
 from __future__ import annotations
@@ -12,14 +12,6 @@ from .artifact import DocumentArtifact
 from .keys import SegmentKeys
 from .ledger import Ledger
 from .rows import Rows, Split
-
-
-@dataclass
-class ReuseResult:
-    logits: torch.Tensor
-    ledger: Ledger
-    active_rows: torch.Tensor                  # request positions of active relocated rows
-    state: "RequestState"
 
 
 @dataclass

@@ -59,7 +59,7 @@ def draft_attention(model, layers: list[int], xq: torch.Tensor, pos_q: torch.Ten
 
 def draft_rows(engine, call: Call, xq: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                deltas: list[int]) -> torch.Tensor:
-    """`draft_attention` with `engine`'s (a ReuseEngine's) own layer over the question rows alone: their own
+    """`draft_attention` with `engine`'s (a DeepSeekAdapter's) own layer over the question rows alone: their own
     segment at the request's q_start, every document's keys its artifact's, the new segment's compressors
     continuing from the last document's stored tail state. Its cost goes to the call's ledger (`draft_layer`);
     nothing of it is kept."""

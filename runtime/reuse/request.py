@@ -18,6 +18,7 @@ import torch
 from runtime.model.deepseek_v4 import ModelCache, Transformer
 from .certificate import Certificate, FallbackCounter, Verdict, agree, digest_bytes, token_hash
 from .call import RequestState
+from .deepseek import expectations
 from .engine import ReuseEngine
 from runtime.model.parallel import Parallel
 from .ledger import Ledger
@@ -70,20 +71,13 @@ def build(model: Transformer, tokens: list[int], profile: ReuseProfile, ident: S
     return Path(directory)
 
 
-def _expect(model: Transformer, profile: ReuseProfile, ident: ServingIdentity) -> dict:
-    cfg, par = model.cfg, model.par
-    return dict(fingerprint=ident.fingerprint, profile=profile.to_dict(), tp_size=par.size, tp_rank=par.rank,
-                channel_range=channel_range(cfg, par.rank, par.size), layers_needed=list(range(cfg.n_layers)),
-                dtype=str(model.dtype).removeprefix("torch."), producer_version=PRODUCER_VERSION)
-
-
 def _validate(model: Transformer, profile: ReuseProfile, ident: ServingIdentity, padded: list[list[int]], items,
               current_generation: int | Sequence[int], read) -> tuple[list, list[str], Verdict]:
     """This rank's verdict on every document (`read(item, expect)` -> (artifact, certificate, verdict)), stopping
     at the first reject: the artifacts and binding digests of those accepted, and the verdict."""
     gens = [current_generation] * len(padded) if isinstance(current_generation, int) else list(current_generation)
     assert len(gens) == len(padded), f"{len(gens)} current generations for {len(padded)} documents"
-    expect = _expect(model, profile, ident)
+    expect = expectations(model, profile, ident.fingerprint)
     arts, bindings = [], []
     for toks, item, gen in zip(padded, items, gens):
         art, cert, v = read(item, dict(expect, current_generation=gen,

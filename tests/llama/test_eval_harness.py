@@ -47,9 +47,9 @@ def test_chunks_merge_and_must_not_overlap(run, smollm2):
 
 def test_a_fallback_rejects_the_run(run, smollm2, monkeypatch):
     tok, ex, _ = run
-    from runtime.reuse import llama_engine
+    from runtime.reuse.engine import ReuseEngine
     from runtime.reuse.certificate import FallbackReason, Verdict
-    monkeypatch.setattr(llama_engine.LlamaReuseEngine, "verify",
+    monkeypatch.setattr(ReuseEngine, "verify",
                         lambda self, docs: Verdict.reject(FallbackReason.DIGEST_MISMATCH, "planted"))
     with pytest.raises(EvalRejected, match="digest_mismatch"):
         run_eval(smollm2, tok, ex[:1], [0.25], max_new_tokens=2)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import runtime.kernels.fp8_rows as fp8_rows
-import runtime.reuse.engine as engine
+import runtime.reuse.deepseek as engine
 from runtime.model.config import tiny_reuse
 from runtime.model.quant import FP8_MAX, FP8_ROW_BLOCK, dequant_fp8_rows, e8m0_to_float, quant_fp8_rows
 from runtime.reuse.artifact import DocumentArtifact

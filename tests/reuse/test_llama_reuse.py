@@ -5,9 +5,14 @@ import torch
 
 from runtime.llama.config import LlamaConfig
 from runtime.llama.model import Llama
-from runtime.llama.adapter import produce_llama
-from runtime.reuse.llama_engine import LlamaReuseEngine
+from runtime.llama.artifacts import produce_llama
+from runtime.reuse.engine import ReuseEngine
 from runtime.reuse.profile import ReuseProfile
+
+
+def parts(r):
+    """(logits, state, ledger) of a ReuseResult."""
+    return r.logits, r.state, r.ledger
 
 TOL = 1e-4
 CFGS = {
@@ -49,8 +54,8 @@ def test_degenerate_profile_equals_full_recompute_prefill_and_decode(setup, last
     prof = ReuseProfile(**BASE, budget=1.0, global_per_group=G, ffn_mode="native", last_fence_kv=last_fence_kv,
                         select=select)
     arts = [produce_llama(m, d, prof) for d in docs]
-    eng = LlamaReuseEngine(m, prof)
-    logits, state, _ = eng.prefill(arts, question)
+    eng = ReuseEngine(m, prof)
+    logits, state, _ = parts(eng.prefill(arts, question))
     cache = m.new_cache()
     ref = m.prefill(torch.tensor([t for d in docs for t in d] + question), cache)
     assert rel_err(logits, ref) <= TOL
@@ -63,7 +68,7 @@ def test_degenerate_profile_equals_full_recompute_prefill_and_decode(setup, last
 def test_prefix_plus_question_is_exact(setup):
     m, docs, question = setup
     prof = ReuseProfile(**BASE, budget=0.1)
-    logits, _, _ = LlamaReuseEngine(m, prof).prefill([produce_llama(m, docs[0], prof)], question)
+    logits, _, _ = parts(ReuseEngine(m, prof).prefill([produce_llama(m, docs[0], prof)], question))
     assert rel_err(logits, full(m, docs[:1], question)) <= TOL
 
 
@@ -72,7 +77,7 @@ def test_reuse_is_approximate_and_counted_naive_is_cheaper(setup):
     prof = ReuseProfile(**BASE, budget=0.25)
     arts = [produce_llama(m, d, prof) for d in docs]
     ref = full(m, docs, question)
-    logits, _, led = LlamaReuseEngine(m, prof).prefill(arts, question)
+    logits, _, led = parts(ReuseEngine(m, prof).prefill(arts, question))
     s = led.summary()
     n_reloc = sum(len(d) for d in docs[1:])
     assert s["rows"]["active"] == -(-n_reloc // 4)
@@ -82,7 +87,7 @@ def test_reuse_is_approximate_and_counted_naive_is_cheaper(setup):
     skipped = (n_reloc - s["rows"]["active"]) * R
     assert s["token_row_saving"] == pytest.approx(skipped / (n_reloc * L))
     assert s["head_row_saving"] == pytest.approx(skipped * (H - Hg) / (n_reloc * L * H))
-    nl, _, nled = LlamaReuseEngine(m, prof, mode="naive").prefill(arts, question)
+    nl, _, nled = parts(ReuseEngine(m, prof, mode="naive").prefill(arts, question))
     assert nled.summary()["head_row_saving"] == 1.0 and nled.summary()["flop_ratio"] > s["flop_ratio"] > 1
     assert torch.isfinite(nl).all() and rel_err(nl, ref) > 1e-3
 
@@ -91,12 +96,12 @@ def test_certificate_binding_is_checked(setup):
     m, docs, question = setup
     prof = ReuseProfile(**BASE, budget=0.25)
     arts = [produce_llama(m, d, prof) for d in docs]
-    assert LlamaReuseEngine(m, prof).verify(arts).ok
-    assert LlamaReuseEngine(m, prof.replace(budget=0.2)).verify(arts).reason.value == "profile_mismatch"
+    assert ReuseEngine(m, prof).verify(arts).ok
+    assert ReuseEngine(m, prof.replace(budget=0.2)).verify(arts).reason.value == "profile_mismatch"
     # the shared certificate format and check: a consumer bound to another checkpoint refuses them too
-    assert LlamaReuseEngine(m, prof, fingerprint="other").verify(arts).reason.value == "checkpoint_mismatch"
+    assert ReuseEngine(m, prof, fingerprint="other").verify(arts).reason.value == "checkpoint_mismatch"
     arts[1].tokens = arts[1].tokens[:-1] + [5]
-    assert LlamaReuseEngine(m, prof).verify(arts).reason.value == "token_mismatch"
+    assert ReuseEngine(m, prof).verify(arts).reason.value == "token_mismatch"
 
 
 def test_artifact_last_fences_make_non_active_rows_dead(setup):
@@ -109,17 +114,17 @@ def test_artifact_last_fences_make_non_active_rows_dead(setup):
     for kv in ("artifact", "recompute"):
         for ffn in ("skip", "native"):
             p = ReuseProfile(**BASE, budget=0.25, ffn_mode=ffn, last_fence_kv=kv)
-            out[kv, ffn] = LlamaReuseEngine(m, p).prefill(arts(p), question)
-    assert torch.equal(out["artifact", "skip"][0], out["artifact", "native"][0])
-    assert rel_err(out["recompute", "skip"][0], out["recompute", "native"][0]) > 1e-4
+            out[kv, ffn] = ReuseEngine(m, p).prefill(arts(p), question)
+    assert torch.equal(out["artifact", "skip"].logits, out["artifact", "native"].logits)
+    assert rel_err(out["recompute", "skip"].logits, out["recompute", "native"].logits) > 1e-4
     # ledger: the last fences save every head of non-active rows; the FFN of non-active rows costs FLOPs
     n_reloc = sum(len(d) for d in docs[1:])
-    s = out["artifact", "skip"][2].summary()
+    s = out["artifact", "skip"].ledger.summary()
     skipped_rows = n_reloc - s["rows"]["active"]
     H, Hg, R, L = m.cfg.num_attention_heads, m.cfg.num_key_value_heads, 8 - 4, 8
     assert s["head_row_saving"] == pytest.approx(skipped_rows * (R * (H - Hg) + 2 * H) / (n_reloc * L * H))
     assert s["token_row_saving"] == pytest.approx(skipped_rows * (R + 2) / (n_reloc * L))
-    assert out["recompute", "native"][2].summary()["flop_ratio"] < out["recompute", "skip"][2].summary()["flop_ratio"]
+    assert out["recompute", "native"].ledger.summary()["flop_ratio"] < out["recompute", "skip"].ledger.summary()["flop_ratio"]
 
 
 def test_deviation_selection_takes_the_most_deviating_rows(setup):
@@ -129,12 +134,12 @@ def test_deviation_selection_takes_the_most_deviating_rows(setup):
     dev = torch.tensor([0.1, 0.9, 0.3, 0.8, 0.0, 0.5, 0.2, 0.7])
     assert choose_by_deviation(p, dev).nonzero().flatten().tolist() == [1, 3]
     a = [produce_llama(m, d, p) for d in docs]
-    mixed = LlamaReuseEngine(m, p).prefill(a, question)
-    top = LlamaReuseEngine(m, p.replace(select="deviation")).prefill(a, question)
-    kv = LlamaReuseEngine(m, p.replace(select="deviation", signal="kv")).prefill(a, question)
+    mixed = ReuseEngine(m, p).prefill(a, question)
+    top = ReuseEngine(m, p.replace(select="deviation")).prefill(a, question)
+    kv = ReuseEngine(m, p.replace(select="deviation", signal="kv")).prefill(a, question)
     n_reloc = sum(len(d) for d in docs[1:])
-    assert mixed[2].active == top[2].active == kv[2].active == -(-n_reloc // 4)
-    assert not torch.equal(mixed[0], top[0]) and not torch.equal(top[0], kv[0])
+    assert mixed.ledger.active == top.ledger.active == kv.ledger.active == -(-n_reloc // 4)
+    assert not torch.equal(mixed.logits, top.logits) and not torch.equal(top.logits, kv.logits)
 
 
 def test_attention_selection_takes_the_rows_the_question_drafts_to(setup):
@@ -146,7 +151,7 @@ def test_attention_selection_takes_the_rows_the_question_drafts_to(setup):
     m, docs, question = setup
     from runtime.llama.model import LayerCache
     from runtime.reuse.controller import choose_top
-    from runtime.llama.adapter import relocate
+    from runtime.llama.artifacts import relocate
     p = ReuseProfile(**BASE, budget=0.25, select="attention")
     arts = [produce_llama(m, d, p) for d in docs]
     reloc = relocate(m, arts)
@@ -168,20 +173,20 @@ def test_attention_selection_takes_the_rows_the_question_drafts_to(setup):
         s = s.masked_fill(pos[None, None, :] > pos[q_start:, None, None], float("-inf"))
         want += torch.softmax(s, -1)[:, :, n0:q_start].sum((0, 1))
         xq = xq_next
-    eng = LlamaReuseEngine(m, p)
+    eng = ReuseEngine(m, p)
     led = eng.adapter.ledger(n0, q_start - n0, nq)
     got = eng.adapter.draft_attention(x[q_start:], pos[q_start:], reloc, n0, q_start, led)
     assert rel_err(got, want) <= TOL and led.flops > 0
     # the budget goes to the top rows by that score; the rules pick different rows and give different logits
     top = choose_top(p, got)
     assert int(top.sum()) == -(-(q_start - n0) // 4) and got[top].min() >= got[~top].max()
-    outs = {r: LlamaReuseEngine(m, p.replace(select=r)).prefill_cache(arts, question) for r in ("mixed", "attention")}
-    assert outs["mixed"][2].active == outs["attention"][2].active == int(top.sum())
-    assert not torch.equal(outs["mixed"][0], outs["attention"][0])
+    outs = {r: ReuseEngine(m, p.replace(select=r)).prefill_cache(arts, question) for r in ("mixed", "attention")}
+    assert outs["mixed"].ledger.active == outs["attention"].ledger.active == int(top.sum())
+    assert not torch.equal(outs["mixed"].logits, outs["attention"].logits)
     # the same active count, so the ledgers differ by the draft alone: question rows x reusable layers
     R = len(m.layers) - p.first_fences - p.last_fences
     draft = R * nq * led.flops_row(m.cfg.num_attention_heads, (q_start + T + 1) / 2, True)
-    assert outs["attention"][2].flops - outs["mixed"][2].flops == pytest.approx(draft)
+    assert outs["attention"].ledger.flops - outs["mixed"].ledger.flops == pytest.approx(draft)
 
 
 def test_a_given_active_mask_replaces_the_rule_and_bad_masks_are_refused(setup):
@@ -193,31 +198,31 @@ def test_a_given_active_mask_replaces_the_rule_and_bad_masks_are_refused(setup):
     p = ReuseProfile(**BASE, budget=0.25)
     arts = [produce_llama(m, d, p) for d in docs]
     n_reloc = sum(len(d) for d in docs[1:])
-    ref, _, ref_led = LlamaReuseEngine(m, p.replace(select="deviation")).prefill_cache(arts, question)
+    ref, _, ref_led = parts(ReuseEngine(m, p.replace(select="deviation")).prefill_cache(arts, question))
     mask = torch.zeros(n_reloc, dtype=torch.bool)
     mask[list(ref_led.active_rows)] = True
     assert int(mask.sum()) == ref_led.active == -(-n_reloc // 4)
-    same, _, led = LlamaReuseEngine(m, p.replace(select="deviation")).prefill_cache(arts, question, active=mask)
+    same, _, led = parts(ReuseEngine(m, p.replace(select="deviation")).prefill_cache(arts, question, active=mask))
     assert torch.equal(same, ref) and led.__dict__ == ref_led.__dict__
     other = choose_top(p, torch.arange(n_reloc, dtype=torch.float32))          # the last rows instead
     assert not torch.equal(other, mask)
-    got, _, led = LlamaReuseEngine(m, p).prefill_cache(arts, question, active=other)
+    got, _, led = parts(ReuseEngine(m, p).prefill_cache(arts, question, active=other))
     assert not torch.equal(got, ref) and led.active == ref_led.active
     with pytest.raises(ValueError, match="one bool per relocated row"):
-        LlamaReuseEngine(m, p).prefill_cache(arts, question, active=other[:-1])
+        ReuseEngine(m, p).prefill_cache(arts, question, active=other[:-1])
     with pytest.raises(ValueError, match="naive arm takes none"):
-        LlamaReuseEngine(m, p, mode="naive").prefill_cache(arts, question, active=other)
+        ReuseEngine(m, p, mode="naive").prefill_cache(arts, question, active=other)
 
 
 def test_profiles_a_llama_cannot_run_are_refused(setup):
     m, _, _ = setup
     from runtime.reuse.profile import ProfileError
     with pytest.raises(ProfileError, match="no shared expert"):
-        LlamaReuseEngine(m, ReuseProfile(**BASE, ffn_mode="shared-expert-only"))
+        ReuseEngine(m, ReuseProfile(**BASE, ffn_mode="shared-expert-only"))
     with pytest.raises(ProfileError, match="global_per_group"):
-        LlamaReuseEngine(m, ReuseProfile(**BASE, global_per_group=m.cfg.heads_per_kv + 1))
+        ReuseEngine(m, ReuseProfile(**BASE, global_per_group=m.cfg.heads_per_kv + 1))
     with pytest.raises(ValueError, match="select"):
-        LlamaReuseEngine(m, ReuseProfile(**BASE, select="random"))
+        ReuseEngine(m, ReuseProfile(**BASE, select="random"))
 
 
 @pytest.mark.parametrize("mode, last_fence_kv", [("reuse", "recompute"), ("reuse", "artifact"), ("naive", "recompute")])
@@ -227,17 +232,17 @@ def test_decoding_on_the_assembled_cache_equals_the_segment_path(setup, mode, la
     m, docs, question = setup
     prof = ReuseProfile(**BASE, budget=0.25, last_fence_kv=last_fence_kv)
     arts = [produce_llama(m, d, prof) for d in docs]
-    eng = LlamaReuseEngine(m, prof, mode=mode)
-    ref_logits, ref_state, _ = eng.prefill(arts, question)
-    logits, state, _ = eng.prefill(arts, question)
-    cache = eng.assemble(state)
+    eng = ReuseEngine(m, prof, mode=mode)
+    ref_logits, ref_state, _ = parts(eng.prefill(arts, question))
+    logits, state, _ = parts(eng.prefill(arts, question))
+    cache = eng.adapter.assemble(state)
     assert cache.pos == sum(len(d) for d in docs) + len(question)
     for _ in range(4):
         nxt = int(ref_logits.argmax())
         ref_logits, logits = eng.decode(ref_state, nxt), m(torch.tensor([nxt]), cache)
         assert rel_err(logits, ref_logits) <= TOL
-    ids, _, _ = eng.generate(arts, question, 5, set())
-    assert ids == eng.generate(arts, question, 5, set(), reference=True)[0]
+    ids, _ = eng.generate(arts, question, 5, set(), cache=True)
+    assert ids == eng.generate(arts, question, 5, set())[0]
 
 
 @pytest.mark.parametrize("mode, last_fence_kv, ffn, select, signal", [
@@ -254,12 +259,12 @@ def test_prefill_on_the_request_cache_equals_the_segment_path(setup, mode, last_
     m, docs, question = setup
     prof = ReuseProfile(**BASE, budget=0.25, last_fence_kv=last_fence_kv, ffn_mode=ffn, select=select, signal=signal)
     arts = [produce_llama(m, d, prof) for d in docs]
-    eng = LlamaReuseEngine(m, prof, mode=mode, split_heads=split_heads)
-    ref, state, ref_led = eng.prefill(arts, question)
-    got, cache, led = eng.prefill_cache(arts, question)
+    eng = ReuseEngine(m, prof, mode=mode, split_heads=split_heads)
+    ref, state, ref_led = parts(eng.prefill(arts, question))
+    got, cache, led = parts(eng.prefill_cache(arts, question))
     assert rel_err(got, ref) <= TOL
     assert led.__dict__ == ref_led.__dict__
-    want = eng.assemble(state)
+    want = eng.adapter.assemble(state)
     assert cache.pos == want.pos
     for a, b in zip(cache.layers, want.layers):
         assert a.n == b.n and rel_err(a.k[:a.n], b.k[:b.n]) <= TOL and rel_err(a.v[:a.n], b.v[:b.n]) <= TOL
@@ -267,7 +272,7 @@ def test_prefill_on_the_request_cache_equals_the_segment_path(setup, mode, last_
 
 def test_artifacts_of_several_profiles_share_one_forward(setup):
     m, docs, _ = setup
-    from runtime.llama.adapter import produce_llama_many
+    from runtime.llama.artifacts import produce_llama_many
     profs = [ReuseProfile(**BASE, budget=b) for b in (0.1, 0.25)] + [ReuseProfile(**BASE, global_per_group=2)]
     many = produce_llama_many(m, docs[1], profs)
     for p, a in zip(profs, many):
@@ -280,7 +285,7 @@ def test_artifacts_of_several_profiles_share_one_forward(setup):
 def test_packed_artifacts_equal_one_document_at_a_time(setup):
     """All documents in one packed forward (block-diagonal mask) against one forward per document."""
     m, docs, _ = setup
-    from runtime.llama.adapter import produce_llama_packed
+    from runtime.llama.artifacts import produce_llama_packed
     profs = [ReuseProfile(**BASE, budget=0.25), ReuseProfile(**BASE, global_per_group=2)]
     packed = produce_llama_packed(m, docs, profs)
     for p, arts in zip(profs, packed):

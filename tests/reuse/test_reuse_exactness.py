@@ -220,7 +220,7 @@ def test_artifact_kv_in_last_fences_skips_non_active_rows(model, request_tokens)
     assert art.ledger.token_row_saving() == pytest.approx(
         rec.ledger.token_row_saving() + skipped_more / (n_reloc * CFG.n_layers))
     assert art.ledger.flop_saving()["total"] > rec.ledger.flop_saving()["total"]
-    out, _ = ReuseEngine(model, base.replace(last_fence_kv="artifact")).generate(arts, question, 4, eos=-1)
+    out, _ = ReuseEngine(model, base.replace(last_fence_kv="artifact")).generate(arts, question, 4, stop=set())
     assert len(out) == 4
 
 
@@ -267,7 +267,7 @@ def test_overlays_in_place_on_private_copies_equal_the_copying_path(model, reque
 def test_shared_angles_save_their_recomputation_and_change_nothing(model, request_tokens, monkeypatch):
     """The prefill's angle scope (`shared_angles`): far fewer cos/sin computations, the same logits bit for bit."""
     import contextlib
-    import runtime.reuse.engine as engine
+    import runtime.reuse.deepseek as deepseek
     docs, question = request_tokens
     prof = ReuseProfile(**BASE, budget=0.25, recent_rows=16, join_rows=8, global_picks="artifact")
     arts = [produce(model, t, prof) for t in docs]
@@ -277,7 +277,7 @@ def test_shared_angles_save_their_recomputation_and_change_nothing(model, reques
     got = ReuseEngine(model, prof).prefill(arts, question)
     shared = len(calls)
     calls.clear()
-    monkeypatch.setattr(engine, "shared_angles", contextlib.nullcontext)
+    monkeypatch.setattr(deepseek, "shared_angles", contextlib.nullcontext)
     ref = ReuseEngine(model, prof).prefill(arts, question)
     assert torch.equal(got.logits, ref.logits)
     assert shared < 0.75 * len(calls), (shared, len(calls))
@@ -310,7 +310,7 @@ def test_documents_in_one_buffer_take_one_view_overlays_and_gathers(model, reque
     """Documents staged as LayerPrefetcher stages pinned ones (each layer of all documents in one buffer,
     `owned_copies`): the overlays, the Local restore and the own picks take one launch for all documents through
     one view, with the same logits bit for bit as document by document, and the caller's artifacts untouched."""
-    import runtime.reuse.engine as engine
+    import runtime.reuse.deepseek as deepseek
     from runtime.reuse.packing import owned_copies, owned_copy
     docs, question = request_tokens
     prof = ReuseProfile(**BASE, budget=0.25, recent_rows=16, join_rows=8, global_picks="artifact")
@@ -318,8 +318,8 @@ def test_documents_in_one_buffer_take_one_view_overlays_and_gathers(model, reque
     before = [[la.latent.clone() for la in a.layers] for a in arts]
     ref = ReuseEngine(model, prof).prefill([owned_copy(a) for a in arts], question)
     views = []
-    real = engine.rows_view
-    monkeypatch.setattr(engine, "rows_view", lambda ts: (views.append(real(ts) is not None), real(ts))[1])
+    real = deepseek.rows_view
+    monkeypatch.setattr(deepseek, "rows_view", lambda ts: (views.append(real(ts) is not None), real(ts))[1])
     one = owned_copies(arts)
     got = ReuseEngine(model, prof).prefill(one, question)
     assert torch.equal(got.logits, ref.logits)

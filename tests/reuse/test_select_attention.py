@@ -64,7 +64,7 @@ def test_attention_rule_takes_the_drafts_top_rows():
         x = model.embed_streams(tokens)
         for block in model.layers[:prof.first_fences]:
             x = block(x, tokens, pos, LayerCache(), model.q_chunk)
-        score = draft_rows(eng, Call(arts, None), x[q_start:], tokens[q_start:], pos[q_start:],
+        score = draft_rows(eng.adapter, Call(arts, None), x[q_start:], tokens[q_start:], pos[q_start:],
                            doc_offsets([a.n for a in arts]))
     assert score.shape == (n_reloc,) and (score > 0).all()
     top = choose_top(prof, score)

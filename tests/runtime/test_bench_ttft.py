@@ -19,7 +19,7 @@ def test_ttft_cpu_smoke_run_with_a_second_budget_and_the_cold_arm(tmp_path):
     # --hostprof-at: one reuse prefill under cProfile, our functions by their own time and with callees
     prof = r.stdout[r.stdout.index("## host profile of one reuse prefill at 1024"):]
     assert "Ordered by: internal time" in prof and "Ordered by: cumulative time" in prof
-    assert "runtime/reuse/engine.py" in prof and "(_reusable_layer)" in prof
+    assert "runtime/reuse/deepseek.py" in prof and "(_reusable_layer)" in prof
     assert run["device"] == "cpu"             # the arms timed beside the run's own do not rename the device
     (row,) = run["rows"]
     assert row["budget"] == 0.25 and row["cold_s"] > 0 and row["recompute_s"] > 0

@@ -147,7 +147,7 @@ def test_reuse_arm_trims_its_last_fence_and_keeps_its_caches(model, monkeypatch)
     docs = [produce(model, torch.randint(2, CFG.vocab_size, (n,), generator=g).tolist(), prof) for n in (64, 96, 80)]
     question = torch.randint(2, CFG.vocab_size, (12,), generator=g).tolist()
     eng = ReuseEngine(model, prof)
-    import runtime.reuse.engine as engine_mod
+    import runtime.reuse.deepseek as engine_mod
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(engine_mod, "prefill_out_rows", lambda *a: None)        # every row through the last fence
         a = eng.prefill(docs, question)

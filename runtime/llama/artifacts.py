@@ -1,0 +1,149 @@
+"""The Llama family's artifacts (SPEC §4 on GQA): per layer the document's K/V at canonical positions and, in
+reusable layers, the Local heads' output projection W_o,L O_L; their producers (one document, one document for
+several profiles, several documents packed into one forward), their certificate in the shared format, and their
+relocation to a request's positions (K rotated once by each segment's offset)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from runtime.llama.model import Llama
+from runtime.reuse.certificate import Certificate, token_hash
+from runtime.reuse.controller import doc_offsets
+from runtime.reuse.profile import ReuseProfile
+
+PRODUCER_VERSION = "redknot-llama-producer/1"
+
+@dataclass
+class LlamaArtifact:
+    tokens: list[int]
+    k: list[torch.Tensor]                     # per layer [n, KV, D], RoPE at canonical positions 0..n-1
+    v: list[torch.Tensor]                     # per layer [n, KV, D]
+    local: list[torch.Tensor | None]          # per layer [n, d]: W_o,L O_L in reusable layers
+    cert: Certificate | None = None           # what the artifact is certified for (`certify`)
+
+    @property
+    def n(self) -> int:
+        return len(self.tokens)
+
+
+def expectations(model: Llama, fingerprint: str = "") -> dict:
+    """What a consumer on `model` requires of a certificate (`certificate.validate`'s keywords but the token hash,
+    profile and generation): one rank holding every head and channel, every layer's K/V, the model's dtype and
+    this producer. `fingerprint`: the checkpoint's, where the caller has one (the eval harness produces and
+    consumes on one loaded model and leaves it empty)."""
+    return dict(fingerprint=fingerprint, tp_size=1, tp_rank=0, channel_range=(0, model.cfg.hidden_size),
+                layers_needed=set(range(len(model.layers))),
+                dtype=str(next(model.parameters()).dtype).removeprefix("torch."), producer_version=PRODUCER_VERSION)
+
+
+def certify(model: Llama, tokens: list[int], prof: ReuseProfile, tokenizer_fp: str = "",
+            fingerprint: str = "") -> Certificate:
+    """The certificate of an artifact of `tokens` produced on `model` for `prof` (held in memory: generation 0,
+    no shard digests), in the shared certificate format the DeepSeek artifacts use."""
+    e = expectations(model, fingerprint)
+    return Certificate(e["fingerprint"], token_hash(tokens, tokenizer_fp), len(tokens), prof.to_dict(), 1, 0,
+                       e["channel_range"], tuple(sorted(e["layers_needed"])), e["dtype"], PRODUCER_VERSION)
+
+
+def global_heads(model: Llama, prof: ReuseProfile) -> torch.Tensor:
+    G = model.cfg.num_attention_heads // model.cfg.num_key_value_heads
+    return torch.arange(model.cfg.num_attention_heads) % G < prof.global_per_group
+
+
+@torch.inference_mode()
+def produce_llama(model: Llama, tokens: list[int], prof: ReuseProfile, tokenizer_fp: str = "",
+                  fingerprint: str = "") -> LlamaArtifact:
+    return produce_llama_many(model, tokens, [prof], tokenizer_fp, fingerprint)[0]
+
+
+@torch.inference_mode()
+def produce_llama_many(model: Llama, tokens: list[int], profs: list[ReuseProfile], tokenizer_fp: str = "",
+                       fingerprint: str = "") -> list[LlamaArtifact]:
+    """One document's artifact for each profile from one forward: K/V do not depend on the profile (the
+    artifacts share those tensors), the Local projections only on the fences and Global heads per group."""
+    n_layers = len(model.layers)
+    dev = next(model.parameters()).device
+    cache = model.new_cache()
+    for lc in cache.layers:
+        lc.capture = {}
+    model(torch.tensor(tokens, device=dev), cache)
+    caps = [lc.capture for lc in cache.layers]
+    for lc in cache.layers:
+        lc.capture = None
+    ks = [c["k"].clone() for c in caps]
+    vs = [c["v"].clone() for c in caps]
+    local: dict[tuple[int, int], torch.Tensor] = {}                 # (layer, global_per_group) -> W_o,L O_L
+    out = []
+    for prof in profs:
+        loc = (~global_heads(model, prof)).nonzero().flatten().to(dev)      # Local head ids (host mask: no sync)
+        locals_ = []
+        for i, (layer, cap) in enumerate(zip(model.layers, caps)):
+            if i < prof.first_fences or i >= n_layers - prof.last_fences:
+                locals_.append(None)
+                continue
+            key = (i, prof.global_per_group)
+            if key not in local:
+                local[key] = layer.self_attn.project(cap["o"].index_select(1, loc), heads=loc)
+            locals_.append(local[key])
+        out.append(LlamaArtifact(list(tokens), ks, vs, locals_,
+                                 certify(model, tokens, prof, tokenizer_fp, fingerprint)))
+    return out
+
+
+@torch.inference_mode()
+def produce_llama_packed(model: Llama, segments: list[list[int]], profs: list[ReuseProfile], tokenizer_fp: str = "",
+                         fingerprint: str = "") -> list[list[LlamaArtifact]]:
+    """`produce_llama_many` for every document of a request in one packed forward (`Llama.forward_packed`):
+    per profile, the artifacts of the documents in order; equal to producing each alone up to rounding."""
+    n_layers = len(model.layers)
+    caps = model.forward_packed(segments)
+    dev = caps[0][0].device
+    bounds = [0]
+    for t in segments:
+        bounds.append(bounds[-1] + len(t))
+    cut = lambda x: [x[a:b] for a, b in zip(bounds, bounds[1:])]            # noqa: E731
+    ks = list(zip(*(cut(k) for k, _, _ in caps)))                          # per document, per layer
+    vs = list(zip(*(cut(v) for _, v, _ in caps)))
+    local: dict[tuple[int, int], list[torch.Tensor]] = {}
+    out = []
+    for prof in profs:
+        loc = (~global_heads(model, prof)).nonzero().flatten().to(dev)
+        per_layer = []
+        for i, (layer, (_, _, o)) in enumerate(zip(model.layers, caps)):
+            if i < prof.first_fences or i >= n_layers - prof.last_fences:
+                per_layer.append([None] * len(segments))
+                continue
+            key = (i, prof.global_per_group)
+            if key not in local:
+                local[key] = cut(layer.self_attn.project(o.index_select(1, loc), heads=loc))
+            per_layer.append(local[key])
+        out.append([LlamaArtifact(list(t), list(ks[j]), list(vs[j]), [p[j] for p in per_layer],
+                                  certify(model, t, prof, tokenizer_fp, fingerprint))
+                    for j, t in enumerate(segments)])
+    return out
+
+
+@dataclass
+class Relocated:
+    """Every document row's artifact K/V at its request position (K rotated by its segment's offset; the
+    prefix's offset is 0), per layer [q_start, KV, D]. The naive and reuse arms of one request share it: the
+    artifacts' K/V do not depend on the profile."""
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    deltas: list[int]
+    n: int                                    # q_start: rows before the question
+
+
+@torch.inference_mode()
+def relocate(model: Llama, docs: list[LlamaArtifact]) -> Relocated:
+    deltas = doc_offsets([d.n for d in docs])
+    pos = deltas[-1] + docs[-1].n
+    dev = docs[0].k[0].device
+    shift = torch.tensor([dl for d, dl in zip(docs, deltas) for _ in range(d.n)], device=dev)
+    L = len(model.layers)
+    k = torch.cat([torch.stack(d.k, dim=1) for d in docs])                # [q_start, L, KV, D]
+    k = model.rotary.rotate(k, shift)
+    v = torch.cat([torch.stack(d.v, dim=1) for d in docs])
+    return Relocated([k[:, i] for i in range(L)], [v[:, i] for i in range(L)], deltas, pos)
