@@ -9,7 +9,7 @@ in the recompute arm."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,13 +43,12 @@ class Outcome:
     arm: str                                  # "reuse" or "recompute": what really ran
     verdict: Verdict
     ledger: Ledger | None
-    # continues this request by one token in the arm that ran (reuse: ReuseEngine.decode over the kept request
-    # state; recompute: the native cache of the full prefill) and returns the next logits; no second prefill
-    step: Callable[[int], torch.Tensor] | None = field(default=None, repr=False)
-    # what `step` continues, so a server may batch this request's decode steps with others': the recompute arm's
-    # native cache (Transformer.decode), or the reuse arm's request state (ReuseEngine.decode_batch)
+    # what decoding continues (`step`, or a server's batched steps with other requests'): the recompute arm's
+    # native cache (Transformer.decode), or the reuse arm's request state (`engine`, ReuseEngine.decode_batch)
     cache: ModelCache | None = field(default=None, repr=False)
     state: RequestState | None = field(default=None, repr=False)
+    engine: ReuseEngine | None = field(default=None, repr=False)
+    model: Transformer | None = field(default=None, repr=False)
     # on a fallback: the index of the document whose artifact THIS rank rejected (its certificate, manifest or a
     # shard; None where the rank only followed another's reject or nothing of one document was at fault)
     document: int | None = None
@@ -57,6 +56,13 @@ class Outcome:
     @property
     def fell_back(self) -> bool:
         return self.arm != "reuse"
+
+    def step(self, token: int) -> torch.Tensor:
+        """This request continued by one token in the arm that ran, alone; the next logits [V]. No second
+        prefill."""
+        if self.cache is not None:
+            return self.model(torch.tensor([token], device=self.model.embed.weight.device), self.cache)
+        return self.engine.decode(self.state, token)
 
 
 def build(model: Transformer, tokens: list[int], profile: ReuseProfile, ident: ServingIdentity,
@@ -96,8 +102,7 @@ def _recompute(model: Transformer, padded: list[list[int]], question: list[int],
     dev = model.embed.weight.device
     full = torch.tensor([t for p in padded for t in p] + list(question), device=dev)
     cache = model.new_cache()
-    return Outcome(model(full, cache), "recompute", verdict, None,
-                   step=lambda t: model(torch.tensor([t], device=dev), cache), cache=cache, document=document)
+    return Outcome(model(full, cache), "recompute", verdict, None, cache=cache, model=model, document=document)
 
 
 def _prefetched(model: Transformer, arts: list) -> list:
@@ -112,8 +117,7 @@ def _reuse(model: Transformer, profile: ReuseProfile, docs: list, question: list
     which it stages itself: not wrapped again)."""
     engine = ReuseEngine(model, profile)
     res = engine.prefill(docs, question)
-    return Outcome(res.logits, "reuse", verdict, res.ledger, step=lambda t: engine.decode(res.state, t),
-                   state=res.state)
+    return Outcome(res.logits, "reuse", verdict, res.ledger, state=res.state, engine=engine)
 
 
 @torch.inference_mode()

@@ -46,13 +46,14 @@ class Sampler:
 
 
 class Decoding:
-    """One request's decoding, a step at a time (so that the worker can interleave several requests): the first
-    token is drawn from the prefill's `logits` at construction; each `advance()` runs one decode step (`step(token)`)
-    and draws the next. `emit(token)` sees each token as soon as it is drawn; `eos` None does not end the answer."""
+    """One request's decoding, a token at a time (so that the worker can batch several requests' steps): the first
+    token is drawn from the prefill's `logits` at construction; each `draw(logits)` takes the logits of the step
+    that fed `last` (the worker's batched step, RankEngine.advance_all) and draws the next. `emit(token)` sees each
+    token as soon as it is drawn; `eos` None does not end the answer."""
 
-    def __init__(self, logits: torch.Tensor, step: Callable[[int], torch.Tensor], n: int, eos: int | None,
-                 sample: Callable[[torch.Tensor], int], emit: Callable[[int], None] | None = None):
-        self.step, self.n, self.eos, self.sample, self.emit = step, n, eos, sample, emit
+    def __init__(self, logits: torch.Tensor, n: int, eos: int | None, sample: Callable[[torch.Tensor], int],
+                 emit: Callable[[int], None] | None = None):
+        self.n, self.eos, self.sample, self.emit = n, eos, sample, emit
         self.tokens: list[int] = []
         self.finish: FinishReason | None = None
         self.draw(logits)
@@ -67,8 +68,9 @@ class Decoding:
         return self.tokens[-1]
 
     def draw(self, logits: torch.Tensor) -> None:
-        """The next token from `logits`: those of the step that fed `last` (`advance`'s own, or a batched step's
-        row for this request)."""
+        """The next token from `logits`: those of the step that fed `last`."""
+        if self.done:
+            raise ValueError(f"decoding already ended ({self.finish}): no token is drawn after it")
         nxt = self.sample(logits)
         self.tokens.append(nxt)
         if self.emit is not None:
@@ -78,12 +80,7 @@ class Decoding:
         elif len(self.tokens) == self.n:
             self.finish = LENGTH
 
-    @torch.inference_mode()
-    def advance(self, cancelled: bool = False) -> None:
-        """One more token, or the end: `cancelled` (its caller stopped it) ends it before the step runs."""
-        if self.done:
-            return
-        if cancelled:
+    def cancel(self) -> None:
+        """Its caller stopped it: it ends before another step runs (an ended decoding keeps its reason)."""
+        if not self.done:
             self.finish = CANCELLED
-            return
-        self.draw(self.step(self.last))

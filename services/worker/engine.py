@@ -177,8 +177,7 @@ class RankEngine:
         dev = self.model.embed.weight.device
         padded = [t for d in docs for t in pad_document(d, self.binding.profile.align, self.eos)]
         cache = self.model.new_cache()
-        logits = self.model(torch.tensor(padded + list(question), device=dev), cache)
-        return logits, lambda t: self.model(torch.tensor([t], device=dev), cache), cache
+        return self.model(torch.tensor(padded + list(question), device=dev), cache), cache
 
     @property
     def shadow_pending(self) -> bool:
@@ -193,7 +192,7 @@ class RankEngine:
         documents and question, then the tokens the reuse arm served fed in one chunk; rank 0 compares position by
         position with the reuse arm's logits and returns the result (the others None)."""
         p, self._pending = self._pending, None
-        logits, _, cache = self._recompute(p.docs, p.question)
+        logits, cache = self._recompute(p.docs, p.question)
         rec = [logits.float()]
         if len(p.tokens) > 1:
             dev = logits.device
@@ -227,10 +226,10 @@ class RankEngine:
     def run(self, job: Job, sink: Sink | None = None) -> tuple[WorkerResponse | None, list[RankReport]]:
         """One request alone, start to finish (every rank returns; rank 0 gets the response and every rank's
         report; `sink`'s cancellation is read on this rank, so at TP > 1 only without one). The worker's loop
-        interleaves several with `start`, `advance` and `finish`, rank 0 deciding each step for every rank."""
+        interleaves several with `start`, `advance_all` and `finish`, rank 0 deciding each step for every rank."""
         r = self.start(job, sink)
         while not r.done:
-            self.advance(r, sink is not None and sink.cancelled())
+            self.advance_all([r], [sink is not None and sink.cancelled()])
         return self.finish(r)
 
     def start(self, job: Job, sink: Sink | None = None) -> Running:
@@ -242,7 +241,7 @@ class RankEngine:
         fetch_s, published = 0.0, []
         t0 = time.perf_counter()
         if req.arm == "recompute":
-            logits, step, cache = self._recompute(docs, req.question)
+            logits, cache = self._recompute(docs, req.question)
             state = None
             arm, ledger, verdict, document = "recompute", None, Verdict.accept(), None
         else:
@@ -255,7 +254,7 @@ class RankEngine:
                                     self.binding.ident, [d.generation for d in req.documents],
                                     control=self.group.control, trace=self.trace,
                                     groups=[range(g.lo, g.hi) for g in self.prefetcher.groups])
-                logits, step, arm, verdict, document = out.logits, out.step, out.arm, out.verdict, out.document
+                logits, arm, verdict, document = out.logits, out.arm, out.verdict, out.document
                 cache, state = out.cache, out.state
                 ledger = out.ledger.summary() if out.ledger is not None else None
                 # this rank's own copy failed verification (the others say rank_disagreement): it leaves the tier,
@@ -278,25 +277,22 @@ class RankEngine:
         shadow = job.shadow and arm == "reuse"
         if shadow and self.group.leader:
             sampler = _Recording(sampler)
-        decoding = Decoding(logits, step, req.max_new_tokens, None if req.ignore_eos else self.eos, sampler,
+        decoding = Decoding(logits, req.max_new_tokens, None if req.ignore_eos else self.eos, sampler,
                             sink.emit if sink is not None else None)
         return Running(job, docs, head, decoding, first, verdict, document, published, shadow, sampler, cache, state)
-
-    def advance(self, r: Running, cancelled: bool = False) -> None:
-        """One decode step of `r` alone (every rank; rank 0 decided `cancelled` for all)."""
-        r.decoding.advance(cancelled)
 
     @torch.inference_mode()
     def advance_all(self, rs: list[Running], cancelled: list[bool]) -> list[int]:
         """One decode step of every request in `rs` (every rank, the same plan), in at most two batched forwards:
         the requests that hold a native cache (the recompute arm, and reuse requests that fell back) through
-        Transformer.decode, the reuse-arm requests through ReuseEngine.decode_batch over their kept segments.
-        Returns the sizes of the batches that ran."""
+        Transformer.decode, the reuse-arm requests through ReuseEngine.decode_batch over their kept segments
+        (rank 0 decided `cancelled` for all: those end before the step). Returns the sizes of the batches that
+        ran."""
         native, reuse = [], []
         for r, c in zip(rs, cancelled):
-            if c or r.done:
-                r.decoding.advance(c)
-            else:
+            if c:
+                r.decoding.cancel()
+            elif not r.done:
                 (native if r.cache is not None else reuse).append(r)
         dev = self.model.embed.weight.device
         if native:

@@ -309,9 +309,12 @@ def test_decoding_at_temperature_0_is_the_shared_greedy_loop_and_sampling_repeat
 
     def run(sampling: Sampling, n: int = 8, cancel_after: int | None = None) -> Decoding:
         ref = whole(setup)
-        d = Decoding(ref.logits, ref.step, n, CFG.eos_token_id, Sampler(sampling, ref.logits.device))
+        d = Decoding(ref.logits, n, CFG.eos_token_id, Sampler(sampling, ref.logits.device))
         while not d.done:
-            d.advance(cancel_after is not None and len(d.tokens) >= cancel_after)
+            if cancel_after is not None and len(d.tokens) >= cancel_after:
+                d.cancel()
+            else:
+                d.draw(ref.step(d.last))
         return d
     ref = whole(setup)
     g = run(Sampling())
@@ -325,3 +328,5 @@ def test_decoding_at_temperature_0_is_the_shared_greedy_loop_and_sampling_repeat
     assert run(Sampling(1.2, 1e-9, 3)).tokens == g.tokens          # top_p this small keeps only the argmax
     with pytest.raises(ValueError):
         Sampler(Sampling(-1.0), ref.logits.device)
+    with pytest.raises(ValueError, match="already ended"):     # an ended decoding draws no more tokens
+        g.draw(ref.logits)
