@@ -22,7 +22,12 @@ def add_arguments(e: argparse.ArgumentParser) -> None:
     e.add_argument("--offset", type=int, default=0, help="skip this many examples (run a task in chunks)")
     e.add_argument("--limit", type=int, default=20)
     e.add_argument("--budgets", default="0.1,0.2,0.25")
-    e.add_argument("--fences", default="3,3", help="first,last fence layers")
+    e.add_argument("--fences", default="3,3", help="first,last fence layers (the Llama family's eval profile; a "
+                                                   "--profile brings its own)")
+    e.add_argument("--profile", default="", help="the reuse arms' base profile: a preset (demo, flash, pro) or a "
+                                                 "JSON object; required for a DeepSeek-V4 checkpoint (the profile "
+                                                 "it serves: its rule, fences and alignment); default for the Llama "
+                                                 "family: the eval profile")
     e.add_argument("--variants", default="", help="extra reuse arms beside the default ones, comma-separated: "
                                                   "reuse@B[:knob=value]... with knobs fences=F+L, gpg=N, "
                                                   "ffn=skip|native, lastkv=recompute|artifact, "
@@ -54,6 +59,11 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def _family(model_dir: str) -> str | None:
+    cfg = Path(model_dir) / "config.json"
+    return json.loads(cfg.read_text()).get("model_type") if cfg.is_file() else None
+
+
 def run_eval_cli(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
@@ -69,7 +79,7 @@ def run_eval_cli(args) -> int:
         summary = merge_runs([json.loads(open(p).read()) for p in args.merge])
         meta = {k: v for k, v in json.loads(open(args.merge[0]).read()).items()
                 if k in ("task", "model", "budgets", "fences", "variants", "max_new_tokens", "teacher_tokens", "dtype",
-                         "device")}
+                         "device", "profile")}
         summary.update(meta, offset=None)
     else:
         model_dir = args.model
@@ -82,11 +92,15 @@ def run_eval_cli(args) -> int:
                        fences=tuple(int(f) for f in args.fences.split(",")), max_new_tokens=args.max_new_tokens,
                        device=device, dtype=args.dtype,
                        variants=tuple(v for v in args.variants.split(",") if v.strip()),
-                       teacher_tokens=args.teacher_tokens)
+                       teacher_tokens=args.teacher_tokens, profile=args.profile)
         assert len(spec.fences) == 2, f"--fences {args.fences}: give first,last"
+        if not args.profile and _family(model_dir) == "deepseek_v4":
+            console.print("redknot eval: a DeepSeek-V4 checkpoint is evaluated under the profile it serves: give "
+                          "--profile (demo, flash, pro or a JSON object)")
+            return 2
         try:
-            arms = arm_list(list(spec.budgets), list(spec.variants), spec.fences)
-        except ArmError as err:
+            arms = arm_list(list(spec.budgets), list(spec.variants), spec.arm_fences())
+        except (ArmError, ValueError, TypeError) as err:
             console.print(f"redknot eval: {err}")
             return 2
         procs = max(1, args.procs)

@@ -85,15 +85,21 @@ def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
     return float((lp.exp() * (lp - lq)).sum())
 
 
-def stop_tokens(model: Llama, tok: ChatTokenizer) -> set[int]:
+def stop_tokens(model, tok: ChatTokenizer) -> set[int]:
     """Token ids that end a greedy answer: the model's EOS ids and the chat template's end-of-turn tokens."""
-    return set(model.cfg.eos_token_ids) | {t for t in (tok.token_id("<|im_end|>"), tok.token_id("<|endoftext|>"))
-                                           if t is not None}
+    eos = getattr(model.cfg, "eos_token_ids", None) or (model.cfg.eos_token_id,)
+    return set(eos) | {t for t in (tok.token_id("<|im_end|>"), tok.token_id("<|endoftext|>")) if t is not None}
 
 
-def run_eval(model: Llama, tok: ChatTokenizer, examples: list[QAExample], budgets: list[float],
+def is_deepseek(model) -> bool:
+    from runtime.model.deepseek_v4 import Transformer
+    return isinstance(model, Transformer)
+
+
+def run_eval(model, tok: ChatTokenizer, examples: list[QAExample], budgets: list[float],
              max_new_tokens: int = 32, fences: tuple[int, int] = (3, 3), progress=None,
-             variants: list[str] = (), reference: bool = False, teacher_tokens: int = 32) -> dict:
+             variants: list[str] = (), reference: bool = False, teacher_tokens: int = 32,
+             profile: ReuseProfile | None = None) -> dict:
     """Every arm on every example. The fast path (default) shares work between arms that compute the same
     thing: one packed forward of all documents for every profile's artifacts, document 1's artifact as the
     prefix-only arm's cached prefix, the relocated K/V for the naive and every reuse arm (`relocate`), each
@@ -101,16 +107,27 @@ def run_eval(model: Llama, tok: ChatTokenizer, examples: list[QAExample], budget
     (`Llama.greedy_many`); an arm's `seconds` is its prefill plus an equal share of that decode. Then each arm's
     cache (greedy_many does not extend it) is fed the recompute arm's continuation in one forward for the
     teacher-forced metrics (not timed). `reference`: each arm on its own, as first written (per-segment
-    attention, one decode per arm, teacher forcing a token at a time through the engine's own decode)."""
+    attention, one decode per arm, teacher forcing a token at a time through the engine's own decode).
+
+    A DeepSeek-V4 model runs the reuse arms of the profile it serves (`profile`, required there: its fences, rule
+    and alignment; each arm's budget and knobs on top), every arm on the same padded documents, each alone as in
+    `reference` (the fast path's shared relocated cache is the Llama family's); it has no naive arm."""
     assert max_new_tokens >= 1 and teacher_tokens >= 1, f"max_new_tokens={max_new_tokens} teacher={teacher_tokens}"
     stop = stop_tokens(model, tok)
-    arms = arm_list(budgets, list(variants), fences)
+    v4 = is_deepseek(model)
+    if v4:
+        if profile is None:
+            raise ValueError("a DeepSeek-V4 model is evaluated under the profile it serves: pass profile=")
+        profile.check(model.cfg)
+        fences, base = (profile.first_fences, profile.last_fences), profile
+    else:
+        base = eval_profile(fences) if profile is None else profile
+    arms = [a for a in arm_list(budgets, list(variants), fences) if not (v4 and a.kind == "naive")]
     res = {a.name: ArmResult() for a in arms}
-    base = eval_profile(fences)
     engine_arms = [a for a in arms if a.kind in ("naive", "reuse")]
     for n, ex in enumerate(examples):
         lay = layout(tok, ex)
-        run = _arms_reference if reference else _arms
+        run = _arms_deepseek if v4 else _arms_reference if reference else _arms
         answers = run(model, lay, ex, arms, engine_arms, base, res, max_new_tokens, stop, teacher_tokens)
         ref_answer, ref_first, _, ref_tf = answers["recompute"]
         ref_text = tok.decode(ref_answer).strip()
@@ -134,6 +151,8 @@ def run_eval(model: Llama, tok: ChatTokenizer, examples: list[QAExample], budget
         if progress:
             progress(n + 1, len(examples))
     summary = summarize(res, len(examples))
+    summary["profile"] = dict(base.to_dict(), name=base.name, select=base.select, family="deepseek_v4" if v4 else
+                              "llama")
     summary["raw"] = {name: r.__dict__ for name, r in res.items()}
     summary["ids"] = [ex.id for ex in examples]
     return summary
@@ -213,20 +232,9 @@ def _prefix_only_prefill(model: Llama, lay: Layout, doc1):
 
 
 def _arms_reference(model, lay, ex, arms, engine_arms, base, res, max_new_tokens, stop, window) -> dict:
-    tokens = [t for s in lay.segments for t in s] + lay.question
-    t0 = time.perf_counter()
-    out, _ = _greedy(model, tokens, max_new_tokens, stop)
-    res["recompute"].seconds += time.perf_counter() - t0
-    ref = out[0]
+    answers = _baselines(model, lay, max_new_tokens, stop, window, res)
+    ref = answers["recompute"][0]
     n = teacher_positions(ref, max_new_tokens, window)
-    dev = next(model.parameters()).device
-    forced = torch.tensor(tokens + ref[:n - 1], device=dev)
-    answers = {"recompute": out + (None, model.prefill(forced, model.new_cache(), all_logits=True)[-n:])}
-    # prefix-only: document 1 exact, the rest recomputed = the recompute arm's tokens with a reused prefix
-    t0 = time.perf_counter()
-    answers["prefix-only"] = _prefix_only(model, lay, max_new_tokens, stop) + (None, _prefix_only_forced(model, lay,
-                                                                                                           ref, n))
-    res["prefix-only"].seconds += time.perf_counter() - t0
     produced: dict[str, list] = {}            # arms whose profiles are equal share the artifacts
     for arm in engine_arms:
         prof = arm.profile(base)
@@ -242,6 +250,53 @@ def _arms_reference(model, lay, ex, arms, engine_arms, base, res, max_new_tokens
         ids, r = eng.generate(arts, lay.question, max_new_tokens, stop)
         res[arm.name].seconds += time.perf_counter() - t0
         answers[arm.name] = (ids, r.logits, r.ledger.summary(), _engine_forced(eng, arts, lay.question, ref, n))
+    return answers
+
+
+def _arms_deepseek(model, lay, ex, arms, engine_arms, base, res, max_new_tokens, stop, window) -> dict:
+    """`_arms_reference` on DeepSeek-V4: every document padded to the profile's alignment with EOS (as the worker
+    pads, so both arms see the same tokens), artifacts from the V4 producer, each reuse arm through the one
+    engine with its profile's own rule; the ledger's FLOP ratio is its analytic one (`flop_saving["ratio"]`)."""
+    from runtime.reuse.producer import pad_document, produce
+    segs = [pad_document(s, base.align, model.cfg.eos_token_id) for s in lay.segments]
+    padded = Layout(segs, lay.question)
+    answers = _baselines(model, padded, max_new_tokens, stop, window, res)
+    ref = answers["recompute"][0]
+    n = teacher_positions(ref, max_new_tokens, window)
+    produced: dict[str, list] = {}
+    for arm in engine_arms:
+        prof = arm.profile(base)
+        key = json.dumps(prof.to_dict(), sort_keys=True)
+        if key not in produced:
+            produced[key] = [produce(model, s, prof) for s in segs]
+        arts = produced[key]
+        eng = ReuseEngine(model, prof)
+        t0 = time.perf_counter()
+        ids, r = eng.generate(arts, lay.question, max_new_tokens, stop)
+        res[arm.name].seconds += time.perf_counter() - t0
+        summ = r.ledger.summary()
+        summ["flop_ratio"] = summ["flop_saving"]["ratio"]
+        answers[arm.name] = (ids, r.logits, summ, _engine_forced(eng, arts, lay.question, ref, n))
+    return answers
+
+
+def _baselines(model, lay: Layout, max_new_tokens: int, stop: set[int], window: int, res) -> dict:
+    """The recompute and prefix-only arms, each alone, with their teacher-forced logits along the recompute
+    arm's continuation: {arm: (ids, first-token logits, None, forced logits)}."""
+    tokens = [t for s in lay.segments for t in s] + lay.question
+    t0 = time.perf_counter()
+    out, _ = _greedy(model, tokens, max_new_tokens, stop)
+    res["recompute"].seconds += time.perf_counter() - t0
+    ref = out[0]
+    n = teacher_positions(ref, max_new_tokens, window)
+    dev = next(model.parameters()).device
+    forced = torch.tensor(tokens + ref[:n - 1], device=dev)
+    answers = {"recompute": out + (None, model(forced, model.new_cache(), all_logits=True)[-n:])}
+    # prefix-only: document 1 exact, the rest recomputed = the recompute arm's tokens with a reused prefix
+    t0 = time.perf_counter()
+    answers["prefix-only"] = _prefix_only(model, lay, max_new_tokens, stop) + (None, _prefix_only_forced(model, lay,
+                                                                                                           ref, n))
+    res["prefix-only"].seconds += time.perf_counter() - t0
     return answers
 
 
@@ -330,6 +385,9 @@ def merge_runs(summaries: list[dict]) -> dict:
     ids = [i for s in summaries for i in s["ids"]]
     if len(set(ids)) != len(ids):
         raise ValueError("chunks overlap: an example appears twice")
+    profiles = {json.dumps(s.get("profile"), sort_keys=True) for s in summaries}
+    if len(profiles) > 1:
+        raise ValueError("runs of different profiles do not merge: each measures its own rule")
     res = {}
     for name in summaries[0]["raw"]:
         r = ArmResult()
@@ -341,6 +399,8 @@ def merge_runs(summaries: list[dict]) -> dict:
                     setattr(r, k, getattr(r, k) + v)
         res[name] = r
     out = summarize(res, len(ids))
+    if summaries[0].get("profile") is not None:
+        out["profile"] = summaries[0]["profile"]
     out["raw"] = {name: r.__dict__ for name, r in res.items()}
     out["ids"] = ids
     return out
@@ -354,8 +414,16 @@ def _mean(v: list[float]) -> float:
     return sum(v) / len(v) if v else math.nan
 
 
+def profile_line(p: dict) -> str:
+    """Which rule and profile a table measured (the reuse arms' base profile; each arm's budget and knobs on top)."""
+    return (f"Model family {p['family']}, profile `{p['name']}`: rule `select={p['select']}`, fences "
+            f"{p['first_fences']}+{p['last_fences']}, FFN of non-active rows `{p['ffn_mode']}`, last fences' KV "
+            f"`{p['last_fence_kv']}`, {p['global_per_group']} Global head(s) per group.")
+
+
 def markdown(summary: dict, title: str) -> str:
-    lines = [f"### {title} (n = {summary['n']})", "",
+    head = [profile_line(summary["profile"]), ""] if summary.get("profile") else []
+    lines = [f"### {title} (n = {summary['n']})", "", *head,
              "| arm | F1 | EM | agreement | first-token KL | F1 delta [95% CI] | EM delta [95% CI] | head-row saving | "
              "token-row saving | FLOP ratio | K3 |", "|---|---:|---:|---:|---:|---|---|---:|---:|---:|---|"]
     for name, r in summary["arms"].items():

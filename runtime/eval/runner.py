@@ -32,6 +32,18 @@ class RunSpec:
     dtype: str = "float32"
     variants: tuple[str, ...] = ()          # extra reuse arms (arms.py), after the default ones
     teacher_tokens: int = 32                # positions of the teacher-forced metrics (harness.run_eval)
+    profile: str = ""                       # the reuse arms' base profile (a preset or JSON; "": the eval profile)
+
+    def base(self):
+        """The reuse arms' base profile: the one named, else (the Llama family) the eval profile at `fences`."""
+        from runtime.reuse.profile import load_profile
+        from .harness import eval_profile
+        return load_profile(self.profile) if self.profile else eval_profile(self.fences)
+
+    def arm_fences(self) -> tuple[int, int]:
+        """The fences arms are named against: a named profile's own, else `fences`."""
+        b = self.base()
+        return (b.first_fences, b.last_fences) if self.profile else self.fences
 
     def key(self) -> str:
         d = asdict(self)
@@ -41,11 +53,21 @@ class RunSpec:
         # every arm as it resolves (its profile, row-selection rule included): a changed default changes the key,
         # so a chunk run under the old default is never reused under the new one
         from .arms import arm_list
-        from .harness import eval_profile
-        base = eval_profile(self.fences)
+        base = self.base()
         d["arms"] = [[a.name, a.profile(base).to_dict() if a.kind in ("naive", "reuse") else None]
-                     for a in arm_list(list(self.budgets), list(self.variants), self.fences)]
+                     for a in arm_list(list(self.budgets), list(self.variants), self.arm_fences())]
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def load_checkpoint(path: str, dtype, device: str):
+    """A checkpoint directory of either family the reuse engine has an adapter for: DeepSeek-V4 (config.json's
+    model_type "deepseek_v4") or the Llama family."""
+    model_type = json.loads((Path(path) / "config.json").read_text()).get("model_type")
+    if model_type == "deepseek_v4":
+        from runtime.model.loader import load_model
+        return load_model(path, dtype=dtype, device=device).eval()
+    from runtime.llama.loader import load_llama
+    return load_llama(path, dtype=dtype, device=device)
 
 
 @dataclass(frozen=True)
@@ -75,12 +97,11 @@ class Worker:
     def __init__(self, spec: RunSpec, threads: int | None = None):
         import torch
 
-        from runtime.llama.loader import load_llama
         from runtime.llama.tokenizer import ChatTokenizer
         if threads:
             torch.set_num_threads(threads)
         self.spec = spec
-        self.model = load_llama(spec.model_dir, dtype=getattr(torch, spec.dtype), device=spec.device)
+        self.model = load_checkpoint(spec.model_dir, getattr(torch, spec.dtype), spec.device)
         self.tok = ChatTokenizer.from_dir(spec.model_dir)
 
     def examples(self, c: Chunk):
@@ -102,7 +123,8 @@ class Worker:
         with torch.backends.mkldnn.flags(enabled=self.spec.device != "cpu"):
             s = run_eval(self.model, self.tok, examples, list(self.spec.budgets), self.spec.max_new_tokens,
                          self.spec.fences, progress=progress, variants=list(self.spec.variants),
-                         teacher_tokens=self.spec.teacher_tokens)
+                         teacher_tokens=self.spec.teacher_tokens,
+                         profile=self.spec.base() if self.spec.profile else None)
         s["offset"] = c.offset
         return s
 

@@ -6,6 +6,7 @@ always run full recomputation with native top-k routing."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 
 from runtime.model.config import ModelConfig
@@ -112,7 +113,19 @@ class ReuseProfile:
 # (docs/BENCHMARKS.md, bench/fp8_local.py)
 FLASH_PROFILE = ReuseProfile(name="flash", local_format="fp8")  # 3F-37R-3F, 56 Local / 8 Global on Flash
 PRO_PROFILE = ReuseProfile(name="pro", local_format="fp8")      # 3F-55R-3F, 112 Local / 16 Global on Pro
-PROFILES = {"flash": FLASH_PROFILE, "pro": PRO_PROFILE}
+# the demo model has 8 layers: two fences at each end leave four reusable layers
+DEMO_PROFILE = ReuseProfile(name="demo", first_fences=2, last_fences=2, budget=0.25)
+PROFILES = {"demo": DEMO_PROFILE, "flash": FLASH_PROFILE, "pro": PRO_PROFILE}
+
+
+def load_profile(spec: str) -> ReuseProfile:
+    """A preset name (`PROFILES`) or a JSON object of ReuseProfile fields."""
+    spec = spec.strip()
+    if spec in PROFILES:
+        return PROFILES[spec]
+    if not spec.startswith("{"):
+        raise ValueError(f"profile {spec!r} is neither a preset ({', '.join(PROFILES)}) nor a JSON object")
+    return ReuseProfile(**json.loads(spec))
 
 
 def degenerate(cfg: ModelConfig) -> ReuseProfile:

@@ -6,7 +6,8 @@ import signal
 
 from services.common.build_queue import BuildQueue
 from services.common.registry import Registry
-from services.common.serving import checkpoint_identity, load_profile, serving_dtype
+from services.common.serving import checkpoint_identity, serving_dtype
+from runtime.reuse.profile import load_profile
 from services.common.tenants import Tenants
 from services.common.tp import RankGroup, launch
 from services.store.redis_client import sync_client

@@ -2,7 +2,6 @@
 the checkpoint identity, the reuse profile, the document id and the store key."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,24 +12,9 @@ from runtime.model.config import ModelConfig, load_config
 from runtime.model.random_init import RANDOM_INIT_FILE
 from runtime.reuse.certificate import digest_bytes, token_hash
 from runtime.reuse.producer import pad_document
-from runtime.reuse.profile import PROFILES, ReuseProfile
+from runtime.reuse.profile import ReuseProfile
 from runtime.reuse.request import ServingIdentity
 from services.store.keys import DocumentKey, content_hash, profile_id
-
-# the demo model has 8 layers: two fences at each end leave four reusable layers
-DEMO_PROFILE = ReuseProfile(name="demo", first_fences=2, last_fences=2, budget=0.25)
-PRESETS = {"demo": DEMO_PROFILE, **PROFILES}
-
-
-def load_profile(spec: str) -> ReuseProfile:
-    """A preset name or a JSON object of ReuseProfile fields."""
-    spec = spec.strip()
-    if spec in PRESETS:
-        return PRESETS[spec]
-    if not spec.startswith("{"):
-        raise ValueError(f"profile {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a JSON object")
-    return ReuseProfile(**json.loads(spec))
-
 
 def serving_dtype(setting: str, device: str) -> torch.dtype:
     """The model's (and its artifacts') dtype from the `dtype` setting: auto is bfloat16 on CUDA (what the GPU

@@ -20,7 +20,8 @@ import uvicorn
 
 from runtime.reuse.roles import channel_range
 from services.common.failpoints import Failpoints
-from services.common.serving import Binding, checkpoint_identity, load_profile, serving_dtype
+from services.common.serving import Binding, checkpoint_identity, serving_dtype
+from runtime.reuse.profile import load_profile
 from services.common.tenants import Tenants
 from services.common.tp import STOP, RankGroup, launch
 

@@ -19,7 +19,8 @@ import redis
 from runtime.model.checkpoint import load_tokenizer
 from runtime.reuse.certificate import FallbackReason
 from services.common.build_queue import stream_key
-from services.common.serving import Binding, checkpoint_identity, load_profile
+from runtime.reuse.profile import load_profile
+from services.common.serving import Binding, checkpoint_identity
 from services.common.stack import free_port
 from services.store.client import StoreClient
 from services.store.errors import NotFound

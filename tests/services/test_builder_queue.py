@@ -18,7 +18,8 @@ from services.builder.metrics import BuilderMetrics
 from services.builder.settings import BuilderSettings
 from services.common.build_queue import BuildQueue
 from services.common.registry import Registry
-from services.common.serving import checkpoint_identity, load_profile
+from runtime.reuse.profile import load_profile
+from services.common.serving import checkpoint_identity
 from services.common.stack import free_port, redis_service
 from services.common.tenants import Tenants
 from services.common.tp import RankGroup

@@ -22,7 +22,8 @@ from runtime.model.config import tiny
 from runtime.model.loader import load_model
 from runtime.reuse.certificate import Certificate
 from runtime.reuse.request import answer, build
-from services.common.serving import Binding, checkpoint_identity, load_profile
+from runtime.reuse.profile import load_profile
+from services.common.serving import Binding, checkpoint_identity
 from services.common.stack import LocalStack, StackConfig
 from services.store.client import StoreClient
 from services.store.keys import ShardKind
