@@ -69,11 +69,26 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--out", default=None, help="output directory; default: ~/.cache/redknot/models/smollm2-135m-instruct")
     g.add_argument("--force", action="store_true", help="convert again even when --out already holds this file's conversion")
 
-    e = sub.add_parser("eval", help="multi-document QA: recompute vs reuse arms (and baselines) on a Llama-family model")
+    e = sub.add_parser("eval", help="multi-document QA: recompute vs reuse arms (and baselines) on a Llama-family or "
+                                    "DeepSeek-V4 checkpoint")
     from runtime.eval.cli import add_arguments as eval_arguments        # argparse only: no torch at parse time
     eval_arguments(e)
 
+    c = sub.add_parser("calibrate", help="the quality harness on a checkpoint, data and profile, then a calibration "
+                                         "record bound to the checkpoint's fingerprint and the profile (JSON)")
+    eval_arguments(c)
+    c.add_argument("--record", default="calibration.json", help="where the record is written")
+    c.add_argument("--min-tf-top1", type=float, default=0.95,
+                   help="teacher-forced top-1 agreement of the profile's own arm: 95%% CI lower bound at least this")
+    c.add_argument("--min-f1-delta", type=float, default=-0.02,
+                   help="F1 delta against the recompute arm: 95%% CI lower bound at least this")
+    c.add_argument("--max-tf-kl", type=float, default=None,
+                   help="teacher-forced KL per token: 95%% CI upper bound at most this (default: not checked)")
+
     args = p.parse_args(argv)
+    if args.cmd == "calibrate":
+        from services.common.calibrate import run_calibrate
+        return run_calibrate(args)
     if args.cmd == "eval":
         from runtime.eval.cli import run_eval_cli
         return run_eval_cli(args)

@@ -65,6 +65,13 @@ def _family(model_dir: str) -> str | None:
 
 
 def run_eval_cli(args) -> int:
+    summary, status = evaluate(args)
+    return status
+
+
+def evaluate(args) -> tuple[dict | None, int]:
+    """`redknot eval`'s run: the summary (None when nothing ran) and the command's exit status; the table printed
+    and, with --out, written."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
         TimeRemainingColumn
@@ -97,12 +104,12 @@ def run_eval_cli(args) -> int:
         if not args.profile and _family(model_dir) == "deepseek_v4":
             console.print("redknot eval: a DeepSeek-V4 checkpoint is evaluated under the profile it serves: give "
                           "--profile (demo, flash, pro or a JSON object)")
-            return 2
+            return None, 2
         try:
             arms = arm_list(list(spec.budgets), list(spec.variants), spec.arm_fences())
         except (ArmError, ValueError, TypeError) as err:
             console.print(f"redknot eval: {err}")
-            return 2
+            return None, 2
         procs = max(1, args.procs)
         chunks = plan(args.offset, args.limit, args.chunk_size or math.ceil(args.limit / procs))
         deadline = time.time() + args.deadline if args.deadline else None
@@ -115,7 +122,7 @@ def run_eval_cli(args) -> int:
                            progress=lambda n: bar.update(task, completed=n))
         if not r.summaries:
             console.print(f"no chunk finished before the deadline ({len(r.pending)} pending)")
-            return 3
+            return None, 3
         summary = merge_runs(r.summaries) if len(r.summaries) > 1 else r.summaries[0]
         summary.update(task=args.task, model=model_dir, offset=args.offset, budgets=list(spec.budgets),
                        fences=list(spec.fences), variants=list(spec.variants), max_new_tokens=args.max_new_tokens,
@@ -132,7 +139,7 @@ def run_eval_cli(args) -> int:
         save(summary, args.out)
         Path(args.out).with_suffix(".md").write_text(table + "\n")
     print(table)
-    return status
+    return summary, status
 
 
 def main(argv: list[str] | None = None) -> int:

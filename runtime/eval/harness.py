@@ -115,13 +115,14 @@ def run_eval(model, tok: ChatTokenizer, examples: list[QAExample], budgets: list
     assert max_new_tokens >= 1 and teacher_tokens >= 1, f"max_new_tokens={max_new_tokens} teacher={teacher_tokens}"
     stop = stop_tokens(model, tok)
     v4 = is_deepseek(model)
+    if v4 and profile is None:
+        raise ValueError("a DeepSeek-V4 model is evaluated under the profile it serves: pass profile=")
     if v4:
-        if profile is None:
-            raise ValueError("a DeepSeek-V4 model is evaluated under the profile it serves: pass profile=")
         profile.check(model.cfg)
+    if profile is not None:                  # arms are named against the profile's own fences
         fences, base = (profile.first_fences, profile.last_fences), profile
     else:
-        base = eval_profile(fences) if profile is None else profile
+        base = eval_profile(fences)
     arms = [a for a in arm_list(budgets, list(variants), fences) if not (v4 and a.kind == "naive")]
     res = {a.name: ArmResult() for a in arms}
     engine_arms = [a for a in arms if a.kind in ("naive", "reuse")]
