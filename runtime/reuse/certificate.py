@@ -33,6 +33,7 @@ class FallbackReason(str, enum.Enum):
     STORE_UNAVAILABLE = "store_unavailable"
     CHECKPOINT_MISMATCH = "checkpoint_mismatch"
     PRODUCER_MISMATCH = "producer_mismatch"        # artifact dtype or producer version is not the server's
+    UNCALIBRATED = "uncalibrated"                   # no passing calibration record for the checkpoint and profile
 
 
 # the artifact itself is damaged (not merely another generation, profile or checkpoint): the worker drops its tier

@@ -234,6 +234,11 @@ def create_app(s: ApiSettings) -> FastAPI:
         resp = await generations.generate(who, prepared, arrived, current_request_id())
         return core.result(body.arm, prepared, resp)
 
+    @app.get("/v1/calibration", responses=ERRORS,
+             summary="The calibration gate on the reuse arm: the record in force and whether the reuse arm runs")
+    async def calibration(who: Tenant) -> dict:
+        return await worker.calibration()
+
     @app.get("/healthz", response_model=Health, summary="The process is up")
     async def healthz() -> Health:
         # on the event loop, no thread: answered at once however many requests are in flight (a liveness probe)

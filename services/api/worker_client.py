@@ -63,6 +63,17 @@ class WorkerClient:
                 return event
         raise WorkerFailed("the inference worker's stream ended without a response")   # stream() raised already
 
+    async def calibration(self) -> dict:
+        """The worker's calibration gate (its /calibration): whether a record is required, the record in force,
+        whether the reuse arm runs and, if not, why."""
+        try:
+            r = await self.http.get("/calibration", timeout=5.0)
+        except httpx.TransportError as e:
+            raise NotReady(f"inference worker: unreachable ({type(e).__name__})") from None
+        if r.status_code != 200:
+            raise NotReady(f"inference worker: calibration answered {r.status_code}")
+        return r.json()
+
     async def unready(self) -> str | None:
         """None when the worker is ready; else why (loading, saturated: its queue full, unreachable)."""
         try:

@@ -78,6 +78,7 @@ class Reason(str, enum.Enum):
     STORE_UNAVAILABLE = "store_unavailable"
     CHECKPOINT_MISMATCH = "checkpoint_mismatch"
     PRODUCER_MISMATCH = "producer_mismatch"
+    UNCALIBRATED = "uncalibrated"
 
 
 class ShardKind(str, enum.Enum):

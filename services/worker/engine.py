@@ -50,6 +50,7 @@ class Job:
     # (tenant, store key, generation) of the documents of requests queued behind this one
     prefetch: list[tuple[str, DocumentKey, int]] = field(default_factory=list)
     shadow: bool = False        # if the reuse arm runs, keep what a shadow recompute of it needs (rank 0 drew it)
+    uncalibrated: str | None = None     # rank 0's calibration gate closed for this reuse request: why (it recomputes)
 
 
 SHADOW = "__shadow__"           # rank 0's broadcast: every rank runs the pending shadow recompute now
@@ -240,10 +241,12 @@ class RankEngine:
         docs = [d.tokens for d in req.documents]
         fetch_s, published = 0.0, []
         t0 = time.perf_counter()
-        if req.arm == "recompute":
+        if req.arm == "recompute" or job.uncalibrated is not None:
             logits, cache = self._recompute(docs, req.question)
             state = None
-            arm, ledger, verdict, document = "recompute", None, Verdict.accept(), None
+            arm, ledger, document = "recompute", None, None
+            verdict = Verdict.accept() if req.arm == "recompute" else \
+                Verdict.reject(FallbackReason.UNCALIBRATED, job.uncalibrated)
         else:
             self.failpoints.hit("before_fetch")
             sources, pinned, published = self._open(req)

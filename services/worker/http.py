@@ -79,6 +79,7 @@ class Frontend:
         self.requests: queue.Queue[tuple[WorkerRequest, Stream, float]] = queue.Queue(maxsize=s.max_queue)
         self.ready = threading.Event()
         self.vocab_size = 0
+        self.gate = None                                         # CalibrationGate, once the model is loaded
 
     def submit(self, req: WorkerRequest, stream: Stream) -> None:
         bad = [t for d in req.documents for t in d.tokens if not 0 <= t < self.vocab_size]
@@ -122,6 +123,14 @@ def create_app(front: Frontend) -> FastAPI:
         status = "loading" if not front.ready.is_set() else "saturated" if waiting >= capacity else "ready"
         return JSONResponse({"status": status, "waiting": waiting, "capacity": capacity},
                             status_code=200 if status == "ready" else 503)
+
+    @app.get("/calibration")
+    async def calibration() -> JSONResponse:
+        """The calibration gate: whether a record is required, the record in force, whether the reuse arm runs
+        and, if not, why (503 while loading)."""
+        if front.gate is None:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        return JSONResponse(front.gate.describe())
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -25,6 +25,7 @@ from runtime.reuse.profile import load_profile
 from services.common.tenants import Tenants
 from services.common.tp import STOP, RankGroup, launch
 
+from .calibration import CalibrationGate
 from .engine import SHADOW, Job, RankEngine, RankReport
 from .exchange import ShardExchange
 from .http import Frontend, create_app
@@ -97,7 +98,8 @@ def lead(group: RankGroup, engine: RankEngine, front: Frontend, stop: threading.
             stream.queue_s = time.perf_counter() - queued
             hints = [(r.tenant, engine.key(d.tokens), d.generation) for r in front.waiting() if r.arm == "reuse"
                      for d in r.documents]
-            job = Job(req, hints, shadow=req.arm == "reuse" and random.random() < s.shadow_fraction)
+            gate = front.gate.reason() if req.arm == "reuse" and front.gate is not None else None
+            job = Job(req, hints, shadow=req.arm == "reuse" and random.random() < s.shadow_fraction, uncalibrated=gate)
             group.broadcast(job)
             try:
                 running.append((engine.start(job, stream), stream))
@@ -188,6 +190,7 @@ def rank_main(group: RankGroup, s: WorkerSettings) -> None:
             follow(group, engine)
             return
         front.vocab_size = cfg.vocab_size
+        front.gate = CalibrationGate(s.calibration_record, ident.fingerprint, profile)
         front.ready.set()
         print("redknot worker: ready", flush=True)
         lead(group, engine, front, stop)

@@ -20,6 +20,10 @@ class WorkerSettings(CommonSettings):
                                      "share of reuse-arm requests also recomputed off the critical path (after the "
                                      "answer, only while no request waits) to measure live quality: "
                                      "redknot_shadow_agreement_ratio, redknot_shadow_kl (0: off)")
+    calibration_record: str = setting("", "REDKNOT_WORKER_CALIBRATION_RECORD",
+                                      "a calibration record file (redknot calibrate): reuse-arm requests run only "
+                                      "while it passes for this checkpoint and profile, else they recompute with the "
+                                      "reason uncalibrated; read again when it changes (empty: no record required)")
     max_running: int = setting(4, "REDKNOT_WORKER_MAX_RUNNING", "requests decoding at once, interleaved step by "
                                                                 "step (each holds its KV cache on the GPU)")
     max_queue: int = setting(64, "REDKNOT_WORKER_MAX_QUEUE", "requests waiting beyond this are refused (429 with Retry-After)")

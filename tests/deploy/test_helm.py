@@ -246,6 +246,22 @@ def test_cpu_workers_need_no_gpus():
         assert _env(c)["REDKNOT_DEVICE"] == "cpu" and _env(c)["REDKNOT_TP"] == "2"
 
 
+def test_a_calibration_configmap_gates_the_workers_reuse_arm(rendered):
+    """worker.calibrationConfigMap: the record's ConfigMap mounted read-only as a directory (so an update reaches
+    the pod) and the worker pointed at it; by default no record is required."""
+    assert "REDKNOT_WORKER_CALIBRATION_RECORD" not in _env(_container(find(objects(rendered["default"]),
+                                                                              "StatefulSet", "-worker")))
+    vals = {**values("default"), "worker": {"calibrationConfigMap": "redknot-calibration"}}
+    worker = find(objects(render(vals)), "StatefulSet", "-worker")
+    c = _container(worker)
+    assert _env(c)["REDKNOT_WORKER_CALIBRATION_RECORD"] == "/etc/redknot/calibration/calibration.json"
+    mount = next(m for m in c["volumeMounts"] if m["name"] == "calibration")
+    assert mount == {"name": "calibration", "mountPath": "/etc/redknot/calibration", "readOnly": True}
+    vol = next(v for v in _pod_spec(worker)["volumes"] if v["name"] == "calibration")
+    assert vol["configMap"] == {"name": "redknot-calibration", "items": [{"key": "calibration.json",
+                                                                          "path": "calibration.json"}]}
+
+
 def test_s3_values_run_stateless_store_replicas_on_external_redis(rendered):
     objs = objects(rendered["s3"])
     store = find(objs, "StatefulSet", "-store")

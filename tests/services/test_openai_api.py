@@ -35,10 +35,25 @@ def checkpoint(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory, checkpoint, redis_url):
+def calibration_file(tmp_path_factory, checkpoint) -> Path:
+    """A passing calibration record of this checkpoint and profile (as `redknot calibrate` writes one): the worker
+    requires one (REDKNOT_WORKER_CALIBRATION_RECORD), so the reuse arm runs while it passes."""
+    from runtime.eval.calibrate import RECORD_VERSION
+    from runtime.reuse.profile import load_profile
+    from services.common.serving import checkpoint_identity
+    f = tmp_path_factory.mktemp("calibration") / "calibration.json"
+    f.write_text(json.dumps({"version": RECORD_VERSION, "fingerprint": checkpoint_identity(checkpoint).fingerprint,
+                             "profile": load_profile(PROFILE).to_dict(), "passed": True,
+                             "checks": {"tf_top1": {"ok": True}}}))
+    return f
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, checkpoint, redis_url, calibration_file):
     yield from running_stack(tmp_path_factory, checkpoint, redis_url, "rkoai", tp=1, profile=PROFILE,
                              tenants={"acme": TOKEN}, api_env={"REDKNOT_API_SERVED_MODEL_NAME": "redknot-tiny"},
-                             worker_env={"REDKNOT_WORKER_SHADOW_FRACTION": "1.0"})
+                             worker_env={"REDKNOT_WORKER_SHADOW_FRACTION": "1.0",
+                                         "REDKNOT_WORKER_CALIBRATION_RECORD": str(calibration_file)})
 
 
 @pytest.fixture(scope="module")
@@ -340,3 +355,33 @@ def test_tokens_are_added_and_revoked_without_a_restart(stack, client, docs):
     stack.tokens_file.write_text(original)
     status_until(401)
     assert client.models.list().data                     # the others' tokens are untouched
+
+
+def test_the_calibration_gate_decides_the_reuse_arm_and_the_api_shows_it(stack, http, docs, calibration_file):
+    """The worker serves the reuse arm while its record passes (GET /v1/calibration shows it); a record that does
+    not pass closes the gate without a restart: reuse requests recompute with the fallback `uncalibrated`,
+    counted; the passing record opens it again."""
+    def gate(serves: bool) -> dict:
+        deadline = time.monotonic() + 15
+        while (c := http.get("/v1/calibration").json())["serves_reuse"] != serves:
+            assert time.monotonic() < deadline, c
+            time.sleep(0.2)
+        return c
+    c = gate(True)
+    assert c["required"] and c["record"]["passed"] and c["reason"] is None
+    assert generate(http, docs, QUESTION, 2)["arm"] == "reuse"
+    good = calibration_file.read_text()
+    before = scrape(stack.worker_url).get('redknot_fallbacks_total{reason="uncalibrated"}', 0.0)
+    try:
+        calibration_file.write_text(json.dumps(dict(json.loads(good), passed=False,
+                                                    checks={"tf_top1": {"ok": False}})))
+        assert gate(False)["reason"] == "the calibration record did not pass: tf_top1"
+        out = generate(http, docs, QUESTION, 2)
+        assert out["arm"] == "recompute" and out["fallback"]["reason"] == "uncalibrated"
+        assert out["tokens"] == generate(http, docs, QUESTION, 2, arm="recompute")["tokens"]
+        assert scrape(stack.worker_url)['redknot_fallbacks_total{reason="uncalibrated"}'] == before + 1
+    finally:
+        calibration_file.write_text(good)
+        gate(True)
+    assert generate(http, docs, QUESTION, 2)["arm"] == "reuse"
+    assert httpx.get(stack.api_url + "/v1/calibration").status_code == 401        # tenants only

@@ -5,6 +5,7 @@ whole directories. A late group that fails verification on any rank restarts the
 (counted, the recompute answer), in process, through a real store process, and across two gloo ranks."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -330,3 +331,23 @@ def test_decoding_at_temperature_0_is_the_shared_greedy_loop_and_sampling_repeat
         Sampler(Sampling(-1.0), ref.logits.device)
     with pytest.raises(ValueError, match="already ended"):     # an ended decoding draws no more tokens
         g.draw(ref.logits)
+
+
+def test_a_reuse_request_the_calibration_gate_closed_recomputes_with_the_reason_uncalibrated(setup, store, client,
+                                                                                             tmp_path):
+    """Rank 0's gate closed (`Job.uncalibrated`): the reuse request runs the recompute arm, fetches nothing, and
+    reports the fallback `uncalibrated` with the gate's reason; the answer is the recompute arm's."""
+    m, docs, question, dirs = setup
+    for d in dirs:
+        client.put_artifact([d])
+    eng = _engine(m, store.target, tmp_path / "tier")
+    try:
+        rec, _ = eng.run(_request(docs, question, "recompute"))
+        job = dataclasses.replace(_request(docs, question), uncalibrated="the calibration record did not pass: tf_top1")
+        got, reports = eng.run(job)
+        assert got.arm == "recompute" and got.tokens == rec.tokens
+        assert got.fallback.reason == "uncalibrated" and got.fallback.detail == "rank 0: " + job.uncalibrated
+        assert reports[0].tier.hits == 0 and sum(reports[0].tier.misses.values()) == 0     # nothing looked up
+        assert eng.tier.keys() == []
+    finally:
+        eng.prefetcher.close()

@@ -30,6 +30,7 @@ class FallbackReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FALLBACK_REASON_STORE_UNAVAILABLE: _ClassVar[FallbackReason]
     FALLBACK_REASON_CHECKPOINT_MISMATCH: _ClassVar[FallbackReason]
     FALLBACK_REASON_PRODUCER_MISMATCH: _ClassVar[FallbackReason]
+    FALLBACK_REASON_UNCALIBRATED: _ClassVar[FallbackReason]
 SHARD_KIND_UNSPECIFIED: ShardKind
 SHARD_KIND_LATENT: ShardKind
 SHARD_KIND_LOCAL: ShardKind
@@ -48,6 +49,7 @@ FALLBACK_REASON_RANK_DISAGREEMENT: FallbackReason
 FALLBACK_REASON_STORE_UNAVAILABLE: FallbackReason
 FALLBACK_REASON_CHECKPOINT_MISMATCH: FallbackReason
 FALLBACK_REASON_PRODUCER_MISMATCH: FallbackReason
+FALLBACK_REASON_UNCALIBRATED: FallbackReason
 
 class DocumentKey(_message.Message):
     __slots__ = ("doc_hash", "checkpoint_fingerprint", "profile", "tp_size")
