@@ -35,7 +35,7 @@ def expect(**kw) -> dict:
 
 
 def test_reasons_are_fixed_lowercase_labels():
-    assert len(R) == 11
+    assert len(R) == 12
     for r in R:
         assert r.value == r.name.lower() and isinstance(r, str)
 

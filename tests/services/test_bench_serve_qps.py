@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_serve_qps_small_drives_both_arms_at_each_concurrency(tmp_path):
     out = tmp_path / "qps.json"
     r = subprocess.run([sys.executable, "bench/serve_qps.py", "--small", "--workdir", str(tmp_path / "work"),
-                        "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                        "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     run = json.loads(out.read_text())
     assert run["device"] == "cpu" and run["fallbacks"] == 0 and all(c == 0 for c in run["exit_codes"].values())
