@@ -16,6 +16,7 @@ from datetime import datetime, timezone
 import blake3
 
 from runtime.reuse.profile import ReuseProfile
+from .harness import profile_summary
 
 RECORD_VERSION = 1
 
@@ -50,8 +51,7 @@ def make_record(summary: dict, *, fingerprint: str, profile: ReuseProfile, task:
     """The record of `summary` (a harness run whose base profile is `profile`)."""
     if summary.get("profile", {}).get("family") is None:
         raise CalibrationError("the summary names no profile: run the harness with the profile to calibrate")
-    if {k: v for k, v in summary["profile"].items() if k not in ("family",)} != \
-            dict(profile.to_dict(), name=profile.name, select=profile.select):
+    if summary["profile"] != profile_summary(profile, summary["profile"]["family"]):
         raise CalibrationError("the summary was measured under another profile than the one to calibrate")
     arm = served_arm(profile)
     r = summary["arms"].get(arm)

@@ -91,6 +91,11 @@ def stop_tokens(model, tok: ChatTokenizer) -> set[int]:
     return set(eos) | {t for t in (tok.token_id("<|im_end|>"), tok.token_id("<|endoftext|>")) if t is not None}
 
 
+def profile_summary(profile: ReuseProfile, family: str) -> dict:
+    """What a summary says it measured: the base profile (its name and rule always named) and the model family."""
+    return dict(profile.to_dict(), name=profile.name, select=profile.select, family=family)
+
+
 def is_deepseek(model) -> bool:
     from runtime.model.deepseek_v4 import Transformer
     return isinstance(model, Transformer)
@@ -152,8 +157,7 @@ def run_eval(model, tok: ChatTokenizer, examples: list[QAExample], budgets: list
         if progress:
             progress(n + 1, len(examples))
     summary = summarize(res, len(examples))
-    summary["profile"] = dict(base.to_dict(), name=base.name, select=base.select, family="deepseek_v4" if v4 else
-                              "llama")
+    summary["profile"] = profile_summary(base, "deepseek_v4" if v4 else "llama")
     summary["raw"] = {name: r.__dict__ for name, r in res.items()}
     summary["ids"] = [ex.id for ex in examples]
     return summary

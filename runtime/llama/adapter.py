@@ -330,7 +330,19 @@ def _record(led: LlamaLedger, active: torch.Tensor) -> torch.Tensor:
     return active
 
 
-class SegmentsPass(Pass):
+class LlamaPass(Pass):
+    """What both Llama passes share: the controller ranks on a host copy of the deviations (one transfer; no
+    indexer class on this family), and the adapter says which layers are fences."""
+    ad: LlamaAdapter
+
+    def signals(self):
+        return self.deviation.cpu(), None
+
+    def is_fence(self, i: int) -> bool:
+        return self.ad.is_fence(i)
+
+
+class SegmentsPass(LlamaPass):
     """The reference pass: every segment's K/V where it lies (the artifact's, active rows' overlaid on copies),
     queries rotated per segment, partial outputs merged by log-sum-exp. Its state (`finish`) continues through
     `LlamaAdapter._decode`, or as one cache through `LlamaAdapter.assemble`."""
@@ -351,12 +363,6 @@ class SegmentsPass(Pass):
         self.x = m.embed(tok_all[self.positions])
         self.n_rc = 0 if naive else self.n_reloc              # relocated rows this arm computes
         self.state = {"fence": {}, "segs": {}, "new": {}, "delta_q": self.q_start, "pos": T_all}
-
-    def signals(self):
-        return self.deviation.cpu(), None
-
-    def is_fence(self, i: int) -> bool:
-        return self.ad.is_fence(i)
 
     def fence(self, i: int, signals: bool) -> None:
         ad, layer = self.ad, self.ad.model.layers[i]
@@ -387,7 +393,7 @@ class SegmentsPass(Pass):
         return ReuseResult(self.ad.model.logits(self.x[-1:])[0], self.led, act, self.state)
 
 
-class CachePass(Pass):
+class CachePass(LlamaPass):
     """The pass on the request's own KV cache: every layer's K/V held at request positions (relocated rows'
     artifact K rotated once, `relocate`), active and new rows' K/V computed at their request positions and written
     over them, and each layer's rows attending once over the whole cache with the causal mask (RoPE: R(a) R(b) =
@@ -421,12 +427,6 @@ class CachePass(Pass):
         self.keys = self.positions.float().mean().item() + 1
         self.k_pos = torch.arange(T_all, device=dev)
         self.x = m.embed(torch.tensor(tokens, device=dev))
-
-    def signals(self):
-        return self.deviation.cpu(), None
-
-    def is_fence(self, i: int) -> bool:
-        return self.ad.is_fence(i)
 
     def fence(self, i: int, signals: bool) -> None:
         ad, n0, n = self.ad, self.n0, self.n_reloc
