@@ -127,6 +127,8 @@ def test_decode_steps_of_several_requests_in_one_batch_equal_each_alone(model):
             worst = max(worst, ((last_t[i] - last_a[i]).abs().max() / last_a[i].abs().max()).item())
     assert worst < 1e-5, worst
     assert [r.state.pos for r in together] == [r.state.pos for r in alone]
-    assert torch.equal(last_t[0], last_t[2])          # the same request twice in one batch: the same answer
+    # the same request twice in one batch: the same answer (to the batched products' rounding: rows of one product
+    # may fall in different blocks of the CPU kernel, so not always bit-equal; a fresh-clone CI saw them differ)
+    assert ((last_t[0] - last_t[2]).abs().max() / last_t[2].abs().max()).item() < 1e-6
     with pytest.raises(ValueError, match="tokens"):
         engine.decode_batch([together[0].state], [1, 2])
