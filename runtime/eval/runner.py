@@ -59,17 +59,6 @@ class RunSpec:
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def load_checkpoint(path: str, dtype, device: str):
-    """A checkpoint directory of either family the reuse engine has an adapter for: DeepSeek-V4 (config.json's
-    model_type "deepseek_v4") or the Llama family."""
-    model_type = json.loads((Path(path) / "config.json").read_text()).get("model_type")
-    if model_type == "deepseek_v4":
-        from runtime.model.loader import load_model
-        return load_model(path, dtype=dtype, device=device).eval()
-    from runtime.llama.loader import load_llama
-    return load_llama(path, dtype=dtype, device=device)
-
-
 @dataclass(frozen=True)
 class Chunk:
     offset: int
@@ -97,6 +86,7 @@ class Worker:
     def __init__(self, spec: RunSpec, threads: int | None = None):
         import torch
 
+        from runtime.families import load_checkpoint
         from runtime.llama.tokenizer import ChatTokenizer
         if threads:
             torch.set_num_threads(threads)

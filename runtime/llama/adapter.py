@@ -15,58 +15,93 @@ give each relocated row, summed over those layers, rows and heads, ranks the row
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from runtime.llama.artifacts import LlamaArtifact, Relocated, expectations, global_heads, relocate
 from runtime.llama.model import KVCache, Llama, LayerCache, merge
 from runtime.reuse.controller import doc_offsets
-from runtime.reuse.ledger import RowLedger
+from runtime.reuse.ledger import OPS, RowLedger
 from runtime.reuse.loop import Pass, ReuseResult
 from runtime.reuse.profile import ProfileError, ReuseProfile
 from runtime.reuse.signals import attention_mass, rel_deviation
 
 @dataclass
 class LlamaLedger(RowLedger):
-    """The shared row namespaces (SPEC §7) for a Llama-family model, and one analytic FLOP count (projections,
-    attention, MLP) against the recompute arm's."""
+    """The shared row namespaces (SPEC §7) for a Llama-family model, and its analytic FLOPs (projections,
+    attention, MLP) against the recompute arm's, in total and per operator (`flop_saving`: the MLP under the
+    shared key "moe", the FFN of either family; no indexer)."""
     n_layers: int
     n_heads: int
     dims: tuple[int, int, int, int] = (0, 0, 0, 0)     # hidden, head dim, KV heads, MLP width
+    prof: ReuseProfile | None = None                   # for the structural ceiling
     active_rows: tuple[int, ...] = ()                  # the relocated rows chosen active, ids among them
     flops: float = 0.0
     flops_recompute: float = 0.0
+    ops: dict = field(default_factory=lambda: dict.fromkeys(OPS, 0.0))
+    ops_recompute: dict = field(default_factory=lambda: dict.fromkeys(OPS, 0.0))
+    ttft_s: dict = field(default_factory=dict)
+
+    def _row(self, heads: int, keys: float, mlp: bool, qkv_heads: int | None = None) -> dict:
+        d, D, KV, ffn = self.dims
+        qh = heads if qkv_heads is None else qkv_heads
+        return {"projections": 2 * d * D * qh + 2 * d * D * 2 * KV * (qkv_heads is None) + 2 * heads * D * d,
+                "attention": 4 * heads * D * keys, "indexer": 0.0, "moe": 6 * d * ffn if mlp else 0}
 
     def flops_row(self, heads: int, keys: float, mlp: bool, qkv_heads: int | None = None) -> float:
         """One row of one layer: Q (and K/V unless `qkv_heads`: only those heads' Q), attention over `keys`
         keys, W_o, and the MLP when it runs."""
-        d, D, KV, ffn = self.dims
-        qh = heads if qkv_heads is None else qkv_heads
-        f = 2 * d * D * qh + 2 * d * D * 2 * KV * (qkv_heads is None) + 2 * heads * D * d + 4 * heads * D * keys
-        return f + (6 * d * ffn if mlp else 0)
+        return sum(self._row(heads, keys, mlp, qkv_heads).values())
+
+    def add(self, rows: float, heads: int, keys: float, mlp: bool, qkv_heads: int | None = None) -> None:
+        """`rows` rows of one layer computed online (`flops_row` each)."""
+        for k, f in self._row(heads, keys, mlp, qkv_heads).items():
+            self.ops[k] += rows * f
+            self.flops += rows * f
 
     def recompute(self, T: int) -> None:
         """The recompute arm: every row, every layer; a row at position t attends t+1 keys."""
-        self.flops_recompute = self.n_layers * (T * self.flops_row(self.n_heads, 0, True)
-                                                + 4 * self.n_heads * self.dims[1] * T * (T + 1) / 2)
+        row = self._row(self.n_heads, 0, True)
+        row["attention"] = 4 * self.n_heads * self.dims[1] * (T + 1) / 2
+        self.ops_recompute = {k: self.n_layers * T * f for k, f in row.items()}
+        self.flops_recompute = sum(self.ops_recompute.values())
 
     def fence(self, rows: int, keys: float) -> None:
         self.head_rows_computed += self.n_reloc * self.n_heads
-        self.flops += rows * self.flops_row(self.n_heads, keys, True)
+        self.add(rows, self.n_heads, keys, True)
 
     def reusable(self, n_act: int, n_new: int, n_rest: int, global_heads: int, keys: float, rest_ffn: bool) -> None:
         """A reusable layer (or an artifact-KV last fence, `global_heads` 0, `n_rest` 0): `n_act` active relocated
         and `n_new` new rows in full, `n_rest` other relocated rows on their Global heads."""
         self.head_rows_computed += n_act * self.n_heads + (self.n_reloc - n_act) * global_heads
         self.token_rows_skipped += self.n_reloc - n_act
-        self.flops += (n_act + n_new) * self.flops_row(self.n_heads, keys, True) + \
-            n_rest * self.flops_row(global_heads, keys, rest_ffn, qkv_heads=global_heads)
+        self.add(n_act + n_new, self.n_heads, keys, True)
+        self.add(n_rest, global_heads, keys, rest_ffn, qkv_heads=global_heads)
+
+    def flop_saving(self) -> dict:
+        out = {k: (1 - self.ops[k] / r) if r else 0.0 for k, r in self.ops_recompute.items()}
+        out["total"] = 1 - self.flops / self.flops_recompute if self.flops_recompute else 0.0
+        out["ratio"] = self.flops_recompute / self.flops if self.flops else float("inf")
+        return out
+
+    def structural_ceiling(self) -> float:
+        """The head-row saving at budget 0: the Local heads of every reusable layer (every head of an artifact-KV
+        last fence) over every layer's heads."""
+        p = self.prof
+        if p is None:
+            return 0.0
+        G = self.n_heads // self.dims[2]
+        full = p.last_fences if p.last_fence_kv == "artifact" else 0
+        reusable = self.n_layers - p.first_fences - p.last_fences
+        return (reusable * (1 - p.global_per_group / G) + full) / self.n_layers
 
     def summary(self) -> dict:
+        """The four namespaces as DeepSeek-V4's ledger reports them (the API's shape), and `flop_ratio`."""
+        saving = self.flop_saving()
         return {"rows": self.rows(), "head_row_saving": self.head_row_saving(),
-                "token_row_saving": self.token_row_saving(),
-                "flop_ratio": self.flops_recompute / self.flops if self.flops else float("inf")}
+                "structural_ceiling": self.structural_ceiling(), "token_row_saving": self.token_row_saving(),
+                "flop_saving": saving, "ttft_s": dict(self.ttft_s), "flop_ratio": saving["ratio"]}
 
 
 class LlamaAdapter:
@@ -139,7 +174,7 @@ class LlamaAdapter:
 
     def ledger(self, n_prefix: int, n_reloc: int, n_new: int) -> LlamaLedger:
         return LlamaLedger(n_prefix=n_prefix, n_reloc=n_reloc, n_new=n_new, n_layers=self.n_layers, n_heads=self.H,
-                           dims=self.dims)
+                           dims=self.dims, prof=self.prof)
 
     def deviation(self, k_req, v_req, k_art, v_art) -> torch.Tensor:
         """The first fences' per-row signal: the rows' request-context K against the artifact's K moved to the
@@ -179,7 +214,7 @@ class LlamaAdapter:
             score += attention_mass(q, keys[n0:q_start], lse, attn.scale)
             h = xq + attn.project(o.to(xq.dtype))
             xq = h + layer.mlp(layer.post_attention_layernorm(h))
-        led.flops += len(layers) * xq.shape[0] * led.flops_row(self.H, (q_start + T + 1) / 2, True)
+        led.add(len(layers) * xq.shape[0], self.H, (q_start + T + 1) / 2, True)
         return score
 
     def reusable_attention(self, attn, q, lc, positions, k_pos, sel, heads) -> torch.Tensor:

@@ -1,14 +1,19 @@
 """The Llama family's artifacts (SPEC §4 on GQA): per layer the document's K/V at canonical positions and, in
 reusable layers, the Local heads' output projection W_o,L O_L; their producers (one document, one document for
 several profiles, several documents packed into one forward), their certificate in the shared format, and their
-relocation to a request's positions (K rotated once by each segment's offset)."""
+relocation to a request's positions (K rotated once by each segment's offset). The services store them in the
+shared artifact format (`runtime/reuse/store.py`: a `kv` and a `local` shard per layer, `to_document`, `build`) and
+read them back layer by layer as any artifact (`from_document`)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from runtime.llama.model import Llama
+from runtime.reuse.artifact import DocumentArtifact, KVLayerArtifact
 from runtime.reuse.certificate import Certificate, token_hash
 from runtime.reuse.controller import doc_offsets
 from runtime.reuse.profile import ReuseProfile
@@ -147,3 +152,40 @@ def relocate(model: Llama, docs: list[LlamaArtifact]) -> Relocated:
     k = model.rotary.rotate(k, shift)
     v = torch.cat([torch.stack(d.v, dim=1) for d in docs])
     return Relocated([k[:, i] for i in range(L)], [v[:, i] for i in range(L)], deltas, pos)
+
+
+# ------------------------------------------------------------------------------- the store format (the services)
+
+def to_document(art: LlamaArtifact) -> DocumentArtifact:
+    """`art` as the shared artifact format holds it: one `KVLayerArtifact` a layer, TP1, meta naming the family."""
+    dtype = str(art.k[0].dtype).removeprefix("torch.")
+    return DocumentArtifact(list(art.tokens), len(art.tokens),
+                            [KVLayerArtifact(k, v, p) for k, v, p in zip(art.k, art.v, art.local)],
+                            meta={"family": "llama", "dtype": dtype, "producer_version": PRODUCER_VERSION})
+
+
+def from_document(doc: DocumentArtifact, cert: Certificate, device: torch.device | str | None = None
+                  ) -> LlamaArtifact:
+    """A stored Llama artifact (read and verified against `cert` layer by layer) as the engine reads it; on
+    `device` where given (one copy per tensor), else the layers' own tensors."""
+    def on(t: torch.Tensor | None) -> torch.Tensor | None:
+        return t if t is None or device is None else t.to(device, non_blocking=True)
+    layers = doc.layers
+    if not all(isinstance(la, KVLayerArtifact) for la in layers):
+        raise TypeError("not a Llama-family artifact (its layers are not KVLayerArtifact)")
+    return LlamaArtifact(list(doc.tokens), [on(la.k) for la in layers], [on(la.v) for la in layers],
+                         [on(la.local_p) for la in layers], cert)
+
+
+def build(model: Llama, tokens: list[int], prof: ReuseProfile, fingerprint: str, tokenizer_fp: str,
+          directory: str | os.PathLike, generation: int = 1) -> Path:
+    """Producer + store for the services' builder: `tokens`' artifact for `prof`, certified in `directory` (TP1,
+    every channel: `expectations`)."""
+    from runtime.reuse.store import save_artifact
+    art = produce_llama(model, tokens, prof, tokenizer_fp, fingerprint)
+    e = expectations(model, fingerprint)
+    save_artifact(to_document(art), directory, dict(
+        fingerprint=fingerprint, token_hash=token_hash(art.tokens, tokenizer_fp), profile=prof.to_dict(),
+        channel_range=e["channel_range"], dtype=e["dtype"], producer_version=PRODUCER_VERSION,
+        generation=generation))
+    return Path(directory)

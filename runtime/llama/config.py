@@ -41,6 +41,10 @@ class LlamaConfig:
     eos_token_ids: tuple[int, ...] = (2,)
     pad_token_id: int | None = None
 
+    @property
+    def n_layers(self) -> int:
+        return self.num_hidden_layers
+
     def __post_init__(self):
         if not self.head_dim:
             object.__setattr__(self, "head_dim", self.hidden_size // max(self.num_attention_heads, 1))

@@ -309,6 +309,13 @@ class Llama(nn.Module):
         return self.logits(x) if all_logits else self.logits(x[-1:])[0]
 
     @torch.inference_mode()
+    def decode(self, tokens: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
+        """One new row for each of B requests (tokens [B]), request b's after what caches[b] holds: [B, V]. The
+        same call as DeepSeek-V4's batched step (the worker's decode round); here each request's row runs its own
+        forward (a model of this size is bound by launches, not by the batch)."""
+        return torch.stack([self.forward(t[None], c) for t, c in zip(tokens, caches)])
+
+    @torch.inference_mode()
     def forward_packed(self, tokens: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Independent sequences packed into one forward (each at positions 0..n-1, a block-diagonal causal
         mask): equals running each alone up to rounding, in one pass of the layers. Returns per layer the

@@ -33,10 +33,20 @@ class LayerArtifact:
 
 
 @dataclass
+class KVLayerArtifact:
+    """The Llama family's layer in the store format (runtime/llama/artifacts.py): K/V of every row at canonical
+    positions (K with RoPE) and, in reusable layers, the Local heads' output projection W_o,L O_L; TP1 only."""
+    k: torch.Tensor                           # [n, KV, D]
+    v: torch.Tensor                           # [n, KV, D]
+    local_p: torch.Tensor | None = None       # [n, d]
+    owner: Owner = field(default=Owner.CALLER, compare=False)
+
+
+@dataclass
 class DocumentArtifact:
     tokens: list[int]                         # padded token ids the artifact was built on
     n_content: int                            # tokens before padding
-    layers: list[LayerArtifact]
+    layers: list[LayerArtifact] | list[KVLayerArtifact]
     tp_rank: int = 0
     tp_size: int = 1
     meta: dict = field(default_factory=dict)  # profile, fingerprints, dtype, producer version, generation

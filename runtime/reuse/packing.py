@@ -14,27 +14,30 @@ import torch
 from .artifact import DocumentArtifact, LayerArtifact, Owner
 
 
-_FIELDS = tuple(f.name for f in fields(LayerArtifact) if f.name != "owner")
+@functools.cache
+def _fields(kind: type) -> tuple[str, ...]:
+    """A layer type's tensor fields (LayerArtifact, or the Llama family's KVLayerArtifact), in declaration order."""
+    return tuple(f.name for f in fields(kind) if f.name != "owner")
 
 
 def map_layer(la: LayerArtifact, fn, owner: Owner = Owner.CALLER) -> LayerArtifact:
-    """A new LayerArtifact holding `fn` of each of `la`'s tensors; `owner`: who owns the new one (its maker says:
-    `Owner.REQUEST` only for a copy made for one request)."""
+    """A new layer of `la`'s type holding `fn` of each of `la`'s tensors; `owner`: who owns the new one (its maker
+    says: `Owner.REQUEST` only for a copy made for one request)."""
     out = {"owner": owner}
-    for name in _FIELDS:
+    for name in _fields(type(la)):
         v = getattr(la, name)
         if isinstance(v, tuple):
             v = tuple(fn(t) for t in v)
         elif isinstance(v, torch.Tensor):
             v = fn(v)
         out[name] = v
-    return LayerArtifact(**out)
+    return type(la)(**out)
 
 
 def layer_tensors(la: LayerArtifact) -> list[torch.Tensor]:
     """`la`'s tensors in `map_layer`'s order."""
     out = []
-    for name in _FIELDS:
+    for name in _fields(type(la)):
         v = getattr(la, name)
         if isinstance(v, tuple):
             out.extend(v)

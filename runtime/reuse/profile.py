@@ -115,7 +115,12 @@ FLASH_PROFILE = ReuseProfile(name="flash", local_format="fp8")  # 3F-37R-3F, 56 
 PRO_PROFILE = ReuseProfile(name="pro", local_format="fp8")      # 3F-55R-3F, 112 Local / 16 Global on Pro
 # the demo model has 8 layers: two fences at each end leave four reusable layers
 DEMO_PROFILE = ReuseProfile(name="demo", first_fences=2, last_fences=2, budget=0.25)
-PROFILES = {"demo": DEMO_PROFILE, "flash": FLASH_PROFILE, "pro": PRO_PROFILE}
+# the Llama family (SmolLM2-135M, `make demo`): no compression blocks (align 1), join/recent rows scaled to
+# paragraph-sized documents, the 25% budget and the `attention` rule the quality harness measured on it
+# (docs/QUALITY.md; `redknot eval`'s default arm)
+LLAMA_PROFILE = ReuseProfile(name="llama", first_fences=3, last_fences=3, align=1, join_rows=16, recent_rows=64,
+                             budget=0.25, select="attention", signal="k")
+PROFILES = {"demo": DEMO_PROFILE, "flash": FLASH_PROFILE, "pro": PRO_PROFILE, "llama": LLAMA_PROFILE}
 
 
 def load_profile(spec: str) -> ReuseProfile:

@@ -15,19 +15,18 @@ from pathlib import Path
 
 import torch
 
+from runtime.families import build as family_build, device_of, expectations, family
 from runtime.model.deepseek_v4 import ModelCache, Transformer
 from .certificate import Certificate, FallbackCounter, Verdict, agree, digest_bytes, token_hash
 from .call import RequestState
-from .deepseek import expectations
 from .engine import ReuseEngine
 from runtime.model.parallel import Parallel
 from .ledger import Ledger
 from .prefetcher import LayerPrefetcher
 from .stager import GroupStager, HotSource, StagedSource, StagingRejected, Trace, source_verdict
-from .producer import PRODUCER_VERSION, pad_document, produce
+from .producer import pad_document
 from .profile import ReuseProfile
-from .roles import channel_range
-from .store import CERTIFICATE_FILE, check_binding, load_artifact, read_head, save_artifact
+from .store import CERTIFICATE_FILE, check_binding, load_artifact, read_head
 
 
 @dataclass(frozen=True)
@@ -61,20 +60,15 @@ class Outcome:
         """This request continued by one token in the arm that ran, alone; the next logits [V]. No second
         prefill."""
         if self.cache is not None:
-            return self.model(torch.tensor([token], device=self.model.embed.weight.device), self.cache)
+            return self.model(torch.tensor([token], device=device_of(self.model)), self.cache)
         return self.engine.decode(self.state, token)
 
 
-def build(model: Transformer, tokens: list[int], profile: ReuseProfile, ident: ServingIdentity,
+def build(model, tokens: list[int], profile: ReuseProfile, ident: ServingIdentity,
           directory: str | os.PathLike, generation: int = 1) -> Path:
-    """Producer + store: one document's artifact for this rank, certified."""
-    art = produce(model, tokens, profile)
-    par = model.par
-    save_artifact(art, directory, dict(
-        fingerprint=ident.fingerprint, token_hash=token_hash(art.tokens, ident.tokenizer_fingerprint),
-        profile=profile.to_dict(), channel_range=channel_range(model.cfg, par.rank, par.size),
-        dtype=art.meta["dtype"], producer_version=PRODUCER_VERSION, generation=generation))
-    return Path(directory)
+    """Producer + store: one document's artifact for this rank, certified (`runtime.families.build`)."""
+    return family_build(model, tokens, profile, ident.fingerprint, ident.tokenizer_fingerprint, directory,
+                        generation)
 
 
 def _validate(model: Transformer, profile: ReuseProfile, ident: ServingIdentity, padded: list[list[int]], items,
@@ -83,7 +77,7 @@ def _validate(model: Transformer, profile: ReuseProfile, ident: ServingIdentity,
     at the first reject: the artifacts and binding digests of those accepted, and the verdict."""
     gens = [current_generation] * len(padded) if isinstance(current_generation, int) else list(current_generation)
     assert len(gens) == len(padded), f"{len(gens)} current generations for {len(padded)} documents"
-    expect = expectations(model, profile, ident.fingerprint)
+    expect = expectations(model, profile, ident.fingerprint)          # the model family's
     arts, bindings = [], []
     for toks, item, gen in zip(padded, items, gens):
         art, cert, v = read(item, dict(expect, current_generation=gen,
@@ -99,23 +93,31 @@ def _recompute(model: Transformer, padded: list[list[int]], question: list[int],
                counter: FallbackCounter | None, document: int | None = None) -> Outcome:
     if counter is not None:
         counter.observe(verdict)
-    dev = model.embed.weight.device
+    dev = device_of(model)
     full = torch.tensor([t for p in padded for t in p] + list(question), device=dev)
     cache = model.new_cache()
     return Outcome(model(full, cache), "recompute", verdict, None, cache=cache, model=model, document=document)
 
 
 def _prefetched(model: Transformer, arts: list) -> list:
-    """Host artifacts as the engine reads them: on CUDA each layer reaches the GPU one layer ahead on a copy stream
-    (`LayerPrefetcher`), as this request's own copies; elsewhere as they are."""
-    dev = model.embed.weight.device
-    return LayerPrefetcher(arts, dev).documents() if dev.type == "cuda" else arts
+    """Host artifacts as the engine reads them: on CUDA each DeepSeek-V4 layer reaches the GPU one layer ahead on a
+    copy stream (`LayerPrefetcher`), as this request's own copies; elsewhere as they are (the Llama family's reach
+    the device in `_reuse`)."""
+    dev = device_of(model)
+    return LayerPrefetcher(arts, dev).documents() if dev.type == "cuda" and family(model) == "deepseek_v4" else arts
 
 
 def _reuse(model: Transformer, profile: ReuseProfile, docs: list, question: list[int], verdict: Verdict) -> Outcome:
     """The reuse arm over `docs` as the engine reads them (prefetched host artifacts, or a GroupStager's documents,
-    which it stages itself: not wrapped again)."""
+    which it stages itself: not wrapped again). The Llama family's documents (verified `KVLayerArtifact` layers)
+    reach the device here, and its reuse arm runs on the request's own KV cache (`prefill_cache`), which decoding
+    then continues as the recompute arm's."""
     engine = ReuseEngine(model, profile)
+    if family(model) == "llama":
+        from runtime.llama.artifacts import from_document
+        dev = device_of(model)
+        res = engine.prefill_cache([from_document(d, None, dev) for d in docs], question)
+        return Outcome(res.logits, "reuse", verdict, res.ledger, cache=res.state, model=model)
     res = engine.prefill(docs, question)
     return Outcome(res.logits, "reuse", verdict, res.ledger, state=res.state, engine=engine)
 
@@ -133,8 +135,9 @@ def answer(model: Transformer, profile: ReuseProfile, docs: list[list[int]], art
         return art, cert, v
     arts, bindings, verdict = _validate(model, profile, ident, padded, artifact_dirs, current_generation, read)
     # the one agreement collective, before any reuse-specific collective: all ranks reuse or none does, and
-    # ranks that accept must have accepted the same artifacts (same binding digest)
-    verdict = agree(verdict, model.par, binding=digest_bytes("|".join(bindings).encode()) if verdict.ok else None)
+    # ranks that accept must have accepted the same artifacts (same binding digest); the Llama family runs at TP1
+    if family(model) == "deepseek_v4":
+        verdict = agree(verdict, model.par, binding=digest_bytes("|".join(bindings).encode()) if verdict.ok else None)
     if verdict.ok:
         return _reuse(model, profile, _prefetched(model, arts), question, verdict)
     return _recompute(model, padded, question, verdict, counter)
@@ -168,11 +171,13 @@ def answer_staged(model: Transformer, profile: ReuseProfile, docs: list[list[int
         return head, head.certificate if v.ok else None, v
     heads, bindings, verdict = _validate(model, profile, ident, padded, sources, current_generation, read)
     document = None if verdict.ok else len(heads)      # `_validate` stops at the first document it rejects
+    if family(model) == "llama":            # TP1: no agreement; every layer verified before the forward
+        return _whole_llama(model, profile, padded, sources, heads, question, verdict, counter, document)
     hot = all(isinstance(s, HotSource) for s in sources)
     if model.par.size > 1:      # every rank takes the same path (the staged one runs per-group agreements)
         hot = all((control or model.par).all_gather_object(hot))
     # staging starts before the agreement (it only reads); nothing is consumed before every rank accepted
-    stager = GroupStager(heads, sources, model.embed.weight.device, control or model.par, trace, groups).start() \
+    stager = GroupStager(heads, sources, device_of(model), control or model.par, trace, groups).start() \
         if verdict.ok and not hot else None
     verdict = agree(verdict, model.par, binding=digest_bytes("|".join(bindings).encode()) if verdict.ok else None)
     if verdict.ok:
@@ -183,3 +188,26 @@ def answer_staged(model: Transformer, profile: ReuseProfile, docs: list[list[int
         except StagingRejected as r:
             verdict, document = r.verdict, r.document
     return _recompute(model, padded, question, verdict, counter, document)
+
+
+def _whole_llama(model, profile: ReuseProfile, padded: list[list[int]], sources: list[StagedSource | HotSource],
+                 heads: list, question: list[int], verdict: Verdict, counter: FallbackCounter | None,
+                 document: int | None) -> Outcome:
+    """`answer_staged` on the Llama family (TP1): every layer group of every document verified against its
+    certificate, parsed and pinned (`StagedSource.read`, shared with the worker's tier) before the reuse forward,
+    which runs on the request's own KV cache; the first group any document fails names the fallback."""
+    if not verdict.ok:
+        return _recompute(model, padded, question, verdict, counter, document)
+    docs = []
+    for d, (src, head) in enumerate(zip(sources, heads)):
+        if isinstance(src, HotSource):
+            docs.append(src.doc)
+            continue
+        layers = []
+        for g in range(len(src.groups)):
+            arts, v = src.read(g, head)
+            if not v.ok:
+                return _recompute(model, padded, question, v, counter, d)
+            layers.extend(arts)
+        docs.append(head.document(layers))
+    return _reuse(model, profile, docs, question, verdict)

@@ -4,6 +4,8 @@
     layer{L:02d}.latent.safetensors                   rank-agnostic: latent, entries, index_keys, *_prev kv/gate
     layer{L:02d}.local.r{rank}.c{lo}-{hi}.safetensors reusable layers: local_p (local_s: its FP8 scales), this rank's
                                                       channel range
+    layer{L:02d}.kv.safetensors                       the Llama family's layers instead of a latent shard: k, v
+                                                      (`KVLayerArtifact`; its local shard holds W_o,L O_L)
     certificate.msgpack                               written LAST: a directory without it is not an artifact
 
 Every file is written to a temp name, fsynced and renamed. The certificate holds the blake3 digest of every
@@ -26,7 +28,7 @@ import safetensors.torch
 import torch
 
 from runtime.model.quant import FP8_ROW_BLOCK
-from .artifact import DocumentArtifact, LayerArtifact
+from .artifact import DocumentArtifact, KVLayerArtifact, LayerArtifact
 from .certificate import Certificate, CertificateError, FallbackReason, Verdict, digest_bytes, validate
 
 FORMAT_VERSION = 1
@@ -36,11 +38,15 @@ CERTIFICATE_FILE = "certificate.msgpack"
 CERT_FIELDS = ("fingerprint", "token_hash", "profile", "channel_range", "dtype", "producer_version", "generation")
 EXPECT_FIELDS = ("fingerprint", "tokens_hash", "profile", "tp_size", "tp_rank", "channel_range", "layers_needed",
                  "current_generation", "dtype", "producer_version")
-_SHARD_NAME = re.compile(r"^layer(\d{2,})\.(latent|local\.r(\d+)\.c(\d+)-(\d+))$")
+_SHARD_NAME = re.compile(r"^layer(\d{2,})\.(latent|kv|local\.r(\d+)\.c(\d+)-(\d+))$")
 
 
 def latent_shard(layer: int) -> str:
     return f"layer{layer:02d}.latent"
+
+
+def kv_shard(layer: int) -> str:
+    return f"layer{layer:02d}.kv"
 
 
 def local_shard(layer: int, rank: int, channel_range: tuple[int, int]) -> str:
@@ -116,15 +122,20 @@ def save_artifact(art: DocumentArtifact, directory: str | os.PathLike, cert_fiel
 
     shards, digests = [], {}
     for layer, la in enumerate(art.layers):
-        if la.latent.shape[0] != art.n:
+        if isinstance(la, KVLayerArtifact):
+            if la.k.shape[0] != art.n or la.v.shape != la.k.shape:
+                raise ValueError(f"layer {layer}: k {tuple(la.k.shape)} / v {tuple(la.v.shape)} for {art.n} tokens")
+            parts = [(kv_shard(layer), "kv", {"k": la.k, "v": la.v})]
+        elif la.latent.shape[0] != art.n:
             raise ValueError(f"layer {layer}: latent has {la.latent.shape[0]} rows for {art.n} tokens")
-        parts = [(latent_shard(layer), "latent", _latent_tensors(la))]
+        else:
+            parts = [(latent_shard(layer), "latent", _latent_tensors(la))]
         if la.local_p is not None:
             if tuple(la.local_p.shape) != (art.n, hi - lo):
                 raise ValueError(f"layer {layer}: local_p {tuple(la.local_p.shape)} does not match "
                                  f"{art.n} rows x channels [{lo}, {hi})")
             local = {"local_p": la.local_p}
-            if la.local_s is not None:
+            if getattr(la, "local_s", None) is not None:
                 nb = -(-(hi - lo) // FP8_ROW_BLOCK)
                 if tuple(la.local_s.shape) != (art.n, nb) or la.local_s.dtype != torch.uint8:
                     raise ValueError(f"layer {layer}: local_s {tuple(la.local_s.shape)} {la.local_s.dtype} is not "
@@ -236,7 +247,7 @@ def _check_manifest(raw: bytes, cert: Certificate) -> dict:
                     or not isinstance(s["tensors"], dict)):
                 raise bad(f"shard {s['name']} entry")
             want = (local_shard(s["layer"], cert.tp_rank, cert.channel_range) if s["kind"] == "local"
-                    else latent_shard(s["layer"]))
+                    else kv_shard(s["layer"]) if s["kind"] == "kv" else latent_shard(s["layer"]))
             if s["name"] != want:
                 raise bad(f"shard {s['name']} is not {want}")
     except (KeyError, TypeError, ValueError) as e:
@@ -309,7 +320,16 @@ def _parse_shard(name: str, raw, entry: dict) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _layer(m: dict, layer: int, parsed: dict[str, dict[str, torch.Tensor]]) -> LayerArtifact:
+def _layer(m: dict, layer: int, parsed: dict[str, dict[str, torch.Tensor]]) -> LayerArtifact | KVLayerArtifact:
+    local = [s["name"] for s in m["shards"] if s["layer"] == layer and s["kind"] == "local"]
+    assert len(local) <= 1, local
+    if kv_shard(layer) in parsed:                   # the Llama family's layer
+        kv = parsed[kv_shard(layer)]
+        if "k" not in kv or "v" not in kv:
+            raise _reject(FallbackReason.DIGEST_MISMATCH, f"layer {layer} kv shard lacks k or v")
+        return KVLayerArtifact(kv["k"], kv["v"], parsed[local[0]]["local_p"] if local else None)
+    if latent_shard(layer) not in parsed:
+        raise _reject(FallbackReason.MISSING_SHARD, f"layer {layer} has neither a latent nor a kv shard")
     lat = parsed[latent_shard(layer)]
     if "latent" not in lat:
         raise _reject(FallbackReason.DIGEST_MISMATCH, f"layer {layer} latent shard has no latent")
@@ -317,8 +337,6 @@ def _layer(m: dict, layer: int, parsed: dict[str, dict[str, torch.Tensor]]) -> L
     def pair(p: str):
         return (lat[f"{p}.kv"], lat[f"{p}.gate"]) if f"{p}.kv" in lat else None
 
-    local = [s["name"] for s in m["shards"] if s["layer"] == layer and s["kind"] == "local"]
-    assert len(local) <= 1, local
     return LayerArtifact(latent=lat["latent"], entries=lat.get("entries"), index_keys=lat.get("index_keys"),
                          comp_prev=pair("comp_prev"), index_prev=pair("index_prev"), picks=lat.get("picks"),
                          local_p=parsed[local[0]]["local_p"] if local else None,

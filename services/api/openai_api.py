@@ -7,7 +7,8 @@ documents come first in the context, in the order they are named (the first is t
 relocated): a request is [documents][prompt], in both arms. A chat's prompt is the checkpoint's chat template
 (its tokenizer config) applied to the messages with their document parts taken out; a completion's prompt is
 its text, tokenized as /v1/generate tokenizes a question (or given as token ids). `arm` ("reuse", the default, or
-"recompute") picks the arm; every response carries a `redknot` object: the arm that ran and, on a fallback, why.
+"recompute") picks the arm; every response carries a `redknot` object: the arm that ran, on a fallback why, and
+when the reuse arm ran its ledger (the four savings namespaces).
 `usage.prompt_tokens_details.cached_tokens` counts the document rows taken from certified artifacts (not
 recomputed); 0 when the recompute arm ran. Sampling: temperature 0 is greedy; `seed` repeats a sampled answer.
 Stop sequences end the answer (the text before the first one); the worker stops decoding when one is met.
@@ -175,6 +176,7 @@ class OpenAiRoutes:
     def _redknot(body: Sampling, prepared: Prepared, head: WorkerHead, tokens: list[int]) -> dict:
         return {"arm_requested": body.arm, "arm": head.arm, "ttft_s": head.ttft_s, "fetch_s": head.fetch_s,
                 "fallback": head.fallback.model_dump() if head.fallback is not None else None,
+                "ledger": head.ledger,
                 "documents": [{"id": r.id, "generation": r.generation} for r in prepared.records],
                 "tokens": tokens}
 

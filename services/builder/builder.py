@@ -23,9 +23,9 @@ from pathlib import Path
 
 import redis
 
-from runtime.model.deepseek_v4 import Transformer
+from runtime.families import build
 from runtime.reuse.profile import ReuseProfile
-from runtime.reuse.request import ServingIdentity, build
+from runtime.reuse.request import ServingIdentity
 from services.common.build_queue import BuildQueue, Job
 from services.common.failpoints import Failpoints
 from services.common.registry import CorruptRecord, Registry
@@ -51,18 +51,19 @@ class BuildTask:
     root: str
 
 
-def build_rank(group: RankGroup, model: Transformer, profile: ReuseProfile, ident: ServingIdentity,
+def build_rank(group: RankGroup, model, profile: ReuseProfile, ident: ServingIdentity,
                task: BuildTask) -> str:
     """This rank's artifact; the error text, or "" on success (a rank never raises out of a job: every rank
     must reach the gather that follows)."""
     try:
-        build(model, task.tokens, profile, ident, Path(task.root) / f"rank{group.rank}", generation=task.generation)
+        build(model, task.tokens, profile, ident.fingerprint, ident.tokenizer_fingerprint,
+              Path(task.root) / f"rank{group.rank}", generation=task.generation)
         return ""
     except Exception as e:     # noqa: BLE001 - reported to rank 0, which retries the job
         return f"rank {group.rank}: {type(e).__name__}: {e}"
 
 
-def follow(group: RankGroup, model: Transformer, profile: ReuseProfile, ident: ServingIdentity) -> None:
+def follow(group: RankGroup, model, profile: ReuseProfile, ident: ServingIdentity) -> None:
     while (task := group.broadcast()) != STOP:
         if task is not None:
             group.gather(build_rank(group, model, profile, ident, task))
@@ -85,7 +86,7 @@ class BuildError(RuntimeError):
 class Builder:
     """Rank 0's loop: claim, build on every rank, upload, commit, mark ready, acknowledge."""
 
-    def __init__(self, group: RankGroup, model: Transformer, profile: ReuseProfile, ident: ServingIdentity,
+    def __init__(self, group: RankGroup, model, profile: ReuseProfile, ident: ServingIdentity,
                  s: BuilderSettings, queue: BuildQueue, registry: Registry, tenants: Tenants, metrics: BuilderMetrics):
         self.group, self.model, self.profile, self.ident, self.s = group, model, profile, ident, s
         self.queue, self.registry, self.tenants, self.metrics = queue, registry, tenants, metrics

@@ -6,7 +6,7 @@ import signal
 
 from services.common.build_queue import BuildQueue
 from services.common.registry import Registry
-from services.common.serving import checkpoint_identity, serving_dtype
+from services.common.serving import checkpoint_identity, load_serving_model
 from runtime.reuse.profile import load_profile
 from services.common.tenants import Tenants
 from services.common.tp import RankGroup, launch
@@ -23,13 +23,10 @@ def _host_port(listen: str) -> tuple[str, int]:
 
 
 def rank_main(group: RankGroup, s: BuilderSettings) -> None:
-    from runtime.model.loader import load_model
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s builder[{group.rank}] %(message)s")
     profile = load_profile(s.profile)
     ident = group.broadcast(checkpoint_identity(s.model, s.fingerprint) if group.leader else None)
-    model = load_model(s.model, par=group.par, dtype=serving_dtype(s.dtype, group.device), device=group.device)
-    model.set_policy(s.runtime_policy())
-    profile.check(model.cfg)
+    model = load_serving_model(s.model, group, s.dtype, s.runtime_policy(), profile)
     if not group.leader:
         follow(group, model, profile, ident)
         return

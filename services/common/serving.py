@@ -8,6 +8,8 @@ from pathlib import Path
 import blake3
 import torch
 
+from runtime.families import check_profile, checkpoint_family, family, load_checkpoint
+from runtime.llama.config import LlamaConfig
 from runtime.model.config import ModelConfig, load_config
 from runtime.model.random_init import RANDOM_INIT_FILE
 from runtime.reuse.certificate import digest_bytes, token_hash
@@ -22,6 +24,17 @@ def serving_dtype(setting: str, device: str) -> torch.dtype:
     if setting == "auto":
         return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
     return {"bfloat16": torch.bfloat16, "float32": torch.float32}[setting]
+
+
+def load_serving_model(path: str | Path, group, dtype_setting: str, policy, profile: ReuseProfile):
+    """This rank's model of either family (`runtime.families`) in the serving dtype on its device, the runtime
+    policy set (DeepSeek-V4's kernels and chunking) and `profile` checked against it; the Llama family at TP1."""
+    model = load_checkpoint(path, dtype=serving_dtype(dtype_setting, group.device), device=group.device,
+                            par=group.par)
+    if family(model) == "deepseek_v4":
+        model.set_policy(policy)
+    check_profile(profile, model)
+    return model
 
 
 def tokenizer_fingerprint(path: str | Path) -> str:
@@ -46,7 +59,10 @@ def checkpoint_identity(path: str | Path, fingerprint: str = "") -> ServingIdent
     return ServingIdentity(h.hexdigest(), tok_fp)
 
 
-def model_config(path: str | Path) -> ModelConfig:
+def model_config(path: str | Path) -> ModelConfig | LlamaConfig:
+    """The checkpoint's config, of either family."""
+    if checkpoint_family(path) == "llama":
+        return LlamaConfig.from_file(path)
     return load_config(path)
 
 

@@ -65,7 +65,7 @@ class CommonSettings(Settings):
     dtype: Literal["auto", "bfloat16", "float32"] = setting("auto", "REDKNOT_DTYPE", "serving dtype of the model and so of its artifacts (the "
                                                   "builder's and the workers' must match): auto (bfloat16 on CUDA, "
                                                   "float32 on CPU), bfloat16 or float32")
-    profile: str = setting("demo", "REDKNOT_PROFILE", "reuse profile: a preset (demo, flash, pro) or a JSON object "
+    profile: str = setting("demo", "REDKNOT_PROFILE", "reuse profile: a preset (demo, flash, pro, llama) or a JSON object "
                                                       "of ReuseProfile fields")
     tp: int = setting(1, "REDKNOT_TP", "tensor-parallel size the artifacts are built and served for")
     store: str = setting("127.0.0.1:50051", "REDKNOT_STORE_TARGET", "host:port of the artifact store")

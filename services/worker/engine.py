@@ -24,7 +24,8 @@ from typing import Protocol
 
 import torch
 
-from runtime.model.deepseek_v4 import ModelCache, Transformer
+from runtime.families import device_of
+from runtime.model.deepseek_v4 import ModelCache
 from runtime.reuse.call import RequestState
 from runtime.reuse.certificate import BROKEN_ARTIFACT, FallbackReason, Verdict
 from runtime.reuse.engine import ReuseEngine
@@ -161,7 +162,7 @@ def _wait_all(sources: list[StagedSource | HotSource]) -> None:
 
 
 class RankEngine:
-    def __init__(self, group: RankGroup, model: Transformer, binding: Binding, prefetcher: Prefetcher,
+    def __init__(self, group: RankGroup, model, binding: Binding, prefetcher: Prefetcher,
                  failpoints: Failpoints, trace: Trace | None = None):
         self.group, self.model, self.binding, self.prefetcher = group, model, binding, prefetcher
         self.failpoints, self.trace = failpoints, trace
@@ -175,7 +176,7 @@ class RankEngine:
 
     @torch.inference_mode()
     def _recompute(self, docs: list[list[int]], question: list[int]):
-        dev = self.model.embed.weight.device
+        dev = device_of(self.model)
         padded = [t for d in docs for t in pad_document(d, self.binding.profile.align, self.eos)]
         cache = self.model.new_cache()
         return self.model(torch.tensor(padded + list(question), device=dev), cache), cache
@@ -297,7 +298,7 @@ class RankEngine:
                 r.decoding.cancel()
             elif not r.done:
                 (native if r.cache is not None else reuse).append(r)
-        dev = self.model.embed.weight.device
+        dev = device_of(self.model)
         if native:
             logits = self.model.decode(torch.tensor([r.decoding.last for r in native], device=dev),
                                        [r.cache for r in native])

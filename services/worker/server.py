@@ -18,9 +18,9 @@ import time
 import torch
 import uvicorn
 
-from runtime.reuse.roles import channel_range
+from runtime.families import channel_range
 from services.common.failpoints import Failpoints
-from services.common.serving import Binding, checkpoint_identity, serving_dtype
+from services.common.serving import Binding, checkpoint_identity, load_serving_model
 from runtime.reuse.profile import load_profile
 from services.common.tenants import Tenants
 from services.common.tp import STOP, RankGroup, launch
@@ -144,7 +144,6 @@ def lead(group: RankGroup, engine: RankEngine, front: Frontend, stop: threading.
 
 
 def rank_main(group: RankGroup, s: WorkerSettings) -> None:
-    from runtime.model.loader import load_model
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s worker[{group.rank}] %(message)s")
     stop = threading.Event()
     tenants = Tenants.load(s.tokens, s.tokens_file)          # whom the store serves, and (rank 0) who may generate
@@ -171,15 +170,13 @@ def rank_main(group: RankGroup, s: WorkerSettings) -> None:
              torch.distributed.get_backend() if group.size > 1 else "single process")
     profile = load_profile(s.profile)
     ident = group.broadcast(checkpoint_identity(s.model, s.fingerprint) if group.leader else None)
-    model = load_model(s.model, par=group.par, dtype=serving_dtype(s.dtype, group.device), device=group.device)
-    model.set_policy(s.runtime_policy())
+    model = load_serving_model(s.model, group, s.dtype, s.runtime_policy(), profile)
     cfg = model.cfg
-    profile.check(cfg)
     with torch.inference_mode():            # warm-up: first-call costs stay out of the first request's TTFT
-        model(torch.full((16,), cfg.bos_token_id, device=group.device))
+        model(torch.full((16,), cfg.eos_token_id, device=group.device))
     tier = PinnedTier(int(s.tier_gib * 2**30))
     prefetcher = Prefetcher(tier, tenants, s.store, group.rank,
-                            channel_range(cfg, group.rank, group.size), cfg.n_layers, s.layer_group,
+                            channel_range(model, group.rank, group.size), cfg.n_layers, s.layer_group,
                             s.fetch_threads, local_socket=s.store_local_socket,
                             exchange=ShardExchange(group.rank, group.size, group.exchange) if group.size > 1 else None,
                             control=group.control, tls=s.store_tls())

@@ -39,6 +39,44 @@ def write_tiny_checkpoint(tmp_path_factory) -> Path:
     return d
 
 
+def write_tiny_llama_checkpoint(tmp_path_factory, seed: int = 5) -> Path:
+    """A tiny Llama-family checkpoint (GQA: 6 heads over 2 KV heads, 8 layers) over the demo tokenizer's vocabulary,
+    random weights from `seed`, written as transformers names it, with its tokenizer and chat template."""
+    import torch
+    from runtime.llama.config import LlamaConfig
+    from runtime.llama.loader import save_llama
+    from runtime.llama.model import Llama
+    from runtime.model.checkpoint import build_demo_tokenizer, copy_tokenizer, load_tokenizer
+    d, tok = tmp_path_factory.mktemp("llama"), tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    build_demo_tokenizer(512, tok)
+    cfg = LlamaConfig(vocab_size=load_tokenizer(tok).get_vocab_size(), hidden_size=96, intermediate_size=160,
+                      num_hidden_layers=8, num_attention_heads=6, num_key_value_heads=2, rope_theta=10000.0,
+                      bos_token_id=0, eos_token_ids=(1,), tie_word_embeddings=True, model_type="llama")
+    torch.manual_seed(seed)
+    m = Llama(cfg)
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.15)
+    save_llama(m.eval(), d)
+    copy_tokenizer(tok, d)
+    return d
+
+
+def upload_built(http, texts: list[str], wait_s: float = 90.0) -> list[str]:
+    """Upload `texts` through the API (`http`: a client with a tenant's token) and wait until every one is built;
+    their document ids."""
+    ids = []
+    for text in texts:
+        r = http.post("/v1/documents", json={"text": text})
+        assert r.status_code in (200, 202), r.text
+        ids.append(r.json()["id"])
+    deadline = time.monotonic() + wait_s
+    for i in ids:
+        while (d := http.get(f"/v1/documents/{i}").json())["status"] != "ready":
+            assert d["status"] in ("queued", "building") and time.monotonic() < deadline, d
+            time.sleep(0.1)
+    return ids
+
+
 def running_stack(tmp_path_factory, checkpoint: Path, redis_url: str, tag: str, **cfg):
     """A LocalStack (services/common/stack.py) on `checkpoint` under a fresh Redis prefix, for a module fixture to
     `yield from`: stopped after the module, its keys deleted, and every service checked to stop cleanly on SIGTERM."""

@@ -18,7 +18,7 @@ import pytest
 
 from runtime.llama.tokenizer import ChatTokenizer
 
-from .conftest import running_stack, scrape, write_tiny_checkpoint
+from .conftest import running_stack, scrape, upload_built, write_tiny_checkpoint
 
 TOKEN = "acme-token-0123456789abcdef"
 PROFILE = json.dumps({"name": "oai-test", "first_fences": 2, "last_fences": 2, "align": 16, "budget": 0.25,
@@ -69,17 +69,7 @@ def client(stack):
 
 @pytest.fixture(scope="module")
 def docs(http) -> list[str]:
-    ids = []
-    for text in TEXTS:
-        r = http.post("/v1/documents", json={"text": text})
-        assert r.status_code in (200, 202), r.text
-        ids.append(r.json()["id"])
-    deadline = time.monotonic() + WAIT_S
-    for i in ids:
-        while (d := http.get(f"/v1/documents/{i}").json())["status"] != "ready":
-            assert d["status"] in ("queued", "building") and time.monotonic() < deadline, d
-            time.sleep(0.1)
-    return ids
+    return upload_built(http, TEXTS, WAIT_S)
 
 
 def generate(http, ids: list[str], question: str, n: int, arm: str = "reuse") -> dict:
