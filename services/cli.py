@@ -90,6 +90,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="F1 delta against the recompute arm: 95%% CI lower bound at least this")
     c.add_argument("--max-tf-kl", type=float, default=None,
                    help="teacher-forced KL per token: 95%% CI upper bound at most this (default: not checked)")
+    c.add_argument("--store", default=None, metavar="HOST:PORT",
+                   help="also store the record in this artifact store, for the whole deployment (workers with "
+                        "--calibration-store read it from there); the file is written either way")
+    c.add_argument("--store-token-file", default=None,
+                   help="file holding the bearer token of one of the store's admin tenants (its --admin-tenants)")
+    c.add_argument("--store-tls-ca", default=None, help="PEM CA that signed the store's certificate (TLS)")
 
     args = p.parse_args(argv)
     if args.cmd == "calibrate":

@@ -12,7 +12,7 @@ MODEL_FILE = "runtime/model/deepseek_v4.py"
 MAX_LINES = 600
 # the store's server side: what `redknot store` runs (the client side, client.py and local_client.py, may use runtime)
 STORE_SERVER = ("core", "grpc_service", "server", "index", "keys", "blob", "blob_fs", "blob_s3", "local_server",
-                "local_wire", "auth", "settings", "errors", "wire")
+                "local_wire", "auth", "settings", "errors", "wire", "calibration")
 
 
 def _module(path: Path) -> str:

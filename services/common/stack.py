@@ -162,6 +162,7 @@ class StackConfig:
     prefix: str = "redknot"
     tenants: dict[str, str] = field(default_factory=lambda: {"demo": "demo-" + secrets.token_hex(16)})
     id_secret: str = field(default_factory=lambda: secrets.token_hex(32))     # the API's key of document ids
+    store_env: dict[str, str] = field(default_factory=dict)
     api_env: dict[str, str] = field(default_factory=dict)
     builder_env: dict[str, str] = field(default_factory=dict)
     worker_env: dict[str, str] = field(default_factory=dict)
@@ -245,6 +246,7 @@ class LocalStack:
         self.services["store"] = store_service(self.store_target, f"127.0.0.1:{p['store_metrics']}", self.redis_url,
                                                f"{c.prefix}-store", self.workdir / "store", self.tokens_file,
                                                logs / "store.log", self.local_socket)
+        self.services["store"].env.update(c.store_env)
         api = ApiSettings(**common, listen=f"127.0.0.1:{p['api']}", worker_url=self.worker_url, id_secret=c.id_secret)
         self.services["api"] = Service("api", py + ["api", "serve"], {**base, **api.to_env(), **c.api_env},
                                        logs / "api.log",

@@ -41,6 +41,13 @@ class Tenants(FollowsFile):
                 found = tenant
         return found
 
+    def any_token(self) -> str:
+        """One tenant's token (the first tenant by name; "" when there is none), for the reads every tenant may make:
+        the store's calibration records."""
+        self._follow()
+        pairs = self._table[0]
+        return pairs[min(pairs)] if pairs else ""
+
     def token(self, tenant: str) -> str:
         self._follow()
         return self._table[0][tenant]

@@ -20,6 +20,7 @@ from pathlib import Path
 import grpc
 
 from . import wire
+from .calibration import CalibrationEntry, CalibrationKey, StoredCalibration
 from .core import BeginResult, CommitResult, DocumentSummary, GcResult, ManifestResult, PutResult, Verdict
 from .errors import DataLoss, NoLocalStore, NotFound, StoreError, Unavailable, error_from_status
 from .keys import (CHUNK_BYTES, MAX_MESSAGE_BYTES, DocumentKey, FetchedShard, Range, Reason, ShardSpec,  # noqa: F401
@@ -272,3 +273,22 @@ class StoreClient:
             req.key.CopyFrom(wire.key_to_pb(key))
         r = self._call(self.stub.CollectGarbage, req)
         return GcResult(r.blobs_deleted, r.bytes_freed, r.blobs_kept, r.temp_files_removed)
+
+    # ------------------------------------------------------------------------------- calibration records
+    def put_calibration(self, record: bytes) -> StoredCalibration:
+        """Store a calibration record (JSON bytes, as `redknot calibrate` writes them) for the whole deployment,
+        under the checkpoint and profile it names; the token must be one of the store's admin tenants'."""
+        r = self._call(self.stub.PutCalibration, pb.PutCalibrationRequest(record=record))
+        return StoredCalibration(CalibrationKey(r.key.checkpoint_fingerprint, r.key.profile), r.digest,
+                                 r.stored_at_unix_ms, r.replaced)
+
+    def get_calibration(self, key: CalibrationKey) -> CalibrationEntry:
+        """The record stored for (checkpoint fingerprint, profile id); NotFound when none. Its bytes are checked
+        against their digest here too (DataLoss otherwise)."""
+        r = self._call(self.stub.GetCalibration, pb.GetCalibrationRequest(key=pb.CalibrationKey(
+            checkpoint_fingerprint=key.checkpoint_fingerprint, profile=key.profile)))
+        h = new_hasher()
+        h.update(r.record)
+        if h.hexdigest() != r.digest:
+            raise DataLoss("the calibration record arrived corrupt")
+        return CalibrationEntry(r.record, r.digest, r.stored_at_unix_ms, r.stored_by)

@@ -20,6 +20,11 @@ class Unauthenticated(StoreError):
     """No or unknown bearer token. The caller fixes its credentials."""
 
 
+class PermissionDenied(StoreError):
+    """The tenant is known but may not do this (a deployment-wide write by a tenant that is not one of the store's
+    admin tenants); nothing changed. The caller uses an admin tenant's token."""
+
+
 class NotFound(StoreError):
     """No such document, generation, upload or shard for this tenant (another tenant's look the same).
     A reader falls back to recomputation with reason missing_shard."""
@@ -62,6 +67,7 @@ class NoLocalStore(Unavailable):
 GRPC_CODE: dict[type[StoreError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     NotFound: grpc.StatusCode.NOT_FOUND,
     AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
     FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,

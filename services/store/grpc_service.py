@@ -16,6 +16,7 @@ from google.protobuf.message import DecodeError
 
 from . import wire
 from .auth import TENANT, wrap_handler
+from .calibration import CalibrationKey, CalibrationRecords
 from .core import ArtifactStore, BeginParams, FetchParams, PutChunk, ValidateParams
 from .errors import DeadlineExceeded, InvalidArgument, StoreError, grpc_code
 from .index import index_outage
@@ -76,8 +77,8 @@ async def _manifest_pb(m) -> pb.Manifest:
 
 
 class StoreServicer:
-    def __init__(self, store: ArtifactStore, bounds: StreamBounds = StreamBounds()):
-        self.store, self.bounds = store, bounds
+    def __init__(self, store: ArtifactStore, calibration: CalibrationRecords, bounds: StreamBounds = StreamBounds()):
+        self.store, self.calibration, self.bounds = store, calibration, bounds
 
     async def BeginGeneration(self, request, context):
         r = _ok(request)
@@ -148,6 +149,18 @@ class StoreServicer:
         res = await self.store.collect_garbage(TENANT.get(), wire.key_from_pb(r.key) if r.HasField("key") else None)
         return pb.CollectGarbageResponse(blobs_deleted=res.blobs_deleted, bytes_freed=res.bytes_freed,
                                          blobs_kept=res.blobs_kept, temp_files_removed=res.temp_files_removed)
+
+    async def PutCalibration(self, request, context):
+        res = await self.calibration.put(TENANT.get(), _ok(request).record)
+        return pb.PutCalibrationResponse(
+            key=pb.CalibrationKey(checkpoint_fingerprint=res.key.checkpoint_fingerprint, profile=res.key.profile),
+            digest=res.digest, stored_at_unix_ms=res.stored_at_unix_ms, replaced=res.replaced)
+
+    async def GetCalibration(self, request, context):
+        k = _ok(request).key
+        e = await self.calibration.get(CalibrationKey(k.checkpoint_fingerprint, k.profile))
+        return pb.GetCalibrationResponse(record=e.record, digest=e.digest, stored_at_unix_ms=e.stored_at_unix_ms,
+                                         stored_by=e.stored_by)
 
 
 def generic_handler(servicer: StoreServicer) -> grpc.GenericRpcHandler:

@@ -20,6 +20,7 @@ from prometheus_client import start_http_server
 
 from .auth import AuthInterceptor, TokenTable
 from .blob_fs import FilesystemBlobs
+from .calibration import CalibrationRecords
 from .core import ArtifactStore
 from .grpc_service import SERVICE, ErrorInterceptor, StoreServicer, StreamBounds, generic_handler
 from .index import RedisIndex
@@ -74,7 +75,8 @@ async def serve(s: Settings, *, ready: asyncio.Event | None = None, stop: asynci
         interceptors=[ErrorInterceptor(metrics, bounds), AuthInterceptor(tokens)],
         options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                  ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
-    server.add_generic_rpc_handlers((generic_handler(StoreServicer(store, bounds)),))
+    calibration = CalibrationRecords(redis_client, s.redis_prefix, s.admins())
+    server.add_generic_rpc_handlers((generic_handler(StoreServicer(store, calibration, bounds)),))
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection((SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
@@ -111,8 +113,9 @@ async def serve(s: Settings, *, ready: asyncio.Event | None = None, stop: asynci
     await server.start()
     for name in ("", SERVICE):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("store serving on %s (port %d, backend %s, %d tenants, metrics %s, local socket %s)", s.listen, port,
-             s.backend, len(tokens), s.metrics_listen or "off", s.local_socket or "off")
+    log.info("store serving on %s (port %d, backend %s, %d tenants, admin tenants %s, metrics %s, local socket %s)",
+             s.listen, port, s.backend, len(tokens), ",".join(sorted(s.admins())) or "none", s.metrics_listen or "off",
+             s.local_socket or "off")
     print(f"redknot store: serving on port {port}", flush=True)
     gc = None
     if s.gc_interval_s:

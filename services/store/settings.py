@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 
 
 _TYPES = {"str": str, "int": int, "float": float}      # field annotations are strings (postponed evaluation)
+_TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")   # keys.check_tenant's rule (this module imports no keys)
 
 
 def _s(default, env: str, help: str):
@@ -32,6 +34,9 @@ class Settings:
     s3_region: str = _s("us-east-1", "REDKNOT_STORE_S3_REGION", "s3: region")
     tokens: str = _s("", "REDKNOT_STORE_TOKENS", "tenant=token,... (prefer --tokens-file)")
     tokens_file: str = _s("", "REDKNOT_STORE_TOKENS_FILE", "file of 'tenant token' lines")
+    admin_tenants: str = _s("", "REDKNOT_STORE_ADMIN_TENANTS",
+                            "comma-separated tenants whose tokens may write deployment-wide state: the calibration "
+                            "records (PutCalibration; every tenant reads them). Empty: no tenant may")
     tls_cert: str = _s("", "REDKNOT_STORE_TLS_CERT", "PEM server certificate (enables TLS)")
     tls_key: str = _s("", "REDKNOT_STORE_TLS_KEY", "PEM server key")
     tls_client_ca: str = _s("", "REDKNOT_STORE_TLS_CLIENT_CA", "PEM CA of client certificates (enables mTLS)")
@@ -77,9 +82,15 @@ class Settings:
             raise ValueError(f"--local-socket-mode {self.local_socket_mode!r} is not 0600 or 0660")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("--tls-client-ca (mTLS) needs --tls-cert and --tls-key")
+        for a in self.admins():
+            if not _TENANT.match(a):
+                raise ValueError(f"--admin-tenants: {a!r} is not a tenant name ({_TENANT.pattern})")
         for name in ("stream_idle_s", "stream_deadline_s", "gc_interval_s", "redis_health_check_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)!r} is negative")
+
+    def admins(self) -> frozenset[str]:
+        return frozenset(a.strip() for a in self.admin_tenants.split(",") if a.strip())
 
     @staticmethod
     def add_arguments(p: argparse.ArgumentParser) -> None:

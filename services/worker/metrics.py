@@ -55,6 +55,11 @@ class WorkerMetrics:
         self.shadow_kl = Histogram("redknot_shadow_kl", "Shadow recompute: mean KL(recompute || reuse) of the "
                                    "next-token distributions over the served answer's positions (nats)",
                                    buckets=KL_BUCKETS, registry=r)
+        self.calibration_bound = Gauge("redknot_calibration_agreement_lower_bound", "Lower end of the 95% interval "
+                                       "of teacher-forced top-1 agreement in the calibration record in force (the "
+                                       "bound of the shadow-agreement alert); NaN when no record is in force",
+                                       registry=r)
+        self.calibration_bound.set(float("nan"))
         self.shadow = Counter("redknot_shadow_requests", "Reuse requests drawn for a shadow recompute, by result "
                               "(compared; skipped: requests were waiting)", ["result"], registry=r)
         for result in ("compared", "skipped"):

@@ -21,11 +21,13 @@ import uvicorn
 from runtime.families import channel_range
 from services.common.failpoints import Failpoints
 from services.common.serving import Binding, checkpoint_identity, load_serving_model
-from runtime.reuse.profile import load_profile
+from runtime.reuse.profile import ReuseProfile, load_profile
 from services.common.tenants import Tenants
 from services.common.tp import STOP, RankGroup, launch
+from services.store.calibration import CalibrationKey
+from services.store.keys import profile_id
 
-from .calibration import CalibrationGate
+from .calibration import CalibrationGate, RecordFile, StoreRecord
 from .engine import SHADOW, Job, RankEngine, RankReport
 from .exchange import ShardExchange
 from .http import Frontend, create_app
@@ -187,17 +189,30 @@ def rank_main(group: RankGroup, s: WorkerSettings) -> None:
             follow(group, engine)
             return
         front.vocab_size = cfg.vocab_size
-        front.gate = CalibrationGate(s.calibration_record, ident.fingerprint, profile)
+        front.gate = CalibrationGate(calibration_source(s, tenants, ident.fingerprint, profile), ident.fingerprint,
+                                     profile)
+        front.metrics.calibration_bound.set_function(front.gate.agreement_lower_bound)
         front.ready.set()
         print("redknot worker: ready", flush=True)
         lead(group, engine, front, stop)
         group.broadcast(STOP)
     finally:
         prefetcher.close()
+        if front is not None and front.gate is not None:
+            front.gate.close()
         if http is not None:
             http.should_exit = True
             serving.join(timeout=10)
             print("redknot worker: stopped", flush=True)
+
+
+def calibration_source(s: WorkerSettings, tenants: Tenants, fingerprint: str,
+                       profile: ReuseProfile) -> RecordFile | StoreRecord | None:
+    """Where the calibration gate reads its record: the store (any tenant's token reads it), a file, or nowhere."""
+    if s.calibration_store:
+        key = CalibrationKey(fingerprint, profile_id(profile.to_dict()))
+        return StoreRecord(s.store, tenants.any_token, key, tls=s.store_tls(), period_s=s.calibration_poll_s)
+    return RecordFile(s.calibration_record) if s.calibration_record else None
 
 
 def main(s: WorkerSettings) -> int:

@@ -1,6 +1,8 @@
 """Settings of `redknot worker`: flags, then env, then defaults."""
 from __future__ import annotations
 
+from pydantic import model_validator
+
 from services.common.settings import CommonSettings, setting
 
 
@@ -24,6 +26,13 @@ class WorkerSettings(CommonSettings):
                                       "a calibration record file (redknot calibrate): reuse-arm requests run only "
                                       "while it passes for this checkpoint and profile, else they recompute with the "
                                       "reason uncalibrated; read again when it changes (empty: no record required)")
+    calibration_store: bool = setting(False, "REDKNOT_WORKER_CALIBRATION_STORE",
+                                      "true: the calibration record comes from the artifact store instead (redknot "
+                                      "calibrate --store puts it there), this checkpoint's and profile's, read again "
+                                      "every calibration_poll_s; none stored closes the gate, a store that cannot be "
+                                      "reached keeps the record last read (not with calibration_record)")
+    calibration_poll_s: float = setting(30.0, "REDKNOT_WORKER_CALIBRATION_POLL_S",
+                                        "with calibration_store: seconds between two reads of the record")
     max_running: int = setting(4, "REDKNOT_WORKER_MAX_RUNNING", "requests decoding at once, interleaved step by "
                                                                 "step (each holds its KV cache on the GPU)")
     max_queue: int = setting(64, "REDKNOT_WORKER_MAX_QUEUE", "requests waiting beyond this are refused (429 with Retry-After)")
@@ -31,3 +40,11 @@ class WorkerSettings(CommonSettings):
     failpoints: str = setting("", "REDKNOT_WORKER_FAILPOINTS", "testing only: name=seconds pauses (before_fetch: "
                               "a reuse request is taken, nothing fetched yet; after_fetch: a request's shards are in "
                               "the tier, its answer not yet sent)")
+
+    @model_validator(mode="after")
+    def _one_calibration_source(self):
+        if self.calibration_store and self.calibration_record:
+            raise ValueError("calibration_store and calibration_record are two sources of one record: choose one")
+        if self.calibration_poll_s <= 0:
+            raise ValueError(f"calibration_poll_s {self.calibration_poll_s!r} is not positive")
+        return self

@@ -92,6 +92,8 @@ def test_schema_rejects_bad_values(bad, where):
      "store.localSocket.enabled needs store.backend=fs"),
     ({**values("default"), "worker": {"tp": 4}}, r"worker.gpus \(8\) must equal worker.tp \(4\)"),
     ({**values("default"), "worker": {"tp": 4, "gpus": 4}}, r"builder.gpus \(8\) must be worker.tp \(4\) or 0"),
+    ({**values("default"), "worker": {"calibrationFromStore": True, "calibrationConfigMap": "c"}},
+     "two sources of one calibration record: set one"),
 ])
 def test_must_set_values_fail_with_what_to_set(vals, message):
     import helm_python as helm
@@ -260,6 +262,24 @@ def test_a_calibration_configmap_gates_the_workers_reuse_arm(rendered):
     vol = next(v for v in _pod_spec(worker)["volumes"] if v["name"] == "calibration")
     assert vol["configMap"] == {"name": "redknot-calibration", "items": [{"key": "calibration.json",
                                                                           "path": "calibration.json"}]}
+
+
+def test_workers_can_read_the_calibration_record_from_the_store(rendered):
+    """worker.calibrationFromStore: the workers read the record `redknot calibrate --store` put in the store, every
+    calibrationPollSeconds, with no ConfigMap mounted; store.adminTenants are the tenants that may put records. By
+    default neither is set."""
+    objs = objects(rendered["default"])
+    assert "REDKNOT_WORKER_CALIBRATION_STORE" not in _env(_container(find(objs, "StatefulSet", "-worker")))
+    assert "REDKNOT_STORE_ADMIN_TENANTS" not in _env(_container(find(objs, "StatefulSet", "-store")))
+    vals = {**values("default"), "worker": {"calibrationFromStore": True, "calibrationPollSeconds": 10},
+            "store": {"adminTenants": ["ops", "acme"]}}
+    objs = objects(render(vals))
+    worker = find(objs, "StatefulSet", "-worker")
+    env = _env(_container(worker))
+    assert env["REDKNOT_WORKER_CALIBRATION_STORE"] == "true" and env["REDKNOT_WORKER_CALIBRATION_POLL_S"] == "10"
+    assert "REDKNOT_WORKER_CALIBRATION_RECORD" not in env
+    assert not [v for v in _pod_spec(worker)["volumes"] if v["name"] == "calibration"]
+    assert _env(_container(find(objs, "StatefulSet", "-store")))["REDKNOT_STORE_ADMIN_TENANTS"] == "ops,acme"
 
 
 def test_s3_values_run_stateless_store_replicas_on_external_redis(rendered):

@@ -1,8 +1,9 @@
-"""`redknot calibrate` (issue 31 item 5, first part): the harness on a checkpoint, data and profile writes a record
-bound to the checkpoint fingerprint the services compute and to the profile, with the served arm's metrics and
-CIs, the thresholds, each check and the verdict; `check_record` accepts only a passed record of that checkpoint
-and profile."""
+"""`redknot calibrate` (issue 31 item 5): the harness on a checkpoint, data and profile writes a record bound to the
+checkpoint fingerprint the services compute and to the profile, with the served arm's metrics and CIs, the
+thresholds, each check and the verdict; `check_record` accepts only a passed record of that checkpoint and profile;
+with `--store` the same bytes are stored in a real artifact store for the deployment, with an admin's token."""
 import json
+import uuid
 
 import pytest
 
@@ -13,6 +14,10 @@ from runtime.model.random_init import write_random_checkpoint
 from runtime.reuse.profile import load_profile
 from services.cli import main as redknot
 from services.common.serving import checkpoint_identity
+from services.store.calibration import CalibrationKey
+from services.store.errors import NotFound
+from services.store.keys import profile_id
+from tests.services.conftest import TOKENS, StoreProcess, _cleanup_prefix, redis_url  # noqa: F401 - the store's Redis
 
 
 @pytest.fixture(scope="module")
@@ -67,3 +72,32 @@ def test_a_summary_that_cannot_make_a_record_is_refused(checkpoint, tmp_path):
         make_record(summary, fingerprint="f", profile=prof, task="t", digest="d")
     with pytest.raises(CalibrationError, match="another profile"):
         make_record(summary, fingerprint="f", profile=prof.replace(budget=0.5), task="t", digest="d")
+
+
+def test_calibrate_stores_the_record_in_the_artifact_store_with_an_admin_token(checkpoint, tmp_path, redis_url):
+    prefix = f"rkcal-{uuid.uuid4().hex[:8]}"
+    store = StoreProcess(tmp_path, redis_url, prefix, extra_env={"REDKNOT_STORE_ADMIN_TENANTS": "acme"}).start()
+    admin, tenant = tmp_path / "admin.token", tmp_path / "tenant.token"
+    admin.write_text(TOKENS["acme"] + "\n")
+    tenant.write_text(TOKENS["globex"])
+    rec = tmp_path / "calibration.json"
+    key = CalibrationKey(checkpoint_identity(checkpoint).fingerprint, profile_id(load_profile("demo").to_dict()))
+    lenient = ("--profile", "demo", "--min-tf-top1", "0", "--min-f1-delta", "-1", "--store", store.target)
+    try:
+        # refused before the harness runs: --store without a token, or a token file that is not there
+        assert calibrate(checkpoint, rec, *lenient) == 2 and not rec.exists()
+        assert calibrate(checkpoint, rec, *lenient, "--store-token-file", str(tmp_path / "none")) == 2
+        # a tenant that is not an admin: the record is written, the store refuses it (exit 5), nothing is stored
+        assert calibrate(checkpoint, rec, *lenient, "--store-token-file", str(tenant)) == 5
+        assert json.loads(rec.read_text())["passed"]
+        with store.client("globex") as c, pytest.raises(NotFound):
+            c.get_calibration(key)
+        # an admin: stored, the very bytes of the file, under the checkpoint's fingerprint and the profile's id
+        rec.unlink()
+        assert calibrate(checkpoint, rec, *lenient, "--store-token-file", str(admin)) == 0
+        with store.client("globex") as c:
+            got = c.get_calibration(key)
+        assert got.record == rec.read_bytes() and got.stored_by == "acme"
+    finally:
+        store.kill()
+        _cleanup_prefix(redis_url, prefix)

@@ -216,8 +216,9 @@ class StoreProcess:
         self.proc: subprocess.Popen | None = None
         self.log_path = tmp / f"store-{uuid.uuid4().hex[:6]}.log"
 
-    def start(self, **env) -> "StoreProcess":
-        self.port, self.metrics_port = free_port(), free_port()
+    def start(self, *, port: int = 0, **env) -> "StoreProcess":
+        """`port`: listen there (a restart on the address clients already hold); 0: a free one."""
+        self.port, self.metrics_port = port or free_port(), free_port()
         e = dict(os.environ, PYTHONUNBUFFERED="1", REDIS_URL=self.redis_url, REDKNOT_STORE_REDIS_PREFIX=self.prefix,
                  REDKNOT_STORE_BLOB_ROOT=str(self.blob_root), REDKNOT_STORE_TOKENS_FILE=str(self.tokens_file),
                  REDKNOT_STORE_BACKEND=self.backend, **self.extra_env, **env)

@@ -7,6 +7,7 @@ forward per arm and answer as they do alone."""
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -51,7 +52,7 @@ def calibration_file(tmp_path_factory, checkpoint) -> Path:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, checkpoint, redis_url, calibration_file):
     yield from running_stack(tmp_path_factory, checkpoint, redis_url, "rkoai", tp=1, profile=PROFILE,
-                             tenants={"acme": TOKEN}, api_env={"REDKNOT_API_SERVED_MODEL_NAME": "redknot-tiny"},
+                             tenants={"acme": TOKEN}, store_env={"REDKNOT_STORE_ADMIN_TENANTS": "acme"}, api_env={"REDKNOT_API_SERVED_MODEL_NAME": "redknot-tiny"},
                              worker_env={"REDKNOT_WORKER_SHADOW_FRACTION": "1.0",
                                          "REDKNOT_WORKER_CALIBRATION_RECORD": str(calibration_file)})
 
@@ -375,3 +376,34 @@ def test_the_calibration_gate_decides_the_reuse_arm_and_the_api_shows_it(stack, 
         gate(True)
     assert generate(http, docs, QUESTION, 2)["arm"] == "reuse"
     assert httpx.get(stack.api_url + "/v1/calibration").status_code == 401        # tenants only
+
+
+def test_a_worker_reading_its_record_from_the_store(stack, http, docs, calibration_file):
+    """REDKNOT_WORKER_CALIBRATION_STORE: the worker reads its record from the store. None stored: reuse requests
+    recompute with the fallback `uncalibrated`; once an admin stores a passing record (as `redknot calibrate
+    --store` does), the reuse arm runs without a restart and the worker exports the record's agreement bound."""
+    from services.store.client import StoreClient
+    from services.store.keys import digest_bytes
+    record = dict(json.loads(calibration_file.read_text()), metrics={"tf_top1": {"value": 0.9, "ci": [0.875, 0.95]}})
+    file_mode = {"REDKNOT_WORKER_CALIBRATION_RECORD": str(calibration_file), "REDKNOT_WORKER_CALIBRATION_STORE": "false"}
+    stack.restart("worker", env={"REDKNOT_WORKER_CALIBRATION_RECORD": "", "REDKNOT_WORKER_CALIBRATION_STORE": "true",
+                                 "REDKNOT_WORKER_CALIBRATION_POLL_S": "0.2"})
+    try:
+        c = http.get("/v1/calibration").json()
+        assert c["source"] == "store" and not c["serves_reuse"] and "no calibration record in the store" in c["reason"]
+        out = generate(http, docs, QUESTION, 2)
+        assert out["arm"] == "recompute" and out["fallback"]["reason"] == "uncalibrated"
+        assert math.isnan(scrape(stack.worker_url)["redknot_calibration_agreement_lower_bound"])   # no record
+        with StoreClient(stack.store_target, TOKEN) as store:
+            stored = store.put_calibration(json.dumps(record).encode())
+        assert stored.key.checkpoint_fingerprint == record["fingerprint"]
+        deadline = time.monotonic() + 15
+        while not (c := http.get("/v1/calibration").json())["serves_reuse"]:
+            assert time.monotonic() < deadline, c
+            time.sleep(0.2)
+        assert c["store"]["stored_by"] == "acme" and c["store"]["digest"] == stored.digest == digest_bytes(
+            json.dumps(record).encode()) and c["agreement_lower_bound"] == 0.875
+        assert scrape(stack.worker_url)["redknot_calibration_agreement_lower_bound"] == 0.875
+        assert generate(http, docs, QUESTION, 2)["arm"] == "reuse"
+    finally:
+        stack.restart("worker", env=file_mode)

@@ -3,19 +3,22 @@ index and the blob directory are byte-for-byte the same before and after each on
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import grpc
 import pytest
 import redis
 
+from services.store.calibration import MAX_RECORD_BYTES, CalibrationKey
 from services.store.errors import (DataLoss, FailedPrecondition, InvalidArgument, LimitExceeded, NotFound,
-                                   StoreError, Unauthenticated)
+                                   PermissionDenied, StoreError, Unauthenticated)
 from services.store.keys import CHUNK_BYTES, DocumentKey, Range, ShardKind, ShardSpec, digest_bytes
 from services.store.pb import artifact_store_pb2 as pb
 
 from .conftest import TOKENS, doc_key, make_generation
 
 SERVICE = "/redknot.store.v1.ArtifactStoreService/"
+CALIBRATION = {"version": 1, "fingerprint": digest_bytes(b"checkpoint"), "profile": {"name": "demo"}, "passed": True}
 LIMITS = ["--max-shard-bytes", str(8 << 20), "--max-shards-per-generation", "64"]
 
 
@@ -35,10 +38,12 @@ def env(tmp_path_factory, redis_url):
     import uuid
     from .conftest import StoreProcess, _cleanup_prefix
     prefix = f"rktest-{uuid.uuid4().hex[:10]}"
-    proc = StoreProcess(tmp_path_factory.mktemp("bad"), redis_url, prefix, extra_args=LIMITS).start()
+    proc = StoreProcess(tmp_path_factory.mktemp("bad"), redis_url, prefix, extra_args=LIMITS,
+                        extra_env={"REDKNOT_STORE_ADMIN_TENANTS": "acme"}).start()
     c = proc.client()
     key = doc_key("bad-inputs")
     c.put_generation(key, make_generation(key, tag="committed"))      # something that must stay intact
+    c.put_calibration(json.dumps(CALIBRATION).encode())              # and a calibration record
     yield proc, c, key
     c.close()
     proc.kill()
@@ -79,7 +84,8 @@ def valid_table(key: DocumentKey) -> list[ShardSpec]:
 # --------------------------------------------------------------------------------------------- wire level
 
 @pytest.mark.parametrize("method", ["BeginGeneration", "CommitGeneration", "GetManifest", "FetchShards",
-                                    "ValidateCertificate", "ListDocuments", "RetireGeneration", "CollectGarbage"])
+                                    "ValidateCertificate", "ListDocuments", "RetireGeneration", "CollectGarbage",
+                                    "PutCalibration", "GetCalibration"])
 def test_bytes_that_are_not_the_message(env, unchanged, method):
     proc, _, _ = env
     if method == "FetchShards":
@@ -289,7 +295,10 @@ def test_unknown_tenant(env, unchanged, auth):
                          metadata=md, timeout=5),
                      lambda: list(stub.FetchShards(pb.FetchShardsRequest(key=wire.key_to_pb(key)), metadata=md,
                                                    timeout=5)),
-                     lambda: stub.ListDocuments(pb.ListDocumentsRequest(), metadata=md, timeout=5)):
+                     lambda: stub.ListDocuments(pb.ListDocumentsRequest(), metadata=md, timeout=5),
+                     lambda: stub.PutCalibration(pb.PutCalibrationRequest(record=json.dumps(CALIBRATION).encode()),
+                                                 metadata=md, timeout=5),
+                     lambda: stub.GetCalibration(pb.GetCalibrationRequest(), metadata=md, timeout=5)):
             with pytest.raises(grpc.RpcError) as e:
                 call()
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -313,3 +322,51 @@ def test_bad_read_requests(env, unchanged):
     with pytest.raises(NotFound):
         c.manifest(key, generation=99)
     assert isinstance(DataLoss("x"), StoreError) and isinstance(Unauthenticated("x"), StoreError)
+
+
+# ----------------------------------------------------------------------------------- calibration records
+
+BAD_RECORDS = {
+    "empty": (b"", "not UTF-8 JSON"),
+    "not UTF-8": (b"\xff\xfe{}", "not UTF-8 JSON"),
+    "not JSON": (b"{not json", "not UTF-8 JSON"),
+    "a JSON array": (b"[1, 2]", "a JSON list, not an object"),
+    "a JSON string": (b'"fingerprint"', "a JSON str, not an object"),
+    "no fingerprint": (json.dumps({k: v for k, v in CALIBRATION.items() if k != "fingerprint"}).encode(),
+                       "has no fingerprint"),
+    "fingerprint not hex": (json.dumps(dict(CALIBRATION, fingerprint="../" * 21 + "a")).encode(),
+                            "fingerprint .* is not a blake3 hex digest"),
+    "fingerprint upper case": (json.dumps(dict(CALIBRATION, fingerprint="A" * 64)).encode(), "not a blake3 hex"),
+    "fingerprint a number": (json.dumps(dict(CALIBRATION, fingerprint=7)).encode(), "not a blake3 hex"),
+    "no profile": (json.dumps({k: v for k, v in CALIBRATION.items() if k != "profile"}).encode(),
+                   "has no profile object"),
+    "profile a string": (json.dumps(dict(CALIBRATION, profile="demo")).encode(), "has no profile object"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_RECORDS))
+def test_bad_calibration_records_are_refused_and_store_nothing(env, unchanged, case):
+    _, c, _ = env
+    raw, why = BAD_RECORDS[case]
+    with pytest.raises(InvalidArgument, match=why):
+        c.put_calibration(raw)
+
+
+def test_a_calibration_record_too_large_or_from_a_non_admin_is_refused(env, unchanged):
+    proc, c, _ = env
+    big = json.dumps(dict(CALIBRATION, padding="x" * MAX_RECORD_BYTES)).encode()
+    with pytest.raises(LimitExceeded, match=f"at most {MAX_RECORD_BYTES}"):
+        c.put_calibration(big)
+    code, details = raw_call(proc, "PutCalibration", pb.PutCalibrationRequest(record=big).SerializeToString())
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "calibration record of" in details
+    with proc.client("globex") as globex, pytest.raises(PermissionDenied, match="admin tenants"):
+        globex.put_calibration(json.dumps(dict(CALIBRATION, passed=False)).encode())
+
+
+def test_bad_calibration_keys(env, unchanged):
+    _, c, _ = env
+    fp = CALIBRATION["fingerprint"]
+    for k in (CalibrationKey("", "demo-0123456789abcdef"), CalibrationKey("A" * 64, "demo-0123456789abcdef"),
+              CalibrationKey(fp, ""), CalibrationKey(fp, "../x"), CalibrationKey(fp, "a/b")):
+        with pytest.raises(InvalidArgument):
+            c.get_calibration(k)

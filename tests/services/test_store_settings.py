@@ -30,6 +30,10 @@ def test_flags_over_env_over_defaults():
     for name in ("stream_idle_s", "stream_deadline_s", "gc_interval_s", "redis_health_check_s"):
         with pytest.raises(ValueError):
             Settings(**{name: -1.0})
+    s = Settings.from_args(None, env={"REDKNOT_STORE_ADMIN_TENANTS": " ops, acme ,"})
+    assert s.admins() == {"ops", "acme"} and Settings().admins() == frozenset()
+    with pytest.raises(ValueError, match="not a tenant name"):
+        Settings(admin_tenants="ops,../x")
 
 
 def test_token_table(tmp_path):

@@ -310,3 +310,47 @@ class CollectGarbageResponse(_message.Message):
     blobs_kept: int
     temp_files_removed: int
     def __init__(self, blobs_deleted: _Optional[int] = ..., bytes_freed: _Optional[int] = ..., blobs_kept: _Optional[int] = ..., temp_files_removed: _Optional[int] = ...) -> None: ...
+
+class CalibrationKey(_message.Message):
+    __slots__ = ("checkpoint_fingerprint", "profile")
+    CHECKPOINT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_fingerprint: str
+    profile: str
+    def __init__(self, checkpoint_fingerprint: _Optional[str] = ..., profile: _Optional[str] = ...) -> None: ...
+
+class PutCalibrationRequest(_message.Message):
+    __slots__ = ("record",)
+    RECORD_FIELD_NUMBER: _ClassVar[int]
+    record: bytes
+    def __init__(self, record: _Optional[bytes] = ...) -> None: ...
+
+class PutCalibrationResponse(_message.Message):
+    __slots__ = ("key", "digest", "stored_at_unix_ms", "replaced")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    STORED_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    REPLACED_FIELD_NUMBER: _ClassVar[int]
+    key: CalibrationKey
+    digest: str
+    stored_at_unix_ms: int
+    replaced: bool
+    def __init__(self, key: _Optional[_Union[CalibrationKey, _Mapping]] = ..., digest: _Optional[str] = ..., stored_at_unix_ms: _Optional[int] = ..., replaced: _Optional[bool] = ...) -> None: ...
+
+class GetCalibrationRequest(_message.Message):
+    __slots__ = ("key",)
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    key: CalibrationKey
+    def __init__(self, key: _Optional[_Union[CalibrationKey, _Mapping]] = ...) -> None: ...
+
+class GetCalibrationResponse(_message.Message):
+    __slots__ = ("record", "digest", "stored_at_unix_ms", "stored_by")
+    RECORD_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    STORED_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    STORED_BY_FIELD_NUMBER: _ClassVar[int]
+    record: bytes
+    digest: str
+    stored_at_unix_ms: int
+    stored_by: str
+    def __init__(self, record: _Optional[bytes] = ..., digest: _Optional[str] = ..., stored_at_unix_ms: _Optional[int] = ..., stored_by: _Optional[str] = ...) -> None: ...

@@ -83,6 +83,16 @@ class ArtifactStoreServiceStub:
                 request_serializer=redknot_dot_store_dot_v1_dot_artifact__store__pb2.CollectGarbageRequest.SerializeToString,
                 response_deserializer=redknot_dot_store_dot_v1_dot_artifact__store__pb2.CollectGarbageResponse.FromString,
                 _registered_method=True)
+        self.PutCalibration = channel.unary_unary(
+                '/redknot.store.v1.ArtifactStoreService/PutCalibration',
+                request_serializer=redknot_dot_store_dot_v1_dot_artifact__store__pb2.PutCalibrationRequest.SerializeToString,
+                response_deserializer=redknot_dot_store_dot_v1_dot_artifact__store__pb2.PutCalibrationResponse.FromString,
+                _registered_method=True)
+        self.GetCalibration = channel.unary_unary(
+                '/redknot.store.v1.ArtifactStoreService/GetCalibration',
+                request_serializer=redknot_dot_store_dot_v1_dot_artifact__store__pb2.GetCalibrationRequest.SerializeToString,
+                response_deserializer=redknot_dot_store_dot_v1_dot_artifact__store__pb2.GetCalibrationResponse.FromString,
+                _registered_method=True)
 
 
 class ArtifactStoreServiceServicer:
@@ -155,6 +165,24 @@ class ArtifactStoreServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutCalibration(self, request, context):
+        """PutCalibration stores a calibration record (`redknot calibrate`) for the whole deployment, under the
+        checkpoint and profile it names, replacing the one stored there before. Only the store's admin tenants may
+        call it (PERMISSION_DENIED otherwise); a record that is not a JSON object naming both, or is larger than
+        64 KiB, is refused (INVALID_ARGUMENT, RESOURCE_EXHAUSTED) and nothing is stored.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetCalibration(self, request, context):
+        """GetCalibration returns the calibration record of a checkpoint and profile; every tenant may read it
+        (NOT_FOUND when none is stored).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ArtifactStoreServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -202,6 +230,16 @@ def add_ArtifactStoreServiceServicer_to_server(servicer, server):
                     servicer.CollectGarbage,
                     request_deserializer=redknot_dot_store_dot_v1_dot_artifact__store__pb2.CollectGarbageRequest.FromString,
                     response_serializer=redknot_dot_store_dot_v1_dot_artifact__store__pb2.CollectGarbageResponse.SerializeToString,
+            ),
+            'PutCalibration': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutCalibration,
+                    request_deserializer=redknot_dot_store_dot_v1_dot_artifact__store__pb2.PutCalibrationRequest.FromString,
+                    response_serializer=redknot_dot_store_dot_v1_dot_artifact__store__pb2.PutCalibrationResponse.SerializeToString,
+            ),
+            'GetCalibration': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetCalibration,
+                    request_deserializer=redknot_dot_store_dot_v1_dot_artifact__store__pb2.GetCalibrationRequest.FromString,
+                    response_serializer=redknot_dot_store_dot_v1_dot_artifact__store__pb2.GetCalibrationResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -451,6 +489,60 @@ class ArtifactStoreService:
             '/redknot.store.v1.ArtifactStoreService/CollectGarbage',
             redknot_dot_store_dot_v1_dot_artifact__store__pb2.CollectGarbageRequest.SerializeToString,
             redknot_dot_store_dot_v1_dot_artifact__store__pb2.CollectGarbageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutCalibration(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/redknot.store.v1.ArtifactStoreService/PutCalibration',
+            redknot_dot_store_dot_v1_dot_artifact__store__pb2.PutCalibrationRequest.SerializeToString,
+            redknot_dot_store_dot_v1_dot_artifact__store__pb2.PutCalibrationResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetCalibration(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/redknot.store.v1.ArtifactStoreService/GetCalibration',
+            redknot_dot_store_dot_v1_dot_artifact__store__pb2.GetCalibrationRequest.SerializeToString,
+            redknot_dot_store_dot_v1_dot_artifact__store__pb2.GetCalibrationResponse.FromString,
             options,
             channel_credentials,
             insecure,
