@@ -58,7 +58,7 @@ set -uo pipefail
 START=$(date +%s)
 D=${D:-/root/redknot_gguf} M=${M:-/root/redknot_model} E=${E:-/root/redknot_eval}
 SHA=@SHA@
-N=${N:-@N@} PROCS=${PROCS:-@PROCS@} CHUNK=${CHUNK:-5} BUDGET_S=${BUDGET_S:-420} TASKS=${TASKS:-"hotpotqa squad"}
+N=${N:-@N@} PROCS=${PROCS:-@PROCS@} CHUNK=${CHUNK:-5} BUDGET_S=${BUDGET_S:-420} TASKS=${TASKS:-"@TASKS@"}
 MAXTOK=${MAXTOK:-32} VARIANTS=${VARIANTS-@VARIANTS@}
 OUT=${OUT:-/tmp/redknot_out}
 mkdir -p "$OUT" "$E/chunks" /tmp/site
@@ -114,8 +114,14 @@ def main() -> int:
     p.add_argument("--run", type=int, default=300, help="questions per task stage2 runs by default (N)")
     p.add_argument("--procs", type=int, default=12, help="worker processes stage2 starts by default (PROCS)")
     p.add_argument("--variants", default="", help="extra reuse arms stage2 runs by default (VARIANTS)")
+    p.add_argument("--tasks", default="hotpotqa,squad", help="tasks whose examples files are written and which "
+                                                             "stage2 runs by default (TASKS; synthetic ones too)")
     a = p.parse_args()
     q1, q2 = ROOT / ".devq", ROOT / ".devq2"
+    exclude = ROOT / ".git" / "info" / "exclude"          # never committed, and not copied as part of the tree
+    have = exclude.read_text().splitlines() if exclude.exists() else []
+    with exclude.open("a") as f:
+        f.writelines(f"{line}\n" for line in ("/.devq/", "/.devq2/") if line not in have)
     for d in (q1, q2):
         if d.exists():
             shutil.rmtree(d)
@@ -136,14 +142,15 @@ def main() -> int:
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", *PLATFORM, "-d",
                         str(q1 / "whl"), pin], check=True)
 
-    for task in ("hotpotqa", "squad"):
+    tasks = [t for t in a.tasks.split(",") if t]
+    for task in tasks:
         n = save_examples(itertools.islice(load_task(task), a.questions), q1 / "data" / f"{task}.examples.jsonl")
         assert n == a.questions, f"{task}: {n} examples"
 
     wheel_pairs = " ".join(f"{mod}:{pin.split('==')[0].lower()}" for mod, pin in WHEELS.items())
     (q1 / "stage1.sh").write_text(STAGE1)
     (q2 / "stage2.sh").write_text(STAGE2.replace("@SHA@", digest).replace("@WHEELS@", wheel_pairs)
-                                  .replace("@N@", str(a.run)).replace("@VARIANTS@", repr(a.variants)).replace("@PROCS@", str(a.procs)))
+                                  .replace("@N@", str(a.run)).replace("@TASKS@", " ".join(tasks)).replace("@VARIANTS@", repr(a.variants)).replace("@PROCS@", str(a.procs)))
     for f in (q1 / "stage1.sh", q2 / "stage2.sh"):
         f.chmod(0o755)
 
