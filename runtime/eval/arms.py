@@ -48,9 +48,10 @@ KNOBS = {
     "signal": ("signal", lambda v: _choice(v, DEVIATION_SIGNALS)),
     "join": ("join_rows", int),
     "recent": ("recent_rows", int),
+    "sink": ("sink_rows", int),
 }
 DEFAULTS = {"gpg": "1", "ffn": "skip", "lastkv": "recompute", "select": "attention", "signal": "k",
-            "join": str(JOIN_ROWS), "recent": str(RECENT_ROWS)}
+            "join": str(JOIN_ROWS), "recent": str(RECENT_ROWS), "sink": "0"}
 
 
 def _choice(v: str, allowed: tuple[str, ...]) -> str:

@@ -15,6 +15,7 @@ def choose_active(prof: ReuseProfile, deviation: torch.Tensor, idx_score: torch.
     """Candidates are the relocated rows (segments of `seg_lens` at request offsets `deltas`). Budget =
     ceil(budget x candidates). Fill in this priority order, each class ranked within itself, until the budget
     is spent:
+      0. with `sink_rows`: the first rows of every relocated segment;
       1. dirty rows: the top half of the budget by first-fence deviation;
       2. join rows (first/last `join_rows` of every relocated segment), nearest the join first;
       3. rows of blocks the native indexer picks for the question rows, most picked first (DeepSeek only);
@@ -26,7 +27,9 @@ def choose_active(prof: ReuseProfile, deviation: torch.Tensor, idx_score: torch.
     if n == 0:
         return active
     budget = min(n, math.ceil(prof.budget * n - 1e-9))
-    order: list[torch.Tensor] = [torch.argsort(deviation, descending=True, stable=True)[: (budget + 1) // 2]]
+    order: list[torch.Tensor] = [sink_mask(prof, seg_lens, deviation.device).nonzero().flatten()] \
+        if prof.sink_rows else []
+    order.append(torch.argsort(deviation, descending=True, stable=True)[: (budget + 1) // 2])
     dist = torch.full((n,), 1 << 30, device=deviation.device)
     a = 0
     for ln in seg_lens:
@@ -51,6 +54,14 @@ def choose_active(prof: ReuseProfile, deviation: torch.Tensor, idx_score: torch.
     return active
 
 
+def sink_mask(prof: ReuseProfile, seg_lens: list[int], device) -> torch.Tensor:
+    """The first `prof.sink_rows` rows of every relocated segment (its own attention sink when it was computed
+    alone), over the relocated rows."""
+    pos = torch.cat([torch.arange(ln, device=device) for ln in seg_lens]) if seg_lens else \
+        torch.zeros(0, dtype=torch.long, device=device)
+    return pos < prof.sink_rows
+
+
 def choose_top(prof: ReuseProfile, score: torch.Tensor) -> torch.Tensor:
     """The whole budget (ceil(budget x candidates)) to the rows of highest `score`, ties to the earlier row; no
     protected classes. Question and new rows are not candidates."""
@@ -73,11 +84,12 @@ def choose(prof: ReuseProfile, deviation: torch.Tensor, idx_score: torch.Tensor 
     """The active relocated rows by the profile's `select` rule: "mixed" (`choose_active`, with the native
     indexer's picks `idx_score` where the model has an indexer, else none), "deviation" (`choose_by_deviation`)
     or "attention" (`choose_top` on `draft()`, the question's draft attention per relocated row, computed only
-    for this rule)."""
-    if prof.select == "deviation":
-        return choose_by_deviation(prof, deviation)
-    if prof.select == "attention":
-        return choose_top(prof, draft() if deviation.numel() else deviation)
+    for this rule). With `sink_rows`, every relocated segment's first rows come first, inside the budget."""
+    if prof.select in ("deviation", "attention"):
+        score = draft() if prof.select == "attention" and deviation.numel() else deviation
+        if prof.sink_rows:
+            score = score.masked_fill(sink_mask(prof, seg_lens, score.device), float("inf"))
+        return choose_top(prof, score)
     idx = torch.zeros_like(deviation) if idx_score is None else idx_score
     return choose_active(prof, deviation, idx, seg_lens, deltas, q_start, n_q)
 

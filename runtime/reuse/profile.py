@@ -50,6 +50,9 @@ class ReuseProfile:
     local_format: str = "native"
     select: str = "mixed"         # SELECT_RULES: which rule spends the budget
     signal: str = "k"             # DEVIATION_SIGNALS
+    # the first rows of every relocated document, chosen active before the rule spends the rest of the budget: a
+    # document computed alone opened its own context (its first row is an attention sink there), not in a request
+    sink_rows: int = 0
 
     def __post_init__(self):
         if not 0.0 < self.budget <= 1.0:
@@ -70,6 +73,8 @@ class ReuseProfile:
             raise ProfileError(f"global_picks={self.global_picks!r} not in ('online', 'artifact')")
         if self.first_fences < 1:
             raise ProfileError("at least one first fence is needed: it yields the dirty-row signal")
+        if self.sink_rows < 0:
+            raise ProfileError(f"sink_rows={self.sink_rows} must be >= 0")
 
     def check(self, cfg: ModelConfig) -> None:
         if self.first_fences + self.last_fences > cfg.n_layers:
@@ -102,6 +107,8 @@ class ReuseProfile:
         for k in ("select", "signal"):
             if d[k] == PRE_SELECTION_DEFAULTS[k]:
                 del d[k]
+        if not d["sink_rows"]:
+            del d["sink_rows"]
         return d
 
     def replace(self, **kw) -> "ReuseProfile":
