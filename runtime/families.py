@@ -68,6 +68,9 @@ def check_profile(profile: ReuseProfile, model) -> None:
     if family(model) == "deepseek_v4":
         profile.check(model.cfg)
         return
+    if profile.preamble:
+        raise ProfileError(f"profile {profile.name!r}: a preamble is measured by the quality harness; the services "
+                           "do not serve one yet (their requests do not open with it)")
     if profile.align != 1:
         raise ProfileError(f"profile {profile.name!r}: align={profile.align}; the Llama family has no compression "
                            "blocks to align documents to (align=1)")

@@ -24,6 +24,9 @@ def add_arguments(e: argparse.ArgumentParser) -> None:
     e.add_argument("--budgets", default="0.1,0.2,0.25")
     e.add_argument("--fences", default="3,3", help="first,last fence layers (the Llama family's eval profile; a "
                                                    "--profile brings its own)")
+    e.add_argument("--preamble", action="store_true", help="build every document after a fixed preamble (the chat "
+                                                           "template's head and the instruction), which opens every "
+                                                           "request; every arm on that layout (the Llama family)")
     e.add_argument("--profile", default="", help="the reuse arms' base profile: a preset (demo, flash, pro, llama) or a "
                                                  "JSON object; required for a DeepSeek-V4 checkpoint (the profile "
                                                  "it serves: its rule, fences and alignment); default for the Llama "
@@ -99,7 +102,7 @@ def evaluate(args) -> tuple[dict | None, int]:
                        fences=tuple(int(f) for f in args.fences.split(",")), max_new_tokens=args.max_new_tokens,
                        device=device, dtype=args.dtype,
                        variants=tuple(v for v in args.variants.split(",") if v.strip()),
-                       teacher_tokens=args.teacher_tokens, profile=args.profile)
+                       teacher_tokens=args.teacher_tokens, profile=args.profile, preamble=args.preamble)
         assert len(spec.fences) == 2, f"--fences {args.fences}: give first,last"
         if not args.profile and _family(model_dir) == "deepseek_v4":
             console.print("redknot eval: a DeepSeek-V4 checkpoint is evaluated under the profile it serves: give "

@@ -53,11 +53,27 @@ class Layout:
     question: list[int]
 
 
-def layout(tok: ChatTokenizer, ex: QAExample) -> Layout:
+def _chat_parts(tok: ChatTokenizer) -> tuple[str, str]:
     rendered = tok.render_chat([{"role": "user", "content": SPLIT}], add_generation_prompt=True)
     head, tail = rendered.split(SPLIT)
+    return head, tail
+
+
+def preamble_tokens(tok: ChatTokenizer) -> list[int]:
+    """The harness's fixed preamble: the chat template's head and the instruction, the same for every example."""
+    return tok.encode(_chat_parts(tok)[0] + INSTRUCTION, add_special_tokens=False)
+
+
+def layout(tok: ChatTokenizer, ex: QAExample, preamble: bool = False) -> Layout:
+    """The example as segments: the template's head, the instruction and document 1 as the prefix, then one
+    segment per further document; with `preamble`, the head and instruction are a segment of their own (the
+    preamble every document is built after, `preamble_tokens`) and every document is relocated."""
+    head, tail = _chat_parts(tok)
     paras = [f"Document {i + 1}: {p}" for i, p in enumerate(ex.paragraphs)]
-    segs = [tok.encode(head + INSTRUCTION + paras[0], add_special_tokens=False)]
+    if preamble:
+        segs = [preamble_tokens(tok), tok.encode(paras[0], add_special_tokens=False)]
+    else:
+        segs = [tok.encode(head + INSTRUCTION + paras[0], add_special_tokens=False)]
     segs += [tok.encode("\n\n" + p, add_special_tokens=False) for p in paras[1:]]
     q = tok.encode(f"\n\nQuestion: {ex.question}" + tail, add_special_tokens=False)
     return Layout(segs, q)
@@ -104,7 +120,7 @@ def is_deepseek(model) -> bool:
 def run_eval(model, tok: ChatTokenizer, examples: list[QAExample], budgets: list[float],
              max_new_tokens: int = 32, fences: tuple[int, int] = (3, 3), progress=None,
              variants: list[str] = (), reference: bool = False, teacher_tokens: int = 32,
-             profile: ReuseProfile | None = None) -> dict:
+             profile: ReuseProfile | None = None, preamble: bool = False) -> dict:
     """Every arm on every example. The fast path (default) shares work between arms that compute the same
     thing: one packed forward of all documents for every profile's artifacts, document 1's artifact as the
     prefix-only arm's cached prefix, the relocated K/V for the naive and every reuse arm (`relocate`), each
@@ -128,11 +144,15 @@ def run_eval(model, tok: ChatTokenizer, examples: list[QAExample], budgets: list
         fences, base = (profile.first_fences, profile.last_fences), profile
     else:
         base = eval_profile(fences)
+    if preamble:                            # every arm on the preamble layout; the reuse arms' documents built after it
+        if v4:
+            raise ValueError("a preamble is implemented on the Llama family only")
+        base = base.replace(preamble=tuple(preamble_tokens(tok)))
     arms = [a for a in arm_list(budgets, list(variants), fences) if not (v4 and a.kind == "naive")]
     res = {a.name: ArmResult() for a in arms}
     engine_arms = [a for a in arms if a.kind in ("naive", "reuse")]
     for n, ex in enumerate(examples):
-        lay = layout(tok, ex)
+        lay = layout(tok, ex, preamble)
         run = _arms_deepseek if v4 else _arms_reference if reference else _arms
         answers = run(model, lay, ex, arms, engine_arms, base, res, max_new_tokens, stop, teacher_tokens)
         ref_answer, ref_first, _, ref_tf = answers["recompute"]

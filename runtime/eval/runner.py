@@ -33,6 +33,7 @@ class RunSpec:
     variants: tuple[str, ...] = ()          # extra reuse arms (arms.py), after the default ones
     teacher_tokens: int = 32                # positions of the teacher-forced metrics (harness.run_eval)
     profile: str = ""                       # the reuse arms' base profile (a preset or JSON; "": the eval profile)
+    preamble: bool = False                  # documents built after the fixed preamble (harness.layout)
 
     def base(self):
         """The reuse arms' base profile: the one named, else (the Llama family) the eval profile at `fences`."""
@@ -114,7 +115,7 @@ class Worker:
             s = run_eval(self.model, self.tok, examples, list(self.spec.budgets), self.spec.max_new_tokens,
                          self.spec.fences, progress=progress, variants=list(self.spec.variants),
                          teacher_tokens=self.spec.teacher_tokens,
-                         profile=self.spec.base() if self.spec.profile else None)
+                         profile=self.spec.base() if self.spec.profile else None, preamble=self.spec.preamble)
         s["offset"] = c.offset
         return s
 

@@ -268,27 +268,28 @@ class LlamaAdapter:
         return h2, positions, sel
 
     def segments(self, i, attn, h, docs, deltas, active, n_rc, dev):
-        """Per segment (delta, k canonical, v): prefix and relocated from their artifacts, with active rows'
-        recomputed K/V overlaid on copies."""
-        segs = [(0, docs[0].k[i], docs[0].v[i])]
+        """Per segment (shift, k canonical, v, canonical start): prefix and relocated from their artifacts, with
+        active rows' recomputed K/V overlaid on copies; a row's request position is its canonical one plus the
+        shift (its offset less the artifact's start: documents built after a preamble start after it)."""
+        segs = [(0, docs[0].k[i], docs[0].v[i], docs[0].start)]
         a = 0
         for d, dl in zip(docs[1:], deltas[1:]):
             k, v = d.k[i], d.v[i]
             if n_rc and active[a:a + d.n].any():
                 act = active[a:a + d.n]
-                cpos = torch.arange(d.n, device=dev)[act]
+                cpos = torch.arange(d.start, d.start + d.n, device=dev)[act]
                 _, k_new, v_new = attn.qkv(h[a:a + d.n][act], cpos)
                 k, v = k.clone(), v.clone()
                 k[act], v[act] = k_new.to(k.dtype), v_new.to(v.dtype)
-            segs.append((dl, k, v))
+            segs.append((dl - d.start, k, v, d.start))
             a += d.n
         return segs
 
     def _attend(self, attn, q, qpos, segs):
         parts = []
-        for dl, k, v in segs:
+        for dl, k, v, c0 in segs:
             qr = attn.rotary.rotate(q, torch.full((q.shape[0],), -dl, device=q.device))
-            parts.append(attn.attend(qr, k, v, qpos - dl, torch.arange(k.shape[0], device=q.device)))
+            parts.append(attn.attend(qr, k, v, qpos - dl, torch.arange(c0, c0 + k.shape[0], device=q.device)))
         return merge(parts)[0]
 
     def layer(self, i, layer, x, positions, docs, deltas, active, n_rc, state, led):
@@ -303,7 +304,7 @@ class LlamaAdapter:
         nk, nv = state["new"].get(i, (k_new[:0], v_new[:0]))
         nk, nv = torch.cat([nk, k_new]), torch.cat([nv, v_new])
         state["new"][i] = (nk, nv)
-        all_segs = segs + [(state["delta_q"], nk, nv)]
+        all_segs = segs + [(state["delta_q"], nk, nv, 0)]
         row_active = torch.cat([active[:n_rc], torch.ones(x.shape[0] - n_rc, dtype=torch.bool, device=dev)])
         out = torch.zeros_like(x)
         if row_active.any():
@@ -348,10 +349,10 @@ class LlamaAdapter:
                 layers.append(state["fence"][i])
                 continue
             rot = layer.self_attn.rotary
-            segs = state["segs"][i] + [(state["delta_q"],) + state["new"][i]]
+            segs = state["segs"][i] + [(state["delta_q"],) + state["new"][i] + (0,)]
             lc = LayerCache()
-            lc.append(torch.cat([rot.rotate(k, torch.full((k.shape[0],), dl, device=k.device)) for dl, k, _ in segs]),
-                      torch.cat([v for _, _, v in segs]))
+            lc.append(torch.cat([rot.rotate(k, torch.full((k.shape[0],), dl, device=k.device))
+                                 for dl, k, _, _ in segs]), torch.cat([v for _, _, v, _ in segs]))
             assert lc.n == state["pos"], f"layer {i}: {lc.n} rows assembled, the request has {state['pos']}"
             layers.append(lc)
         return KVCache(layers, pos=state["pos"])
@@ -407,7 +408,7 @@ class SegmentsPass(LlamaPass):
         if signals:
             a, dev = 0, self.x.device
             for d, dl in zip(self.docs[1:], self.deltas[1:]):
-                moved = layer.self_attn.rotary.rotate(d.k[i], torch.full((d.n,), dl, device=dev))
+                moved = layer.self_attn.rotary.rotate(d.k[i], torch.full((d.n,), dl - d.start, device=dev))
                 self.deviation[a:a + d.n] += ad.deviation(k_req[a:a + d.n], v_req[a:a + d.n], moved, d.v[i])
                 a += d.n
 

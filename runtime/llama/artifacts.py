@@ -27,6 +27,7 @@ class LlamaArtifact:
     v: list[torch.Tensor]                     # per layer [n, KV, D]
     local: list[torch.Tensor | None]          # per layer [n, d]: W_o,L O_L in reusable layers
     cert: Certificate | None = None           # what the artifact is certified for (`certify`)
+    start: int = 0                            # canonical position of its first row (after its profile's preamble)
 
     @property
     def n(self) -> int:
@@ -67,14 +68,18 @@ def produce_llama(model: Llama, tokens: list[int], prof: ReuseProfile, tokenizer
 def produce_llama_many(model: Llama, tokens: list[int], profs: list[ReuseProfile], tokenizer_fp: str = "",
                        fingerprint: str = "") -> list[LlamaArtifact]:
     """One document's artifact for each profile from one forward: K/V do not depend on the profile (the
-    artifacts share those tensors), the Local projections only on the fences and Global heads per group."""
+    artifacts share those tensors), the Local projections only on the fences and Global heads per group. With a
+    preamble (every profile's the same) the document runs after it and keeps its own rows (`start` = its length);
+    the preamble's own artifact is computed alone."""
     n_layers = len(model.layers)
     dev = next(model.parameters()).device
+    pre = _preamble(profs, [tokens])
     cache = model.new_cache()
     for lc in cache.layers:
         lc.capture = {}
-    model(torch.tensor(tokens, device=dev), cache)
-    caps = [lc.capture for lc in cache.layers]
+    model(torch.tensor(pre + list(tokens), device=dev), cache)
+    P = len(pre)
+    caps = [{k: v[P:] for k, v in lc.capture.items()} for lc in cache.layers]
     for lc in cache.layers:
         lc.capture = None
     ks = [c["k"].clone() for c in caps]
@@ -93,22 +98,35 @@ def produce_llama_many(model: Llama, tokens: list[int], profs: list[ReuseProfile
                 local[key] = layer.self_attn.project(cap["o"].index_select(1, loc), heads=loc)
             locals_.append(local[key])
         out.append(LlamaArtifact(list(tokens), ks, vs, locals_,
-                                 certify(model, tokens, prof, tokenizer_fp, fingerprint)))
+                                 certify(model, tokens, prof, tokenizer_fp, fingerprint), start=P))
     return out
+
+
+def _preamble(profs: list[ReuseProfile], segments: list[list[int]]) -> list[int]:
+    """The preamble the documents of `segments` are built after (every profile's must be the same): none for a
+    segment that is the preamble itself (a request opens with it, computed alone)."""
+    pres = {p.preamble for p in profs}
+    if len(pres) > 1:
+        raise ValueError("one forward builds artifacts for profiles of one preamble")
+    pre = list(next(iter(pres), ()))
+    return [] if all(list(t) == pre for t in segments) else pre
 
 
 @torch.inference_mode()
 def produce_llama_packed(model: Llama, segments: list[list[int]], profs: list[ReuseProfile], tokenizer_fp: str = "",
                          fingerprint: str = "") -> list[list[LlamaArtifact]]:
     """`produce_llama_many` for every document of a request in one packed forward (`Llama.forward_packed`):
-    per profile, the artifacts of the documents in order; equal to producing each alone up to rounding."""
+    per profile, the artifacts of the documents in order; equal to producing each alone up to rounding (each
+    after the profiles' preamble, but the preamble's own)."""
     n_layers = len(model.layers)
-    caps = model.forward_packed(segments)
+    pres = [_preamble(profs, [t]) for t in segments]
+    caps = model.forward_packed([p + list(t) for p, t in zip(pres, segments)])
     dev = caps[0][0].device
-    bounds = [0]
-    for t in segments:
-        bounds.append(bounds[-1] + len(t))
-    cut = lambda x: [x[a:b] for a, b in zip(bounds, bounds[1:])]            # noqa: E731
+    spans, o = [], 0                        # each document's own rows in the packed forward
+    for p, t in zip(pres, segments):
+        spans.append((o + len(p), o + len(p) + len(t)))
+        o += len(p) + len(t)
+    cut = lambda x: [x[a:b] for a, b in spans]            # noqa: E731
     ks = list(zip(*(cut(k) for k, _, _ in caps)))                          # per document, per layer
     vs = list(zip(*(cut(v) for _, v, _ in caps)))
     local: dict[tuple[int, int], list[torch.Tensor]] = {}
@@ -125,7 +143,7 @@ def produce_llama_packed(model: Llama, segments: list[list[int]], profs: list[Re
                 local[key] = cut(layer.self_attn.project(o.index_select(1, loc), heads=loc))
             per_layer.append(local[key])
         out.append([LlamaArtifact(list(t), list(ks[j]), list(vs[j]), [p[j] for p in per_layer],
-                                  certify(model, t, prof, tokenizer_fp, fingerprint))
+                                  certify(model, t, prof, tokenizer_fp, fingerprint), start=len(pres[j]))
                     for j, t in enumerate(segments)])
     return out
 
@@ -146,7 +164,7 @@ def relocate(model: Llama, docs: list[LlamaArtifact]) -> Relocated:
     deltas = doc_offsets([d.n for d in docs])
     pos = deltas[-1] + docs[-1].n
     dev = docs[0].k[0].device
-    shift = torch.tensor([dl for d, dl in zip(docs, deltas) for _ in range(d.n)], device=dev)
+    shift = torch.tensor([dl - d.start for d, dl in zip(docs, deltas) for _ in range(d.n)], device=dev)
     L = len(model.layers)
     k = torch.cat([torch.stack(d.k, dim=1) for d in docs])                # [q_start, L, KV, D]
     k = model.rotary.rotate(k, shift)

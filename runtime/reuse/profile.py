@@ -53,6 +53,10 @@ class ReuseProfile:
     # the first rows of every relocated document, chosen active before the rule spends the rest of the budget: a
     # document computed alone opened its own context (its first row is an attention sink there), not in a request
     sink_rows: int = 0
+    # a fixed deployment-wide preamble (token ids) every document is built after, and every request opens with: a
+    # document's artifact then holds its rows as computed after the preamble (not as if it opened the context);
+    # the preamble's own artifact is itself, computed alone. The Llama family; bound by certificates when set
+    preamble: tuple[int, ...] = ()
 
     def __post_init__(self):
         if not 0.0 < self.budget <= 1.0:
@@ -75,8 +79,12 @@ class ReuseProfile:
             raise ProfileError("at least one first fence is needed: it yields the dirty-row signal")
         if self.sink_rows < 0:
             raise ProfileError(f"sink_rows={self.sink_rows} must be >= 0")
+        if not isinstance(self.preamble, tuple):            # from a JSON list (to_dict, a profile file)
+            object.__setattr__(self, "preamble", tuple(int(t) for t in self.preamble))
 
     def check(self, cfg: ModelConfig) -> None:
+        if self.preamble:
+            raise ProfileError("a preamble is implemented on the Llama family only")
         if self.first_fences + self.last_fences > cfg.n_layers:
             raise ProfileError(f"{self.first_fences}+{self.last_fences} fences exceed {cfg.n_layers} layers")
         if not 1 <= self.global_per_group <= cfg.heads_per_group:
@@ -107,8 +115,11 @@ class ReuseProfile:
         for k in ("select", "signal"):
             if d[k] == PRE_SELECTION_DEFAULTS[k]:
                 del d[k]
-        if not d["sink_rows"]:
-            del d["sink_rows"]
+        for k in ("sink_rows", "preamble"):
+            if not d[k]:
+                del d[k]
+            elif k == "preamble":
+                d[k] = list(d[k])
         return d
 
     def replace(self, **kw) -> "ReuseProfile":
