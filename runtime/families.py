@@ -13,8 +13,6 @@ import torch
 from runtime.model.parallel import Parallel
 from runtime.reuse.profile import ProfileError, ReuseProfile
 
-FAMILIES = ("deepseek_v4", "llama")
-
 
 class FamilyError(ValueError):
     """A checkpoint or a setting this family cannot serve (e.g. the Llama family under TP > 1)."""
@@ -49,10 +47,6 @@ def family(model) -> str:
 
 def device_of(model) -> torch.device:
     return next(model.parameters()).device
-
-
-def tp_size(model) -> int:
-    return model.par.size if family(model) == "deepseek_v4" else 1
 
 
 def channel_range(model, rank: int = 0, size: int = 1) -> tuple[int, int]:

@@ -73,7 +73,7 @@ def produce_llama_many(model: Llama, tokens: list[int], profs: list[ReuseProfile
     the preamble's own artifact is computed alone."""
     n_layers = len(model.layers)
     dev = next(model.parameters()).device
-    pre = _preamble(profs, [tokens])
+    pre = _preamble(profs, tokens)
     cache = model.new_cache()
     for lc in cache.layers:
         lc.capture = {}
@@ -102,14 +102,14 @@ def produce_llama_many(model: Llama, tokens: list[int], profs: list[ReuseProfile
     return out
 
 
-def _preamble(profs: list[ReuseProfile], segments: list[list[int]]) -> list[int]:
-    """The preamble the documents of `segments` are built after (every profile's must be the same): none for a
-    segment that is the preamble itself (a request opens with it, computed alone)."""
+def _preamble(profs: list[ReuseProfile], tokens: list[int]) -> list[int]:
+    """The preamble the document `tokens` is built after (every profile's must be the same): none when the document
+    is the preamble itself (a request opens with it, computed alone)."""
     pres = {p.preamble for p in profs}
     if len(pres) > 1:
         raise ValueError("one forward builds artifacts for profiles of one preamble")
     pre = list(next(iter(pres), ()))
-    return [] if all(list(t) == pre for t in segments) else pre
+    return [] if list(tokens) == pre else pre
 
 
 @torch.inference_mode()
@@ -119,7 +119,7 @@ def produce_llama_packed(model: Llama, segments: list[list[int]], profs: list[Re
     per profile, the artifacts of the documents in order; equal to producing each alone up to rounding (each
     after the profiles' preamble, but the preamble's own)."""
     n_layers = len(model.layers)
-    pres = [_preamble(profs, [t]) for t in segments]
+    pres = [_preamble(profs, t) for t in segments]
     caps = model.forward_packed([p + list(t) for p, t in zip(pres, segments)])
     dev = caps[0][0].device
     spans, o = [], 0                        # each document's own rows in the packed forward
@@ -182,17 +182,16 @@ def to_document(art: LlamaArtifact) -> DocumentArtifact:
                             meta={"family": "llama", "dtype": dtype, "producer_version": PRODUCER_VERSION})
 
 
-def from_document(doc: DocumentArtifact, cert: Certificate, device: torch.device | str | None = None
-                  ) -> LlamaArtifact:
-    """A stored Llama artifact (read and verified against `cert` layer by layer) as the engine reads it; on
-    `device` where given (one copy per tensor), else the layers' own tensors."""
+def from_document(doc: DocumentArtifact, device: torch.device | str | None = None) -> LlamaArtifact:
+    """A stored Llama artifact (read and verified against its certificate layer by layer) as the engine reads it;
+    on `device` where given (one copy per tensor), else the layers' own tensors."""
     def on(t: torch.Tensor | None) -> torch.Tensor | None:
         return t if t is None or device is None else t.to(device, non_blocking=True)
     layers = doc.layers
     if not all(isinstance(la, KVLayerArtifact) for la in layers):
         raise TypeError("not a Llama-family artifact (its layers are not KVLayerArtifact)")
     return LlamaArtifact(list(doc.tokens), [on(la.k) for la in layers], [on(la.v) for la in layers],
-                         [on(la.local_p) for la in layers], cert)
+                         [on(la.local_p) for la in layers])
 
 
 def build(model: Llama, tokens: list[int], prof: ReuseProfile, fingerprint: str, tokenizer_fp: str,

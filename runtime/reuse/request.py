@@ -116,7 +116,7 @@ def _reuse(model: Transformer, profile: ReuseProfile, docs: list, question: list
     if family(model) == "llama":
         from runtime.llama.artifacts import from_document
         dev = device_of(model)
-        res = engine.prefill_cache([from_document(d, None, dev) for d in docs], question)
+        res = engine.prefill_cache([from_document(d, dev) for d in docs], question)
         return Outcome(res.logits, "reuse", verdict, res.ledger, cache=res.state, model=model)
     res = engine.prefill(docs, question)
     return Outcome(res.logits, "reuse", verdict, res.ledger, state=res.state, engine=engine)

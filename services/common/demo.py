@@ -81,9 +81,9 @@ def smollm2_checkpoint(workdir: Path, console: Console) -> Path:
         return convert_gguf(None, workdir / "smollm2-135m-instruct").out
 
 
-def _setup(args, console: Console, workdir: Path) -> tuple[Path, str, int]:
-    """(checkpoint, profile, TP) of the run: SmolLM2 by default, the random DeepSeek-V4 demo model with --v4, or
-    --model's checkpoint of either family."""
+def _setup(args, console: Console, workdir: Path) -> tuple[Path, str, int, bool]:
+    """(checkpoint, profile, TP, whether it is DeepSeek-V4) of the run: SmolLM2 by default, the random DeepSeek-V4
+    demo model with --v4, or --model's checkpoint of either family."""
     if args.model:
         model = Path(args.model)
     elif args.v4:
@@ -95,14 +95,13 @@ def _setup(args, console: Console, workdir: Path) -> tuple[Path, str, int]:
     tp = args.tp if args.tp is not None else (2 if v4 else 1)
     if not v4 and tp != 1:
         raise SystemExit(f"redknot demo: a Llama-family checkpoint is served at TP1 (--tp {tp})")
-    return model, profile, tp
+    return model, profile, tp, v4
 
 
 def run_service_demo(args) -> int:
     console = Console()
     workdir = Path(args.workdir).resolve()
-    model, profile, tp = _setup(args, console, workdir)
-    v4 = checkpoint_family(model) == "deepseek_v4"
+    model, profile, tp, v4 = _setup(args, console, workdir)
     run = workdir / "run"
     shutil.rmtree(run, ignore_errors=True)         # a fresh store, tier and logs every time
     redis_url = args.redis_url or os.environ.get("REDIS_URL", "")
