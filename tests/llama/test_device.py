@@ -5,6 +5,7 @@ import torch
 
 from runtime.llama.config import LlamaConfig
 from runtime.llama.model import Llama
+from tests.tiny import tiny_llama
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CFG = LlamaConfig(model_type="qwen2", qkv_bias=True, vocab_size=256, hidden_size=128, intermediate_size=256,
@@ -17,15 +18,12 @@ def rel_err(a, b) -> float:
 
 @pytest.fixture(scope="module")
 def models():
-    torch.manual_seed(0)
-    cpu = Llama(CFG)
-    for p in cpu.parameters():
-        torch.nn.init.normal_(p, std=0.1)
+    cpu = tiny_llama(CFG, std=0.1)
     gpu = Llama(CFG).cuda()
     gpu.load_state_dict(cpu.state_dict())
     bf16 = Llama(CFG, dtype=torch.bfloat16).cuda()
     bf16.load_state_dict({k: v.bfloat16() for k, v in cpu.state_dict().items()})
-    return cpu.eval(), gpu.eval(), bf16.eval()
+    return cpu, gpu.eval(), bf16.eval()
 
 
 def test_cuda_float32_equals_cpu(models):

@@ -9,14 +9,12 @@ import torch
 
 from runtime.families import check_profile
 from runtime.llama.artifacts import produce_llama, produce_llama_packed
-from runtime.llama.config import LlamaConfig
-from runtime.llama.model import Llama
 from runtime.model.config import tiny_reuse
 from runtime.reuse.engine import ReuseEngine
 from runtime.reuse.profile import ProfileError, ReuseProfile
+from tests.tiny import TINY_LLAMA, tiny_llama
 
-CFG = LlamaConfig(vocab_size=128, hidden_size=96, intermediate_size=128, num_hidden_layers=8, num_attention_heads=9,
-                  num_key_value_heads=3, rope_theta=500.0, bos_token_id=1, eos_token_ids=(2,), model_type="llama")
+CFG = TINY_LLAMA
 BASE = dict(first_fences=2, last_fences=2, align=1, join_rows=4, recent_rows=8)
 
 
@@ -26,15 +24,12 @@ def rel_err(a, b):
 
 @pytest.fixture(scope="module")
 def setup():
-    torch.manual_seed(0)
-    m = Llama(CFG)
-    for p in m.parameters():
-        torch.nn.init.normal_(p, std=0.15)
+    m = tiny_llama(CFG)
     g = torch.Generator().manual_seed(1)
     pre = torch.randint(3, 128, (12,), generator=g).tolist()
     docs = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (30, 41, 25)]
     question = torch.randint(3, 128, (9,), generator=g).tolist()
-    return m.eval(), pre, docs, question
+    return m, pre, docs, question
 
 
 def test_documents_after_the_preamble_hold_the_rows_of_that_run(setup):

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from runtime.llama.config import LlamaConfig
-from runtime.llama.model import Llama
 from runtime.llama.artifacts import produce_llama
 from runtime.reuse.engine import ReuseEngine
 from runtime.reuse.profile import ReuseProfile
+from tests.tiny import TINY_LLAMA, tiny_llama
 
 
 def parts(r):
@@ -16,9 +16,7 @@ def parts(r):
 
 TOL = 1e-4
 CFGS = {
-    "llama": LlamaConfig(vocab_size=128, hidden_size=96, intermediate_size=128, num_hidden_layers=8,
-                         num_attention_heads=9, num_key_value_heads=3, rope_theta=500.0, bos_token_id=1,
-                         eos_token_ids=(2,), model_type="llama"),
+    "llama": TINY_LLAMA,
     "qwen2-bias": LlamaConfig(vocab_size=128, hidden_size=96, intermediate_size=128, num_hidden_layers=8,
                               num_attention_heads=6, num_key_value_heads=2, rope_theta=500.0, bos_token_id=1,
                               eos_token_ids=(2,), model_type="qwen2", qkv_bias=True),
@@ -32,10 +30,7 @@ def rel_err(a, b):
 
 @pytest.fixture(scope="module", params=list(CFGS))
 def setup(request):
-    torch.manual_seed(0)
-    m = Llama(CFGS[request.param])
-    for p in m.parameters():
-        torch.nn.init.normal_(p, std=0.15)
+    m = tiny_llama(CFGS[request.param])
     g = torch.Generator().manual_seed(1)
     docs = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (30, 41, 25, 33)]
     question = torch.randint(3, 128, (9,), generator=g).tolist()

@@ -10,9 +10,7 @@ import torch
 
 from runtime.families import build, check_profile, expectations, load_checkpoint
 from runtime.llama.artifacts import produce_llama
-from runtime.llama.config import LlamaConfig
 from runtime.llama.loader import save_llama
-from runtime.llama.model import Llama
 from runtime.reuse.artifact import KVLayerArtifact
 from runtime.reuse.certificate import FallbackCounter, FallbackReason, token_hash
 from runtime.reuse.engine import ReuseEngine
@@ -20,9 +18,9 @@ from runtime.reuse.profile import ProfileError, ReuseProfile
 from runtime.reuse.request import ServingIdentity, answer, answer_staged
 from runtime.reuse.stager import StagedSource
 from runtime.reuse.store import CERTIFICATE_FILE, MANIFEST_FILE, load_artifact
+from tests.tiny import TINY_LLAMA, tiny_llama
 
-CFG = LlamaConfig(vocab_size=128, hidden_size=96, intermediate_size=128, num_hidden_layers=8, num_attention_heads=9,
-                  num_key_value_heads=3, rope_theta=500.0, bos_token_id=1, eos_token_ids=(2,), model_type="llama")
+CFG = TINY_LLAMA
 PROF = ReuseProfile(name="t", first_fences=2, last_fences=2, align=1, join_rows=4, recent_rows=8, budget=0.25,
                     select="attention")
 IDENT = ServingIdentity("f" * 64, "tok")
@@ -30,12 +28,9 @@ IDENT = ServingIdentity("f" * 64, "tok")
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    torch.manual_seed(0)
-    m = Llama(CFG)
-    for p in m.parameters():
-        torch.nn.init.normal_(p, std=0.15)
+    m = tiny_llama(CFG)
     ckpt = tmp_path_factory.mktemp("ckpt")
-    save_llama(m.eval(), ckpt)
+    save_llama(m, ckpt)
     m = load_checkpoint(ckpt)                       # the services' loader, by config.json's model_type
     g = torch.Generator().manual_seed(1)
     docs = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (30, 41, 25)]

@@ -6,13 +6,12 @@ import torch
 
 from runtime.eval.arms import parse_arm
 from runtime.llama.artifacts import produce_llama
-from runtime.llama.config import LlamaConfig
 from runtime.llama.model import Llama
 from runtime.reuse.controller import choose, sink_mask
 from runtime.reuse.engine import ReuseEngine
 from runtime.reuse.producer import produce
 from runtime.reuse.profile import ProfileError, ReuseProfile
-from tests.tiny import tiny_model
+from tests.tiny import TINY_LLAMA, tiny_model
 
 SEGS = [40, 25, 60]
 
@@ -52,11 +51,8 @@ def test_the_engines_of_both_families_recompute_the_sink_rows():
     n0 = arts[0].n
     for start in (n0, n0 + arts[1].n):            # each relocated document's first two rows
         assert {start, start + 1} <= set(res.active_rows.tolist())
-    lcfg = LlamaConfig(vocab_size=128, hidden_size=96, intermediate_size=128, num_hidden_layers=8,
-                       num_attention_heads=9, num_key_value_heads=3, rope_theta=500.0, bos_token_id=1,
-                       eos_token_ids=(2,), model_type="llama")
     torch.manual_seed(0)
-    lm = Llama(lcfg).eval()
+    lm = Llama(TINY_LLAMA).eval()
     lprof = prof.replace(align=1)
     ldocs = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (30, 41, 25)]
     larts = [produce_llama(lm, d, lprof) for d in ldocs]

@@ -42,21 +42,16 @@ def write_tiny_checkpoint(tmp_path_factory) -> Path:
 def write_tiny_llama_checkpoint(tmp_path_factory, seed: int = 5) -> Path:
     """A tiny Llama-family checkpoint (GQA: 6 heads over 2 KV heads, 8 layers) over the demo tokenizer's vocabulary,
     random weights from `seed`, written as transformers names it, with its tokenizer and chat template."""
-    import torch
     from runtime.llama.config import LlamaConfig
     from runtime.llama.loader import save_llama
-    from runtime.llama.model import Llama
     from runtime.model.checkpoint import build_demo_tokenizer, copy_tokenizer, load_tokenizer
+    from tests.tiny import tiny_llama
     d, tok = tmp_path_factory.mktemp("llama"), tmp_path_factory.mktemp("tok") / "tokenizer.json"
     build_demo_tokenizer(512, tok)
     cfg = LlamaConfig(vocab_size=load_tokenizer(tok).get_vocab_size(), hidden_size=96, intermediate_size=160,
                       num_hidden_layers=8, num_attention_heads=6, num_key_value_heads=2, rope_theta=10000.0,
                       bos_token_id=0, eos_token_ids=(1,), tie_word_embeddings=True, model_type="llama")
-    torch.manual_seed(seed)
-    m = Llama(cfg)
-    for p in m.parameters():
-        torch.nn.init.normal_(p, std=0.15)
-    save_llama(m.eval(), d)
+    save_llama(tiny_llama(cfg, seed), d)
     copy_tokenizer(tok, d)
     return d
 
