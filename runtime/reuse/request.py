@@ -203,11 +203,8 @@ def _whole_llama(model, profile: ReuseProfile, padded: list[list[int]], sources:
         if isinstance(src, HotSource):
             docs.append(src.doc)
             continue
-        layers = []
-        for g in range(len(src.groups)):
-            arts, v = src.read(g, head)
-            if not v.ok:
-                return _recompute(model, padded, question, v, counter, d)
-            layers.extend(arts)
+        layers, v = src.read_all(head)
+        if not v.ok:
+            return _recompute(model, padded, question, v, counter, d)
         docs.append(head.document(layers))
     return _reuse(model, profile, docs, question, verdict)

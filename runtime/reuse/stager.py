@@ -62,6 +62,16 @@ class StagedSource:
                 once[1] = (pin_layers(arts) if v.ok else None), v
             return once[1]
 
+    def read_all(self, head: ArtifactHead) -> tuple[list[LayerArtifact] | None, Verdict]:
+        """Every group's layers in order (`read`, each group once), or the first group's reject."""
+        layers: list[LayerArtifact] = []
+        for g in range(len(self.groups)):
+            arts, v = self.read(g, head)
+            if not v.ok:
+                return None, v
+            layers.extend(arts)
+        return layers, Verdict.accept()
+
 
 def source_verdict(fut: Future) -> tuple[dict[str, bytes] | None, Verdict]:
     """Wait for one future of a source; its failure as a reject (a non-SourceError is the store's fault)."""

@@ -149,12 +149,8 @@ class Prefetcher:
             if self.tier.capacity == 0:                 # the tier is off: nothing is kept, nothing to prepare
                 return
             head, v = read_head(head_files, None)
-            layers = []
-            for g in range(len(src.groups) if v.ok else 0):       # the request's stager reads the same groups:
-                arts, v = src.read(g, head)                         # each verified, parsed and pinned once for both
-                if not v.ok:
-                    break
-                layers.extend(arts)
+            # the request's stager reads the same groups: each verified, parsed and pinned once for both
+            layers, v = src.read_all(head) if v.ok else (None, v)
             if v.ok and len(layers) != head.manifest["n_layers"]:
                 v = Verdict.reject(FallbackReason.MISSING_SHARD, f"{len(layers)} layers fetched of "
                                                                   f"{head.manifest['n_layers']}")
