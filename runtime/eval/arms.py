@@ -17,6 +17,9 @@ B is a fraction (0.25) or a percentage (25%). Knobs, with the eval profile's val
   signal=k|kv       the deviation measured on K, or on K and V (k)
   join=N            join rows at each end of a relocated segment (16)
   recent=N          most recent request rows protected (64)
+  sink=N            each relocated document's first N rows active first, inside the budget (0)
+  slope=S           budgets per layer: from B x (1 + S) at the first reusable layer to B x (1 - S) at the
+                    last, nested (0: B at every layer)
 An arm's name is its canonical spec (`reuse@25%:ffn=native`); knobs left at their defaults are not named, so
 `reuse@0.25:ffn=skip` is the default arm `reuse@25%`."""
 from __future__ import annotations
@@ -49,9 +52,11 @@ KNOBS = {
     "join": ("join_rows", int),
     "recent": ("recent_rows", int),
     "sink": ("sink_rows", int),
+    "slope": ("budget_slope", float),
 }
 DEFAULTS = {"gpg": "1", "ffn": "skip", "lastkv": "recompute", "select": "attention", "signal": "k",
-            "join": str(JOIN_ROWS), "recent": str(RECENT_ROWS), "sink": "0"}
+            "join": str(JOIN_ROWS), "recent": str(RECENT_ROWS), "sink": "0",
+            "slope": "0"}
 
 
 def _choice(v: str, allowed: tuple[str, ...]) -> str:

@@ -419,13 +419,17 @@ class SegmentsPass(LlamaPass):
 
     def activate(self, active: torch.Tensor) -> None:
         self.active = _record(self.led, active).to(self.x.device)
+        self.chosen = self.active
+
+    def narrow(self, active: torch.Tensor) -> None:
+        self.active = active.to(self.x.device)
 
     def reusable(self, i: int) -> None:
         self.x = self.ad.layer(i, self.ad.model.layers[i], self.x, self.positions, self.docs, self.deltas,
                                self.active, self.n_rc, self.state, self.led)
 
     def finish(self) -> ReuseResult:
-        act = self.docs[0].n + self.active.nonzero().flatten()
+        act = self.docs[0].n + self.chosen.nonzero().flatten()
         return ReuseResult(self.ad.model.logits(self.x[-1:])[0], self.led, act, self.state)
 
 
@@ -479,7 +483,14 @@ class CachePass(LlamaPass):
 
     def activate(self, active: torch.Tensor) -> None:
         # the controller ranks and fills classes row by row on a host copy (one transfer), not the device
-        active = _record(self.led, active)
+        self._compute(_record(self.led, active))
+        self.chosen = self.active
+
+    def narrow(self, active: torch.Tensor) -> None:
+        self._compute(active.cpu())
+
+    def _compute(self, active: torch.Tensor) -> None:
+        """The rows the next reusable layers compute: the active relocated rows (a host mask) and the new ones."""
         dev = self.x.device
         computed = torch.cat([active, torch.ones(self.n_q, dtype=torch.bool)])            # rows of x
         self.sel = computed.nonzero().flatten().to(dev)
@@ -505,5 +516,5 @@ class CachePass(LlamaPass):
 
     def finish(self) -> ReuseResult:
         self.cache.pos = self.T_all
-        act = self.n0 + self.active.nonzero().flatten()
+        act = self.n0 + self.chosen.nonzero().flatten()
         return ReuseResult(self.ad.model.logits(self.x[-1:])[0], self.led, act, self.cache)

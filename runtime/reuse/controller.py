@@ -10,11 +10,32 @@ import torch
 from .profile import ReuseProfile
 
 
+def budget_rows(budget: float, n: int) -> int:
+    """Rows a budget (a fraction of the `n` candidates) buys: ceil(budget x n), at most n."""
+    return min(n, math.ceil(budget * n - 1e-9))
+
+
 def choose_active(prof: ReuseProfile, deviation: torch.Tensor, idx_score: torch.Tensor, seg_lens: list[int],
                   deltas: list[int], q_start: int, n_q: int) -> torch.Tensor:
-    """Candidates are the relocated rows (segments of `seg_lens` at request offsets `deltas`). Budget =
-    ceil(budget x candidates). Fill in this priority order, each class ranked within itself, until the budget
-    is spent:
+    """The mixed rule's active rows at the profile's budget: the first ceil(budget x candidates) rows of
+    `mixed_order`."""
+    n = deviation.shape[0]
+    return first_rows(mixed_order(prof, deviation, idx_score, seg_lens, deltas, q_start, n_q,
+                                  budget_rows(prof.budget, n)), n, budget_rows(prof.budget, n))
+
+
+def first_rows(order: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """A bool mask over `n` candidates: the first `k` rows of `order`."""
+    active = torch.zeros(n, dtype=torch.bool, device=order.device)
+    active[order[:k]] = True
+    return active
+
+
+def mixed_order(prof: ReuseProfile, deviation: torch.Tensor, idx_score: torch.Tensor, seg_lens: list[int],
+                deltas: list[int], q_start: int, n_q: int, budget: int) -> torch.Tensor:
+    """Candidates are the relocated rows (segments of `seg_lens` at request offsets `deltas`); `budget` the rows
+    the first reusable layer buys. Every candidate, in the order the budget is spent on them: this priority
+    order, each class ranked within itself:
       0. with `sink_rows`: the first rows of every relocated segment;
       1. dirty rows: the top half of the budget by first-fence deviation;
       2. join rows (first/last `join_rows` of every relocated segment), nearest the join first;
@@ -23,10 +44,8 @@ def choose_active(prof: ReuseProfile, deviation: torch.Tensor, idx_score: torch.
       5. whatever budget is left: remaining rows by deviation.
     Question and new rows are always active and are not candidates."""
     n = deviation.shape[0]
-    active = torch.zeros(n, dtype=torch.bool, device=deviation.device)
     if n == 0:
-        return active
-    budget = min(n, math.ceil(prof.budget * n - 1e-9))
+        return torch.zeros(0, dtype=torch.long, device=deviation.device)
     order: list[torch.Tensor] = [sink_mask(prof, seg_lens, deviation.device).nonzero().flatten()] \
         if prof.sink_rows else []
     order.append(torch.argsort(deviation, descending=True, stable=True)[: (budget + 1) // 2])
@@ -45,13 +64,12 @@ def choose_active(prof: ReuseProfile, deviation: torch.Tensor, idx_score: torch.
     recent = torch.argsort(req_pos, descending=True, stable=True)
     order.append(recent[req_pos[recent] >= q_start + n_q - prof.recent_rows])
     order.append(torch.argsort(deviation, descending=True, stable=True))
-    # the first `budget` distinct rows of the concatenated classes, in order, without a host round trip per row:
-    # each row's earliest place in the order (the last class holds every row), then the rows of the smallest
+    # the distinct rows of the concatenated classes, in order, without a host round trip per row: each row's
+    # earliest place in the order (the last class holds every row), then the rows by it
     ids = torch.cat(order)
     first = torch.full((n,), ids.numel(), dtype=torch.long, device=ids.device)
     first.scatter_reduce_(0, ids, torch.arange(ids.numel(), device=ids.device), reduce="amin")
-    active[torch.argsort(first, stable=True)[:budget]] = True
-    return active
+    return torch.argsort(first, stable=True)
 
 
 def sink_mask(prof: ReuseProfile, seg_lens: list[int], device) -> torch.Tensor:
@@ -66,10 +84,7 @@ def choose_top(prof: ReuseProfile, score: torch.Tensor) -> torch.Tensor:
     """The whole budget (ceil(budget x candidates)) to the rows of highest `score`, ties to the earlier row; no
     protected classes. Question and new rows are not candidates."""
     n = score.shape[0]
-    active = torch.zeros(n, dtype=torch.bool, device=score.device)
-    budget = min(n, math.ceil(prof.budget * n - 1e-9))
-    active[torch.argsort(score, descending=True, stable=True)[:budget]] = True
-    return active
+    return first_rows(torch.argsort(score, descending=True, stable=True), n, budget_rows(prof.budget, n))
 
 
 def choose_by_deviation(prof: ReuseProfile, deviation: torch.Tensor) -> torch.Tensor:
@@ -81,17 +96,29 @@ def choose_by_deviation(prof: ReuseProfile, deviation: torch.Tensor) -> torch.Te
 def choose(prof: ReuseProfile, deviation: torch.Tensor, idx_score: torch.Tensor | None,
            draft: Callable[[], torch.Tensor], seg_lens: list[int], deltas: list[int], q_start: int,
            n_q: int) -> torch.Tensor:
-    """The active relocated rows by the profile's `select` rule: "mixed" (`choose_active`, with the native
-    indexer's picks `idx_score` where the model has an indexer, else none), "deviation" (`choose_by_deviation`)
-    or "attention" (`choose_top` on `draft()`, the question's draft attention per relocated row, computed only
-    for this rule). With `sink_rows`, every relocated segment's first rows come first, inside the budget."""
+    """The active relocated rows at the profile's budget (`fill_order`'s first ceil(budget x candidates))."""
+    n = deviation.shape[0]
+    k = budget_rows(prof.budget, n)
+    return first_rows(fill_order(prof, deviation, idx_score, draft, seg_lens, deltas, q_start, n_q, k), n, k)
+
+
+def fill_order(prof: ReuseProfile, deviation: torch.Tensor, idx_score: torch.Tensor | None,
+               draft: Callable[[], torch.Tensor], seg_lens: list[int], deltas: list[int], q_start: int,
+               n_q: int, budget: int) -> torch.Tensor:
+    """Every relocated row in the order the profile's `select` rule spends a budget on them (`budget`: the rows
+    the first reusable layer buys, which the mixed rule's dirty class is sized by): "mixed" (`mixed_order`, with
+    the native indexer's picks `idx_score` where the model has an indexer, else none), "deviation" (CacheBlend's
+    rule: the rows whose first-fence K/V deviate most from their artifact) or "attention" (the question's draft
+    attention per relocated row, `draft()`, computed only for this rule), ties to the earlier row. With
+    `sink_rows`, every relocated segment's first rows come first. A layer's active rows are a prefix of it, so
+    per-layer budgets (`ReuseProfile.layer_budget`) give nested sets."""
     if prof.select in ("deviation", "attention"):
         score = draft() if prof.select == "attention" and deviation.numel() else deviation
         if prof.sink_rows:
             score = score.masked_fill(sink_mask(prof, seg_lens, score.device), float("inf"))
-        return choose_top(prof, score)
+        return torch.argsort(score, descending=True, stable=True)
     idx = torch.zeros_like(deviation) if idx_score is None else idx_score
-    return choose_active(prof, deviation, idx, seg_lens, deltas, q_start, n_q)
+    return mixed_order(prof, deviation, idx, seg_lens, deltas, q_start, n_q, budget)
 
 
 def check_active(active: torch.Tensor, n_reloc: int) -> torch.Tensor:

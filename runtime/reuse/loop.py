@@ -1,8 +1,9 @@
 """The reuse path's request loop, written once for every model family (SPEC §5): layer by layer, a fence layer
 recomputes every row from its hidden state (the first fences also measure each relocated row's deviation, and on
 DeepSeek-V4 the native indexer's interest in it); at the first reusable layer the profile's rule
-(`controller.choose`, or the caller's rows) picks the active relocated rows once for the request; every reusable
-layer then computes those rows and the new ones in full and restores the others.
+(`controller.fill_order`, or the caller's rows) orders the relocated rows once for the request; every reusable
+layer then computes the first rows of that order (its budget's worth: one budget, or budgets falling over the
+layers, `ReuseProfile.budget_slope`) and the new ones in full, and restores the others.
 
 What a layer does is the family's: a `Pass` is one prefill of one request on one model adapter (DeepSeek-V4's
 `runtime/reuse/deepseek.py`, the Llama family's `runtime/llama/adapter.py`), holding that prefill's own state, so
@@ -15,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .controller import check_active, choose
+from .controller import budget_rows, check_active, fill_order, first_rows
 from .profile import ReuseProfile
 
 
@@ -60,7 +61,12 @@ class Pass(ABC):
 
     @abstractmethod
     def activate(self, active: torch.Tensor) -> None:
-        """The active relocated rows (a bool mask), once, before the first reusable layer."""
+        """The active relocated rows (a bool mask), once, before the first reusable layer: the rows the request
+        reports as chosen."""
+
+    def narrow(self, active: torch.Tensor) -> None:
+        """Fewer active rows (a subset of the current ones) from the next reusable layer on (per-layer budgets)."""
+        raise NotImplementedError(f"{type(self).__name__} runs one budget for every layer")
 
     @abstractmethod
     def reusable(self, i: int) -> None:
@@ -73,24 +79,35 @@ class Pass(ABC):
 
 def run_pass(p: Pass, given: torch.Tensor | None = None, naive: bool = False) -> ReuseResult:
     """The request loop over every layer of `p`. `given`: a bool mask over the relocated rows used as the active
-    rows instead of the profile's rule (tests and studies comparing paths on the same rows); `naive`: no rows
-    are chosen (the naive arm: every relocated row from its artifact)."""
+    rows of every reusable layer instead of the profile's rule (tests and studies comparing paths on the same
+    rows); `naive`: no rows are chosen (the naive arm: every relocated row from its artifact). The k-th of the
+    profile's R reusable layers computes the first `budget_rows(layer_budget(k, R))` rows of the rule's order; the
+    last fences that take non-active rows' K/V from the artifacts keep the last reusable layer's rows."""
     prof = p.profile
     if given is not None and naive:
         raise ValueError("an active mask was given to the naive arm: the naive arm takes none")
     if given is not None:
         given = check_active(given, p.n_reloc)
+    first, last = prof.first_fences, p.n_layers - prof.last_fences
+    order, rows = None, 0
     for i in range(p.n_layers):
         if p.is_fence(i):
             p.fence(i, signals=i < prof.first_fences and p.n_reloc > 0)
             continue
         if p.active is None:
             if naive:
-                chosen = torch.zeros(p.n_reloc, dtype=torch.bool)
+                p.activate(torch.zeros(p.n_reloc, dtype=torch.bool))
             elif given is not None:
-                chosen = given
+                p.activate(given)
             else:
-                chosen = choose(prof, *p.signals(), p.draft, p.doc_lens[1:], p.deltas[1:], p.q_start, p.n_q)
-            p.activate(chosen)
+                rows = budget_rows(prof.layer_budget(0, last - first), p.n_reloc)
+                order = fill_order(prof, *p.signals(), p.draft, p.doc_lens[1:], p.deltas[1:], p.q_start, p.n_q,
+                                   rows)
+                p.activate(first_rows(order, p.n_reloc, rows))
+        elif order is not None and first <= i < last:
+            k = budget_rows(prof.layer_budget(i - first, last - first), p.n_reloc)
+            if k < rows:
+                rows = k
+                p.narrow(first_rows(order, p.n_reloc, rows))
         p.reusable(i)
     return p.finish()

@@ -57,6 +57,10 @@ class ReuseProfile:
     # document's artifact then holds its rows as computed after the preamble (not as if it opened the context);
     # the preamble's own artifact is itself, computed alone. The Llama family; bound by certificates when set
     preamble: tuple[int, ...] = ()
+    # budgets per layer: the active fraction falls linearly over the reusable layers, from budget x (1 + slope) at
+    # the first to budget x (1 - slope) at the last (mean: the budget); each layer's active rows are the first of
+    # the rule's order (`controller.fill_order`), so a row drops out for good. The Llama family; 0: one budget
+    budget_slope: float = 0.0
 
     def __post_init__(self):
         if not 0.0 < self.budget <= 1.0:
@@ -79,12 +83,19 @@ class ReuseProfile:
             raise ProfileError("at least one first fence is needed: it yields the dirty-row signal")
         if self.sink_rows < 0:
             raise ProfileError(f"sink_rows={self.sink_rows} must be >= 0")
+        if not 0.0 <= self.budget_slope < 1.0:
+            raise ProfileError(f"budget_slope={self.budget_slope} must be in [0, 1)")
+        if self.budget * (1 + self.budget_slope) > 1.0 + 1e-9:
+            raise ProfileError(f"budget={self.budget} with budget_slope={self.budget_slope}: the first reusable "
+                               f"layer would need {self.budget * (1 + self.budget_slope):.3g} of the rows (> 1)")
         if not isinstance(self.preamble, tuple):            # from a JSON list (to_dict, a profile file)
             object.__setattr__(self, "preamble", tuple(int(t) for t in self.preamble))
 
     def check(self, cfg: ModelConfig) -> None:
         if self.preamble:
             raise ProfileError("a preamble is implemented on the Llama family only")
+        if self.budget_slope:
+            raise ProfileError("budgets per layer (budget_slope) are implemented on the Llama family only")
         if self.first_fences + self.last_fences > cfg.n_layers:
             raise ProfileError(f"{self.first_fences}+{self.last_fences} fences exceed {cfg.n_layers} layers")
         if not 1 <= self.global_per_group <= cfg.heads_per_group:
@@ -101,6 +112,13 @@ class ReuseProfile:
     def reusable_layers(self, cfg: ModelConfig) -> list[int]:
         return [i for i in range(cfg.n_layers) if not self.is_fence(cfg, i)]
 
+    def layer_budget(self, k: int, n_reusable: int) -> float:
+        """The budget of the k-th of `n_reusable` reusable layers (0-based): `budget` at every layer without a
+        slope, else linear from budget x (1 + slope) to budget x (1 - slope)."""
+        if not self.budget_slope or n_reusable < 2:
+            return self.budget
+        return self.budget * (1 + self.budget_slope * (1 - 2 * k / (n_reusable - 1)))
+
     def local_heads(self, cfg: ModelConfig) -> int:
         return cfg.n_heads - self.global_per_group * cfg.o_groups
 
@@ -115,7 +133,7 @@ class ReuseProfile:
         for k in ("select", "signal"):
             if d[k] == PRE_SELECTION_DEFAULTS[k]:
                 del d[k]
-        for k in ("sink_rows", "preamble"):
+        for k in ("sink_rows", "preamble", "budget_slope"):
             if not d[k]:
                 del d[k]
             elif k == "preamble":
