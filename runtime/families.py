@@ -58,16 +58,18 @@ def channel_range(model, rank: int = 0, size: int = 1) -> tuple[int, int]:
 
 
 def check_profile(profile: ReuseProfile, model) -> None:
-    """`profile` can run on `model` (raises ProfileError otherwise)."""
+    """`profile` can run on `model` (raises ProfileError otherwise). A preamble runs on the Llama family only
+    (`ReuseProfile.check` refuses it on DeepSeek-V4); its token ids must be the model's."""
     if family(model) == "deepseek_v4":
         profile.check(model.cfg)
         return
-    if profile.preamble:
-        raise ProfileError(f"profile {profile.name!r}: a preamble is measured by the quality harness; the services "
-                           "do not serve one yet (their requests do not open with it)")
     if profile.align != 1:
         raise ProfileError(f"profile {profile.name!r}: align={profile.align}; the Llama family has no compression "
                            "blocks to align documents to (align=1)")
+    bad = sorted({t for t in profile.preamble if not 0 <= t < model.cfg.vocab_size})
+    if bad:
+        raise ProfileError(f"profile {profile.name!r}: preamble token ids {bad[:8]} are outside the vocabulary "
+                           f"[0, {model.cfg.vocab_size})")
     from runtime.llama.adapter import LlamaAdapter
     LlamaAdapter(model, profile)                # its own checks: fences, FFN mode, Global heads per group
 

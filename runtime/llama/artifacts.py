@@ -102,6 +102,12 @@ def produce_llama_many(model: Llama, tokens: list[int], profs: list[ReuseProfile
     return out
 
 
+def start_of(prof: ReuseProfile, tokens: list[int]) -> int:
+    """The canonical position of the first row of `tokens`' artifact for `prof` (what its certificate binds through
+    the profile): the preamble's length, or 0 without one or for the preamble itself."""
+    return len(_preamble([prof], tokens))
+
+
 def _preamble(profs: list[ReuseProfile], tokens: list[int]) -> list[int]:
     """The preamble the document `tokens` is built after (every profile's must be the same): none when the document
     is the preamble itself (a request opens with it, computed alone)."""
@@ -182,16 +188,19 @@ def to_document(art: LlamaArtifact) -> DocumentArtifact:
                             meta={"family": "llama", "dtype": dtype, "producer_version": PRODUCER_VERSION})
 
 
-def from_document(doc: DocumentArtifact, device: torch.device | str | None = None) -> LlamaArtifact:
+def from_document(doc: DocumentArtifact, device: torch.device | str | None = None,
+                  prof: ReuseProfile | None = None) -> LlamaArtifact:
     """A stored Llama artifact (read and verified against its certificate layer by layer) as the engine reads it;
-    on `device` where given (one copy per tensor), else the layers' own tensors."""
+    on `device` where given (one copy per tensor), else the layers' own tensors. `prof`: the profile its
+    certificate was checked against, whose preamble (if any) the document was built after (`start_of`)."""
     def on(t: torch.Tensor | None) -> torch.Tensor | None:
         return t if t is None or device is None else t.to(device, non_blocking=True)
     layers = doc.layers
     if not all(isinstance(la, KVLayerArtifact) for la in layers):
         raise TypeError("not a Llama-family artifact (its layers are not KVLayerArtifact)")
     return LlamaArtifact(list(doc.tokens), [on(la.k) for la in layers], [on(la.v) for la in layers],
-                         [on(la.local_p) for la in layers])
+                         [on(la.local_p) for la in layers],
+                         start=start_of(prof, doc.tokens) if prof is not None else 0)
 
 
 def build(model: Llama, tokens: list[int], prof: ReuseProfile, fingerprint: str, tokenizer_fp: str,

@@ -66,7 +66,8 @@ class CommonSettings(Settings):
                                                   "builder's and the workers' must match): auto (bfloat16 on CUDA, "
                                                   "float32 on CPU), bfloat16 or float32")
     profile: str = setting("demo", "REDKNOT_PROFILE", "reuse profile: a preset (demo, flash, pro, llama) or a JSON object "
-                                                      "of ReuseProfile fields")
+                                                      "of ReuseProfile fields (the Llama family: \"preamble\": "
+                                                      "[token ids] opens every request)")
     tp: int = setting(1, "REDKNOT_TP", "tensor-parallel size the artifacts are built and served for")
     store: str = setting("127.0.0.1:50051", "REDKNOT_STORE_TARGET", "host:port of the artifact store")
     store_tls_ca: str = setting("", "REDKNOT_STORE_CLIENT_TLS_CA", "PEM CA that signed the store's certificate: talk "

@@ -9,7 +9,8 @@
    reuse forward consumes layer group g as soon as it is verified and staged (and agreed) on every rank, while
    later groups are still arriving; a late group that fails anywhere restarts the request in the recompute arm;
 3. decoding (greedy, or sampled with the request's seed: `decode.py`) continues in the arm that ran; the recompute
-   arm runs the plain model on the same padded tokens, so a fallback's answer equals the recompute arm's. Rank 0
+   arm runs the plain model on the same tokens (`served_tokens`: the profile's preamble, if any, the padded
+   documents, the question), so a fallback's answer equals the recompute arm's. Rank 0
    hands each token to the request's sink as it exists; a request whose caller went away stops decoding (the
    ranks agree on that at each step).
 Rank 0 then gathers every rank's verdict and fetch statistics, names the root cause of a fallback and
@@ -30,8 +31,7 @@ from runtime.reuse.call import RequestState
 from runtime.reuse.certificate import BROKEN_ARTIFACT, FallbackReason, Verdict
 from runtime.reuse.engine import ReuseEngine
 from runtime.reuse.stager import HotSource, StagedSource, Trace
-from runtime.reuse.producer import pad_document, padded_length
-from runtime.reuse.request import answer_staged
+from runtime.reuse.request import answer_staged, preamble_artifact, served_tokens
 from services.common.failpoints import Failpoints
 from services.common.serving import Binding
 from services.common.tp import RankGroup
@@ -169,6 +169,8 @@ class RankEngine:
         self.tier = prefetcher.tier
         self.eos = model.cfg.eos_token_id
         self.reuse = ReuseEngine(model, binding.profile)      # the reuse arm's batched decode steps
+        # the profile's preamble (every request opens with it, in both arms): its own artifact, computed once here
+        self.preamble = preamble_artifact(model, binding.profile, binding.ident)
         self._pending: _Pending | None = None       # the last reuse request's shadow recompute, if one was drawn
 
     def key(self, tokens: list[int]) -> DocumentKey:
@@ -177,9 +179,9 @@ class RankEngine:
     @torch.inference_mode()
     def _recompute(self, docs: list[list[int]], question: list[int]):
         dev = device_of(self.model)
-        padded = [t for d in docs for t in pad_document(d, self.binding.profile.align, self.eos)]
+        tokens = served_tokens(self.binding.profile, docs, question, self.eos)
         cache = self.model.new_cache()
-        return self.model(torch.tensor(padded + list(question), device=dev), cache), cache
+        return self.model(torch.tensor(tokens, device=dev), cache), cache
 
     @property
     def shadow_pending(self) -> bool:
@@ -257,7 +259,8 @@ class RankEngine:
                 out = answer_staged(self.model, self.binding.profile, docs, sources, req.question,
                                     self.binding.ident, [d.generation for d in req.documents],
                                     control=self.group.control, trace=self.trace,
-                                    groups=[range(g.lo, g.hi) for g in self.prefetcher.groups])
+                                    groups=[range(g.lo, g.hi) for g in self.prefetcher.groups],
+                                    preamble=self.preamble)
                 logits, arm, verdict, document = out.logits, out.arm, out.verdict, out.document
                 cache, state = out.cache, out.state
                 ledger = out.ledger.summary() if out.ledger is not None else None
@@ -342,10 +345,11 @@ class RankEngine:
         if not self.group.leader:
             return None
         cached = 0
-        if ledger is not None:      # every document row restored from an artifact, less those recomputed (active)
+        # every document row restored from an artifact (the preamble's too: the prefix), less those recomputed
+        if ledger is not None:
             ledger["ttft_s"] = {arm: ttft}
             rows = ledger["rows"]
             cached = max(0, rows["prefix"] + rows["relocated"] - rows["active"])
-        prompt = sum(padded_length(len(d), self.binding.profile.align) for d in docs) + len(req.question)
+        prompt = len(served_tokens(self.binding.profile, docs, req.question, self.eos))
         return WorkerHead(arm=arm, ttft_s=ttft, fetch_s=fetch_s, ledger=ledger, fallback=fallback,
                           prompt_tokens=prompt, cached_tokens=cached)

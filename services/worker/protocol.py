@@ -47,7 +47,7 @@ class WorkerHead(BaseModel):
     ledger: dict | None                 # runtime.reuse.ledger.Ledger.summary() when the reuse arm ran
     fallback: Fallback | None
     queue_s: float = 0.0                # waiting in the worker's queue before the forward began
-    prompt_tokens: int = 0              # rows the prefill ran over: the padded documents and the question
+    prompt_tokens: int = 0              # rows the prefill ran over: the preamble, the padded documents, the question
     cached_tokens: int = 0              # document rows taken from artifacts and not recomputed (0 when recompute ran)
 
 
