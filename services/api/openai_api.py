@@ -5,13 +5,14 @@ Documents are named inside the request: a content part `{"type": "document", "do
 user message, or a `documents` list for completions. Each document's tokens are exactly its artifact's, and the
 documents come first in the context, in the order they are named (the first is the prefix, the others are
 relocated): a request is [documents][prompt], in both arms (under a profile with a preamble, the worker opens it
-with the preamble, `runtime.reuse.request.served_tokens`: [preamble][documents][prompt], every document relocated). A chat's prompt is the checkpoint's chat template
-(its tokenizer config) applied to the messages with their document parts taken out; a completion's prompt is
-its text, tokenized as /v1/generate tokenizes a question (or given as token ids). `arm` ("reuse", the default, or
-"recompute") picks the arm; every response carries a `redknot` object: the arm that ran, on a fallback why, and
-when the reuse arm ran its ledger (the four savings namespaces).
-`usage.prompt_tokens_details.cached_tokens` counts the document rows (and a preamble's) taken from certified
-artifacts (not recomputed); 0 when the recompute arm ran. Sampling: temperature 0 is greedy; `seed` repeats a sampled answer.
+with the preamble, `runtime.reuse.request.served_tokens`: [preamble][documents][prompt], every document
+relocated). A chat's prompt is the checkpoint's chat template (its tokenizer config) applied to the messages with
+their document parts taken out; a completion's prompt is its text, tokenized as /v1/generate tokenizes a question
+(or given as token ids). `arm` ("reuse", the default, or "recompute") picks the arm; every response carries a
+`redknot` object: the arm that ran, on a fallback why, and when the reuse arm ran its ledger (the four savings
+namespaces). `usage.prompt_tokens_details.cached_tokens` counts the document rows (and a preamble's) taken from
+certified artifacts (not recomputed); 0 when the recompute arm ran. Sampling: temperature 0 is greedy; `seed`
+repeats a sampled answer.
 Stop sequences end the answer (the text before the first one); the worker stops decoding when one is met.
 (No `from __future__ import annotations`: FastAPI reads the routes' annotations at run time.)"""
 
