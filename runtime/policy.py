@@ -21,10 +21,20 @@ class RuntimePolicy:
     # over every segment); fewer heads (Flash's 8 Global heads) take the stacked per-segment parts and one merge,
     # where the fused kernel leaves most of its 16-row tile idle and measured 1.3-3.6x slower
     fused_min_heads: int = 16
+    # ... and a call of fewer heads takes it too once it reaches at least this many segments: the stacked path's
+    # launches grow with the segments (about five per segment and query chunk) and outgrow the fused kernel's idle
+    # tile half (32K, 10% budget, one H100: stacked 1.707 vs fused 1.734 s at 32 documents, 2.388 vs 2.127 s at 64)
+    fused_min_segments: int = 48
     # a fused call in "picks" mode (CSA) of at least this many heads turns the keys to the query's frame, one loop
     # over the row's picks across segments; other calls turn the query per segment (faster for HCA's long causal
     # runs)
     key_frame_min_heads: int = 16
+    # the stacked path holds one float32 [rows, heads, head_dim] part per segment a call reaches: its query chunk
+    # (q_chunk x n_heads (row, head) pairs) is sized for this many parts, and a call over more segments takes
+    # proportionally fewer rows per chunk, so its parts stay within the same memory whatever the document count
+    # (8 documents and the request's own segment: at 32 documents one chunk of 32K rows needed 14 GiB more on an
+    # H100 and ran out of memory; 0: no bound)
+    stacked_parts: int = 9
     # the routed MoE takes one grouped GEMM per weight (no host read) for calls of at most this many (row, slot)
     # pairs; above, the per-expert loop, whose GEMMs are then large enough that its one host read costs little
     # (0: always the loop)

@@ -31,7 +31,8 @@ this kernel's extra rope dots and loads per tile).
 Calls of fewer than 16 heads (the 8 Global heads) go to `_multiseg_packed_kernel`: ROWS consecutive query rows
 per program (ROWS x heads = 16 by default), so that the MMA tile's rows are filled and neighbouring rows share their
 window and entry tiles. It serves models whose calls have fewer heads than the tile (the tests' tiny configs under
-a lowered fused_min_heads); on Flash's 8 Global heads it is slower than the stacked path, which the default keeps.
+a lowered fused_min_heads); on Flash's 8 Global heads it is slower than the stacked path up to about 32 documents
+and faster from 64 (RuntimePolicy.fused_min_segments).
 
 `_multiseg_keyframe_kernel` (`key_frame=True`: the "picks" calls of RuntimePolicy.key_frame_min_heads heads or
 more; one row per program): the same scores with the turn

@@ -37,7 +37,7 @@ from .producer import PRODUCER_VERSION
 from .profile import ReuseProfile
 from .roles import channel_range, global_mask
 from .rows import Rows, Split, block_plan, split_rows
-from .segments import segment_attention
+from .segments import fused_call, segment_attention
 from .signals import deviation as fence_deviation, indexer_rows
 from .views import gather_rows, keep_apart, rows_out, rows_view, view_rows
 
@@ -404,11 +404,14 @@ class DeepSeekAdapter:
 
     def _attend(self, attn, q_raw, rows: Rows, segs, sink, h, qr, own_picks=None):
         """segment_attention in query chunks of about q_chunk x n_heads (row, head) pairs (bounded temporaries
-        at long context; the Global heads' calls take proportionally more rows per chunk), each chunk's output
-        written into its rows of one [T, H, D] result (no concatenation). h: the rows' hidden states for the
-        online indexer (None: no indexer, or `own_picks` in its place)."""
-        T, pairs = q_raw.shape[0], 0
+        at long context; the Global heads' calls take proportionally more rows per chunk, and stacked calls over
+        more than `policy.stacked_parts` segments proportionally fewer), each chunk's output written into its rows
+        of one [T, H, D] result (no concatenation). h: the rows' hidden states for the online indexer (None: no
+        indexer, or `own_picks` in its place)."""
+        T, pairs, policy = q_raw.shape[0], 0, self.model.policy
         step = max(1, self.model.q_chunk * attn.n_heads // q_raw.shape[1])
+        if not fused_call(q_raw, None, len(segs), policy) and len(segs) > policy.stacked_parts > 0:
+            step = max(1, step * policy.stacked_parts // len(segs))
         res = q_raw.new_empty(q_raw.shape) if T > step or T == 0 else None
         for a in range(0, T, step):
             b = a + step

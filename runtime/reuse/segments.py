@@ -60,6 +60,14 @@ def _plan(attn, host, segments, picks, own_picks, trig=None):
     return plan
 
 
+def fused_call(q_raw: torch.Tensor, picks, n_segments: int, policy: RuntimePolicy) -> bool:
+    """A call `segment_attention` makes in one launch of the fused multi-segment kernel (CUDA, no caller's picks,
+    at least `policy.fused_min_heads` heads or `policy.fused_min_segments` segments); the others hold one stacked
+    part per segment."""
+    return enabled(q_raw) and picks is None and (q_raw.shape[1] >= policy.fused_min_heads
+                                                 or n_segments >= policy.fused_min_segments)
+
+
 def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: list[SegmentKeys], sink: torch.Tensor,
                       idx_inputs=None, picks: list | None = None, qpos_host: np.ndarray | None = None,
                       own_picks: torch.Tensor | None = None, trig: dict | None = None,
@@ -76,7 +84,8 @@ def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: l
     rotation). One pass then merges every row's parts with the sink once. `own_picks` [T, k]: each row's entry
     picks in its own segment (the artifact's, global_picks="artifact"); else CSA picks are the native indexer's
     top-k over the union of all segments' visible entries. On CUDA, a call of at least `policy.fused_min_heads`
-    heads does all of this in one launch of the fused multi-segment kernel instead (`_fused_segment_attention`).
+    heads or `policy.fused_min_segments` segments does all of this in one launch of the fused multi-segment kernel
+    instead (`_fused_segment_attention`).
     `out`: a contiguous [T,H,D] tensor of q_raw's dtype the merged output is written into (a caller's row slice),
     else a new one.
     `q_scratch`: the caller no longer needs q_raw, so the per-segment rotations are written into it in place (from
@@ -84,7 +93,7 @@ def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: l
     T, H, D = q_raw.shape
     W = attn.cfg.window_size
     host = qpos.cpu().numpy() if qpos_host is None else qpos_host      # host arithmetic: numpy, never a launch
-    if enabled(q_raw) and picks is None and H >= policy.fused_min_heads:
+    if fused_call(q_raw, picks, len(segments), policy):
         return _fused_segment_attention(attn, q_raw, qpos, segments, sink, idx_inputs, host, own_picks, trig, out,
                                         policy)
     n_picks = None                       # the number of picks attended, where the indexer counted it
@@ -154,9 +163,9 @@ def _count_pairs(attn, host: np.ndarray, segments: list[SegmentKeys], causal: bo
 
 def _fused_segment_attention(attn, q_raw, qpos, segments, sink, idx_inputs, host, own_picks, trig, out=None,
                              policy: RuntimePolicy = DEFAULT_POLICY):
-    """`segment_attention` on CUDA for calls of at least `policy.fused_min_heads` heads: one launch of the fused
-    multi-segment kernel (runtime/kernels/multiseg.py) over every segment each row reaches; no per-segment part
-    goes through HBM. CSA picks (the native indexer's top-k over the union of all segments, or each row's own
+    """`segment_attention` on CUDA for calls of at least `policy.fused_min_heads` heads or
+    `policy.fused_min_segments` segments (`fused_call`): one launch of the fused multi-segment kernel
+    (runtime/kernels/multiseg.py) over every segment each row reaches; no per-segment part goes through HBM. CSA picks (the native indexer's top-k over the union of all segments, or each row's own
     document's offline picks) go to it as one sorted list of global entry ids per row."""
     mode = {HCA: "causal", CSA: "picks"}.get(attn.kind, "none")
     if mode != "none" and all(s.entries is None or s.entries.shape[0] == 0 for s in segments):

@@ -69,3 +69,31 @@ def test_sixty_four_segments_under_a_budget_reuse_and_stay_close(model):
     assert 0 < led["rows"]["active"] < led["rows"]["relocated"] and led["head_row_saving"] > 0, led
     err = rel_err(res.logits, ref)
     assert 0 < err < 1.0, err
+
+
+def test_stacked_calls_over_many_segments_take_fewer_rows_per_chunk_and_equal_one_chunk(model, monkeypatch):
+    """The stacked path holds one float32 part per segment a call reaches; past `policy.stacked_parts` segments its
+    query chunk shrinks in proportion (bounded memory whatever the document count: 32 documents at 32K ran out of
+    memory on an H100 with one chunk). The rows are independent, so the chunked call equals one chunk (to float32
+    rounding of the same operations: the same parts per row)."""
+    import runtime.reuse.deepseek as ds
+    docs, question = uneven(16, seed=5)
+    prof = ReuseProfile(**BASE, budget=0.25)
+    arts = [produce(model, t, prof) for t in docs]
+    rows, orig = [], ds.segment_attention
+
+    def counted(attn, q_raw, *a, **kw):                # the rows of every segment_attention call
+        rows.append(q_raw.shape[0])
+        return orig(attn, q_raw, *a, **kw)
+    monkeypatch.setattr(ds, "segment_attention", counted)
+    monkeypatch.setattr(model, "q_chunk", 512)          # above the request's rows: one chunk per call without a bound
+    out = {}
+    for parts in (0, 2):
+        rows.clear()
+        with model.policy_as(model.policy.replace(stacked_parts=parts)):
+            out[parts] = ReuseEngine(model, prof).prefill(arts, question), list(rows)
+    (one, one_rows), (chunked, chunked_rows) = out[0], out[2]
+    assert sum(one_rows) == sum(chunked_rows) and len(chunked_rows) > len(one_rows)   # the bound split the calls
+    assert max(chunked_rows) < max(one_rows)
+    assert rel_err(chunked.logits, one.logits) <= 1e-5
+    assert chunked.ledger.summary()["rows"] == one.ledger.summary()["rows"]
