@@ -80,8 +80,9 @@ class CommonSettings(Settings):
     fingerprint: str = setting("", "REDKNOT_CHECKPOINT_FINGERPRINT",
                                "checkpoint fingerprint to use instead of hashing the checkpoint's bytes at start")
     policy: str = setting("", "REDKNOT_POLICY", "runtime policy: key=value,... over RuntimePolicy's measured defaults "
-                                                "(runtime/policy.py: fused_min_heads, key_frame_min_heads, "
-                                                "moe_grouped_slots; empty: the defaults)")
+                                                "(runtime/policy.py: fused_min_heads, fused_min_segments, "
+                                                "key_frame_min_heads, stacked_parts, moe_grouped_slots; empty: the "
+                                                "defaults)")
 
     @field_validator("policy")
     @classmethod
