@@ -20,6 +20,7 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 
 from runtime.llama.tokenizer import ChatTokenizer
 from runtime.model.checkpoint import load_tokenizer
+from runtime.reuse.profile import load_profile
 from services.common.registry import Registry
 from services.common.serving import model_config, tokenizer_fingerprint
 from services.common.tenants import Tenants
@@ -155,7 +156,8 @@ def create_app(s: ApiSettings) -> FastAPI:
                               s.max_new_tokens), metrics, s.document_id_secret())
     # the generate routes' Redis reads and bookkeeping run on threads of their own; their wait on the worker holds none
     generations = Generations(core, worker, anyio.CapacityLimiter(s.generate_concurrency))
-    openai_routes = OpenAiRoutes(generations, ChatTokenizer.from_dir(s.model), s.model_name(), s.max_new_tokens)
+    openai_routes = OpenAiRoutes(generations, ChatTokenizer.from_dir(s.model), s.model_name(), s.max_new_tokens,
+                                 load_profile(s.profile).preamble)
 
     @asynccontextmanager
     async def lifespan(_app):

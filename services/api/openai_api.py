@@ -7,7 +7,10 @@ documents come first in the context, in the order they are named (the first is t
 relocated): a request is [documents][prompt], in both arms (under a profile with a preamble, the worker opens it
 with the preamble, `runtime.reuse.request.served_tokens`: [preamble][documents][prompt], every document
 relocated). A chat's prompt is the checkpoint's chat template (its tokenizer config) applied to the messages with
-their document parts taken out; a completion's prompt is its text, tokenized as /v1/generate tokenizes a question
+their document parts taken out; under a preamble the document parts stay where the chat names them instead (one
+message, contiguous): what renders before them must be the preamble's tokens, and the prompt is what renders after
+them (`_chat_prompt`), so a deployment whose preamble is its template's head and instruction serves the layout the
+quality harness measured. A completion's prompt is its text, tokenized as /v1/generate tokenizes a question
 (or given as token ids). `arm` ("reuse", the default, or "recompute") picks the arm; every response carries a
 `redknot` object: the arm that ran, on a fallback why, and when the reuse arm ran its ledger (the four savings
 namespaces). `usage.prompt_tokens_details.cached_tokens` counts the document rows (and a preamble's) taken from
@@ -134,30 +137,73 @@ def _sse(obj) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
 
+# where a chat's document parts sit while it is rendered (under a preamble profile); no client text may hold it
+DOCUMENTS_AT = "\x00redknot:documents\x00"
+
+
 class OpenAiRoutes:
-    def __init__(self, generations: Generations, chat_tokenizer, model_name: str, default_max_tokens: int):
+    def __init__(self, generations: Generations, chat_tokenizer, model_name: str, default_max_tokens: int,
+                 preamble: tuple[int, ...] = ()):
         self.gen, self.chat, self.name = generations, chat_tokenizer, model_name
         self.core = generations.core
         self.default_max_tokens = default_max_tokens
+        self.preamble = list(preamble)          # the served profile's: every request opens with it
         self.created = int(time.time())
 
     # ------------------------------------------------------------------------------------------ prompts
     def _chat_prompt(self, body: ChatRequest) -> tuple[list[str], list[int]]:
-        docs, messages = [], []
+        """The named documents and the prompt after them. Without a preamble the documents open the context and
+        the prompt is the whole rendered chat. Under a profile with a preamble (which every request opens with)
+        the documents stay where the chat names them: their parts, contiguous in one message, mark a place in the
+        rendered chat; what renders before it must be exactly the preamble's tokens, and the prompt is what
+        renders after it: [preamble][documents][rest of the chat]."""
+        docs, messages, placed = [], [], False
         for m in body.messages:
+            texts = [m.content] if isinstance(m.content, str) else \
+                [p.text for p in m.content if isinstance(p, TextPart)]
+            if any(DOCUMENTS_AT in t for t in texts):
+                raise InvalidInput("a message holds a NUL-delimited marker this API reserves")
             if isinstance(m.content, str):
                 text = m.content
             else:
-                text = "\n".join(p.text for p in m.content if isinstance(p, TextPart))
                 named = [p.document_id for p in m.content if isinstance(p, DocumentPart)]
                 if named and m.role not in ("system", "developer", "user"):
                     raise InvalidInput(f"a document part belongs in a system or user message, not {m.role}")
                 docs += named
+                in_place = bool(named and self.preamble)
+                text = self._text(m.content, in_place, placed)
+                placed = placed or in_place
             messages.append({"role": "system" if m.role == "developer" else m.role, "content": text})
         if not self.chat.chat_template:
             raise InvalidInput("the served checkpoint has no chat template: use /v1/completions")
-        prompt = self.chat.encode_chat(messages)
-        return docs, self.core.token_prompt(prompt, "the rendered chat")
+        if not self.preamble:
+            return docs, self.core.token_prompt(self.chat.encode_chat(messages), "the rendered chat")
+        if not placed:
+            raise InvalidInput("this deployment opens every request with a fixed preamble and the documents after it: "
+                               "name the documents in the chat where the preamble ends")
+        head, tail = self.chat.render_chat(messages).split(DOCUMENTS_AT)
+        got = self.chat.encode(head, add_special_tokens=False)
+        if got != self.preamble:
+            text = self.chat.decode(self.preamble, skip_special_tokens=False)
+            raise InvalidInput(f"the chat before the documents renders to {len(got)} tokens that are not this "
+                               f"deployment's preamble ({len(self.preamble)} tokens: {text[:200]!r}); every request "
+                               "opens with it")
+        return docs, self.core.token_prompt(self.chat.encode(tail, add_special_tokens=False), "the rendered chat")
+
+    @staticmethod
+    def _text(parts: list, in_place: bool, placed: bool) -> str:
+        """A message's text parts, joined by newlines; with `in_place`, the documents' place marked between the
+        parts before and after them (they must be contiguous, in one message)."""
+        if not in_place:
+            return "\n".join(p.text for p in parts if isinstance(p, TextPart))
+        if placed:
+            raise InvalidInput("name the documents in one message (they follow the preamble together)")
+        kinds = [isinstance(p, DocumentPart) for p in parts]
+        first, last = kinds.index(True), len(kinds) - 1 - kinds[::-1].index(True)
+        if not all(kinds[first:last + 1]):
+            raise InvalidInput("the document parts must be contiguous: the documents follow the preamble together")
+        before = "\n".join(p.text for p in parts[:first])
+        return before + DOCUMENTS_AT + "\n".join(p.text for p in parts[last + 1:])
 
     def _completion_prompt(self, body: CompletionRequest) -> list[int]:
         if isinstance(body.prompt, str):

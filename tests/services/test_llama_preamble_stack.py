@@ -10,14 +10,17 @@ from __future__ import annotations
 import json
 
 import httpx
+import openai
 import pytest
 import torch
 
 from runtime.families import build, load_checkpoint
 from runtime.llama.artifacts import produce_llama
+from runtime.llama.tokenizer import ChatTokenizer
 from runtime.model.checkpoint import load_tokenizer
 from runtime.reuse.engine import ReuseEngine
 from runtime.reuse.profile import load_profile
+from services.api.openai_api import DOCUMENTS_AT
 from services.common.serving import Binding, checkpoint_identity
 from services.store.artifact_dir import read_generation
 from services.store.client import StoreClient
@@ -35,11 +38,21 @@ def checkpoint(tmp_path_factory):
     return write_tiny_llama_checkpoint(tmp_path_factory)
 
 
+def chat_around_documents(checkpoint) -> tuple[list[int], list[int]]:
+    """The chat template rendered around a user turn [instruction][documents][question]: the token ids before the
+    documents (the deployment's preamble: the template's head and the instruction) and after them."""
+    chat = ChatTokenizer.from_dir(checkpoint)
+    head, tail = chat.render_chat([{"role": "user", "content": PREAMBLE + DOCUMENTS_AT + QUESTION}]) \
+        .split(DOCUMENTS_AT)
+    return chat.encode(head, add_special_tokens=False), chat.encode(tail, add_special_tokens=False)
+
+
 @pytest.fixture(scope="module")
 def served(checkpoint):
-    """(model, tokenizer, the preamble's ids, the preamble profile as the settings take it)."""
+    """(model, tokenizer, the preamble's ids, the preamble profile as the settings take it): the preamble is the
+    chat template's head with the instruction, as the quality harness measured it."""
     model, tok = load_checkpoint(checkpoint), load_tokenizer(checkpoint)
-    pre = tok.encode(PREAMBLE).ids
+    pre, _ = chat_around_documents(checkpoint)
     return model, tok, pre, json.dumps(dict(json.loads(PLAIN), name="llama-preamble", preamble=pre))
 
 
@@ -148,3 +161,41 @@ def test_an_artifact_built_without_the_preamble_falls_back_counted(stack, served
     m = 'redknot_fallbacks_total{reason="profile_mismatch"}'
     assert after.get(m, 0) - before.get(m, 0) == 1
     assert out["tokens"] == greedy(model, pre + tokens + tok.encode(QUESTION).ids)
+
+
+def test_chat_names_the_documents_where_the_preamble_ends(served, stack, docs, checkpoint):
+    """Under a preamble, a chat's document parts stay where the user turn names them: what renders before them is
+    the preamble, what renders after them the prompt, so the request is the harness's layout [template head +
+    instruction][documents][question + the template's tail], in both arms, through the unmodified openai client."""
+    model, tok, pre, _ = served
+    _, tail = chat_around_documents(checkpoint)
+    client = openai.OpenAI(base_url=stack.api_url + "/v1", api_key=TOKEN, max_retries=0, timeout=120)
+    parts = [{"type": "text", "text": PREAMBLE}, *({"type": "document", "document_id": i} for i in docs),
+             {"type": "text", "text": QUESTION}]
+    want = greedy(model, pre + [t for x in TEXTS for t in tok.encode(x).ids] + tail)
+    prompt = len(pre) + sum(len(tok.encode(x).ids) for x in TEXTS) + len(tail)
+    out = {arm: client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": parts}],
+                                               max_tokens=N, temperature=0, extra_body={"arm": arm})
+           for arm in ("recompute", "reuse")}
+    for arm, o in out.items():
+        rk = o.model_extra["redknot"]
+        assert rk["arm"] == arm and rk["fallback"] is None
+        assert o.usage.prompt_tokens == prompt
+    assert out["recompute"].model_extra["redknot"]["tokens"] == want
+    rows = out["reuse"].model_extra["redknot"]["ledger"]["rows"]
+    assert rows["prefix"] == len(pre) and out["reuse"].usage.prompt_tokens_details.cached_tokens > 0
+
+
+@pytest.mark.parametrize("content, why", [
+    (lambda d: [{"type": "text", "text": "Something else."}, *d, {"type": "text", "text": QUESTION}],
+     "not this deployment's preamble"),
+    (lambda d: [{"type": "text", "text": PREAMBLE}, d[0], {"type": "text", "text": "and"}, *d[1:]],
+     "contiguous"),
+    (lambda d: [{"type": "text", "text": PREAMBLE + QUESTION}], "name the documents"),
+    (lambda d: [{"type": "text", "text": PREAMBLE + DOCUMENTS_AT}, *d], "reserves"),
+])
+def test_a_chat_that_does_not_open_with_the_preamble_is_refused(http, docs, content, why):
+    parts = [{"type": "document", "document_id": i} for i in docs]
+    r = http.post("/v1/chat/completions", json={"model": "tiny-llama", "max_tokens": 2,
+                                                  "messages": [{"role": "user", "content": content(parts)}]})
+    assert r.status_code == 422 and why in r.text, r.text
