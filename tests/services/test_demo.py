@@ -25,7 +25,7 @@ def test_make_demo_answers_hotpotqa_with_smollm2_in_both_arms(tmp_path):
     from runtime.eval.data import load_hotpotqa
     ex = next(load_hotpotqa(limit=1))
     out = _demo(tmp_path, "--questions", "1", "--new-tokens", "6")
-    assert "model smollm2-135m-instruct, profile llama, TP=1" in out
+    assert "model smollm2-135m-instruct, profile llama-preamble, TP=1" in out
     for row in ("HotpotQA through /v1/chat/completions", "gold", "recompute arm", "reuse arm",
                 "TTFT recompute arm", "TTFT reuse arm (median; ran: reuse)", "1. logical head-row saving",
                 "2. physical token-row", "3. analytic FLOP saving", "4. measured TTFT ratio", "fallbacks by reason",
