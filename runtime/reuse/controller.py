@@ -20,8 +20,8 @@ def choose_active(prof: ReuseProfile, deviation: torch.Tensor, idx_score: torch.
     """The mixed rule's active rows at the profile's budget: the first ceil(budget x candidates) rows of
     `mixed_order`."""
     n = deviation.shape[0]
-    return first_rows(mixed_order(prof, deviation, idx_score, seg_lens, deltas, q_start, n_q,
-                                  budget_rows(prof.budget, n)), n, budget_rows(prof.budget, n))
+    k = budget_rows(prof.budget, n)
+    return first_rows(mixed_order(prof, deviation, idx_score, seg_lens, deltas, q_start, n_q, k), n, k)
 
 
 def first_rows(order: torch.Tensor, n: int, k: int) -> torch.Tensor:
