@@ -23,6 +23,7 @@ import torch
 from runtime.model.parallel import Parallel
 from .artifact import DocumentArtifact, LayerArtifact
 from .certificate import FallbackReason, Verdict, agree
+from .direct import DirectGroup
 from .packing import pin_layers
 from .prefetcher import LayerPrefetcher
 from .store import ArtifactHead, read_layers
@@ -39,7 +40,8 @@ class SourceError(Exception):
 @dataclass(frozen=True)
 class StagedSource:
     """One document's rank artifact as it arrives: `head` gives the certificate and manifest bytes, each of
-    `groups` the shard bytes of its layers (file name -> bytes); a failed future raises SourceError."""
+    `groups` the shard bytes of its layers (file name -> bytes) or those layers already read into their slabs (a
+    `DirectGroup`, from the store's local socket); a failed future raises SourceError."""
     head: Future
     groups: tuple[tuple[range, Future], ...]
     _read: dict = field(default_factory=dict, compare=False, repr=False)
@@ -48,8 +50,9 @@ class StagedSource:
     def read(self, g: int, head: ArtifactHead) -> tuple[list[LayerArtifact] | None, Verdict]:
         """Group g's layers from its bytes, verified against `head`'s certificate, parsed (`read_layers`) and
         pinned (`pin_layers`), once per source and certificate: the request's stager copies them to the device and
-        the worker's tier keeps them, so each byte is hashed, parsed and pinned once for both. Waits for the
-        group's bytes; never raises on content."""
+        the worker's tier keeps them, so each byte is hashed, parsed and pinned once for both. A `DirectGroup`
+        arrived verified against the store's digests and in its slabs: only its digests are compared with the
+        certificate's. Waits for the group's bytes; never raises on content."""
         key = (g, tuple(sorted(head.certificate.shard_digests.items())))
         with self._lock:
             once = self._read.get(key)
@@ -58,8 +61,11 @@ class StagedSource:
         with once[0]:
             if once[1] is None:
                 files, v = source_verdict(self.groups[g][1])
-                arts, v = read_layers(head, self.groups[g][0], files) if v.ok else (None, v)
-                once[1] = (pin_layers(arts) if v.ok else None), v
+                if v.ok and isinstance(files, DirectGroup):
+                    once[1] = files.result(head)
+                else:
+                    arts, v = read_layers(head, self.groups[g][0], files) if v.ok else (None, v)
+                    once[1] = (pin_layers(arts) if v.ok else None), v
             return once[1]
 
     def read_all(self, head: ArtifactHead) -> tuple[list[LayerArtifact] | None, Verdict]:

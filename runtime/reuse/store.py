@@ -262,26 +262,25 @@ if hasattr(torch, "float8_e8m0fnu"):
     _ST_DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
 
 
-def _safetensors_views(raw) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file held in `raw` (bytes, bytearray or a memoryview), as VIEWS of its bytes:
-    no copy. `safetensors.torch.load` copies every tensor out of the file's bytes while it holds the GIL, so the
-    worker's staging threads copied one at a time. The header is checked as strictly as
-    safetensors checks it: JSON of tensors with a known dtype, a shape of non-negative ints and data offsets that
-    tile the data section exactly, in order. A tensor whose offset is not a multiple of its element size is copied
-    (safetensors' writer aligns them; this keeps any valid file readable). Views of read-only bytes must not be
-    written: whoever writes copies first (`StagedSource.read` pins every layer, `load_artifact` reads into a
-    bytearray)."""
-    mv = memoryview(raw).cast("B")
-    if len(mv) < 8:
+def safetensors_spans(head, size: int) -> tuple[int, list[tuple[int, int, str, torch.dtype, list[int]]]]:
+    """The layout of a safetensors file of `size` bytes from its first bytes `head` (at least its 8-byte header
+    length and the header; more is ignored): (where the data section starts, [(begin, end, name, dtype, shape)]
+    in data order, offsets relative to the data section). Checked as strictly as safetensors checks it: JSON of
+    tensors with a known dtype, a shape of non-negative ints and data offsets that tile the data section exactly, in
+    order. ValueError otherwise (json's errors are ValueErrors)."""
+    mv = memoryview(head).cast("B")
+    if len(mv) < 8 or size < 8:
         raise ValueError("shorter than its header length")
     n = int.from_bytes(mv[:8], "little")
+    if n > size - 8:
+        raise ValueError(f"header length {n} past the end ({size} bytes)")
     if n > len(mv) - 8:
-        raise ValueError(f"header length {n} past the end ({len(mv)} bytes)")
+        raise ValueError(f"header of {n} bytes not read ({len(mv) - 8} given)")
     header = json.loads(bytes(mv[8:8 + n]))
     if not isinstance(header, dict):
         raise ValueError("header is not an object")
     header.pop("__metadata__", None)
-    base, size = 8 + n, len(mv) - 8 - n
+    base, data = 8 + n, size - 8 - n
     spans = []
     for k, e in header.items():
         if not isinstance(e, dict) or e.get("dtype") not in _ST_DTYPES:
@@ -295,8 +294,27 @@ def _safetensors_views(raw) -> dict[str, torch.Tensor]:
             raise ValueError(f"tensor {k!r}: {offs[1] - offs[0]} bytes for shape {shape} {e['dtype']}")
         spans.append((offs[0], offs[1], k, dt, shape))
     spans.sort()
-    if [b for b, *_ in spans] != [0] + [e for _, e, *_ in spans[:-1]] or (spans[-1][1] if spans else 0) != size:
+    if [b for b, *_ in spans] != [0] + [e for _, e, *_ in spans[:-1]] or (spans[-1][1] if spans else 0) != data:
         raise ValueError("data offsets do not tile the data section")
+    return base, spans
+
+
+def check_tensors(name: str, got: dict[str, tuple[list[int], torch.dtype]], entry: dict) -> None:
+    """A shard's tensors (name -> (shape, dtype)) against its manifest entry; a mismatch rejects the shard."""
+    seen = {k: [list(shape), str(dt).removeprefix("torch.")] for k, (shape, dt) in got.items()}
+    if seen != entry["tensors"]:
+        raise _reject(FallbackReason.DIGEST_MISMATCH, f"shard {name} tensors {seen} != manifest {entry['tensors']}")
+
+
+def _safetensors_views(raw) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file held in `raw` (bytes, bytearray or a memoryview), as VIEWS of its bytes:
+    no copy. `safetensors.torch.load` copies every tensor out of the file's bytes while it holds the GIL, so the
+    worker's staging threads copied one at a time. The header is checked by `safetensors_spans`. A tensor whose
+    offset is not a multiple of its element size is copied (safetensors' writer aligns them; this keeps any valid
+    file readable). Views of read-only bytes must not be written: whoever writes copies first (`StagedSource.read`
+    pins every layer, `load_artifact` reads into a bytearray)."""
+    mv = memoryview(raw).cast("B")
+    base, spans = safetensors_spans(mv, len(mv))
     with warnings.catch_warnings():         # read-only bytes: the views are never written (see above)
         warnings.simplefilter("ignore", UserWarning)
         flat = torch.frombuffer(mv, dtype=torch.uint8)          # never empty: the header length is there
@@ -314,9 +332,7 @@ def _parse_shard(name: str, raw, entry: dict) -> dict[str, torch.Tensor]:
         tensors = _safetensors_views(raw)
     except (ValueError, RuntimeError) as e:     # json's errors are ValueErrors
         raise _reject(FallbackReason.DIGEST_MISMATCH, f"shard {name} does not parse: {e}") from None
-    got = {k: [list(v.shape), _dtype_name(v)] for k, v in tensors.items()}
-    if got != entry["tensors"]:
-        raise _reject(FallbackReason.DIGEST_MISMATCH, f"shard {name} tensors {got} != manifest {entry['tensors']}")
+    check_tensors(name, {k: (list(v.shape), v.dtype) for k, v in tensors.items()}, entry)
     return tensors
 
 

@@ -217,10 +217,11 @@ class ShardSpec:
 
 @dataclass(frozen=True)
 class FetchedShard:
-    """One shard as a client returns it (over gRPC or the local socket): its spec, generation and bytes."""
+    """One shard as a client returns it (over gRPC or the local socket): its spec, generation and bytes (None from
+    `LocalStoreClient.fetch_into`, which put them in the caller's buffers)."""
     spec: ShardSpec
     generation: int
-    data: bytes
+    data: bytes | None
 
 
 @dataclass(frozen=True)

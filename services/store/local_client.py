@@ -10,6 +10,9 @@ both release the GIL) and checks the BLAKE3 digest of exactly the bytes it retur
 fresh `bytes` rather than returning an mmap: a mapping would change under the caller if the file changed and
 raise SIGBUS on an I/O error or truncation, where a read fails with an exception.
 
+`fetch_into` reads each shard straight into buffers the caller names from the descriptor and the spec (the worker
+puts each tensor's bytes at its place in a page-locked slab, runtime.reuse.direct), with the same checks.
+
 A digest mismatch raises DataLoss (the gRPC path's error) after reporting the shard to the store, which hashes
 the blob again and, if it really is corrupt, moves `redknot_store_digest_failures_total{stage="read"}`; a
 missing or truncated blob is refused by the store itself (DataLoss, counted there). Same signature, same
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import blake3
@@ -50,6 +53,50 @@ def read_verified(fd: int, spec: ShardSpec, parallel_hash: bool = True) -> bytes
         raise DataLoss(f"shard {spec.name!r} (rank {spec.rank}) is corrupt: its bytes do not hash to the committed "
                        f"digest {spec.digest[:16]}")
     return data
+
+
+def _preadv_full(fd: int, buffers: list, offset: int) -> int:
+    """Fill `buffers` in order from `fd` at `offset` (one preadv, more where a read comes back short); the bytes
+    read (fewer than the buffers hold only at the end of the file)."""
+    views = [m for m in (memoryview(b).cast("B") for b in buffers) if len(m)]
+    total = 0
+    while views:
+        n = os.preadv(fd, views[:1024], offset)      # IOV_MAX
+        if n == 0:
+            break
+        offset += n
+        total += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
+    return total
+
+
+# where a caller puts a shard's bytes: (descriptor, spec) -> (the prefix it read itself, buffers for the rest)
+Place = Callable[[int, ShardSpec], tuple[bytes, list]]
+
+
+def read_placed(fd: int, spec: ShardSpec, place: Place, parallel_hash: bool = True) -> None:
+    """The blob's bytes put where `place` says (its prefix, then its buffers, in file order), or DataLoss if they
+    are not exactly `spec.size` bytes hashing to `spec.digest` (the caller then must not use the buffers)."""
+    prefix, buffers = place(fd, spec)
+    want = spec.size - len(prefix)
+    room = sum(memoryview(b).nbytes for b in buffers)
+    if want < 0 or room != want:
+        raise ValueError(f"shard {spec.name!r}: {len(prefix)} + {room} bytes placed for {spec.size}")
+    got = len(prefix) + _preadv_full(fd, buffers, len(prefix))
+    if got != spec.size or os.pread(fd, 1, spec.size):
+        raise DataLoss(f"shard {spec.name!r} (rank {spec.rank}) is corrupt: its blob holds "
+                       f"{'more than ' if got == spec.size else ''}{got} bytes, committed {spec.size}")
+    h = blake3.blake3(prefix, max_threads=blake3.blake3.AUTO if parallel_hash and spec.size >= PARALLEL_HASH_BYTES
+                      else 1)
+    for b in buffers:
+        h.update(b)
+    if h.hexdigest() != spec.digest:
+        raise DataLoss(f"shard {spec.name!r} (rank {spec.rank}) is corrupt: its bytes do not hash to the committed "
+                       f"digest {spec.digest[:16]}")
 
 
 class LocalStoreClient:
@@ -113,8 +160,21 @@ class LocalStoreClient:
               ) -> Iterator[FetchedShard]:
         """Shards of one rank of one generation (the current one by default, resolved once by the store), each
         read and verified here; `verify` is ignored (always on), see the module docstring."""
+        return self._fetch(key, rank, FetchParams(key, generation, rank, layers, channels, tuple(names)),
+                           lambda fd, spec: read_verified(fd, spec, self.parallel_hash))
+
+    def fetch_into(self, key: DocumentKey, rank: int, place: Place, *, generation: int = 0,
+                   layers: Range | None = None, channels: Range | None = None, names: Sequence[str] = ()
+                   ) -> Iterator[FetchedShard]:
+        """`fetch`, each shard's bytes read straight into the caller's buffers (`place(fd, spec)`: the prefix it
+        read itself and where the rest goes; `read_placed`) and verified there: no `bytes` is made. Yields each
+        shard (its `data` None) once its bytes are in place and verified; the same errors as `fetch`."""
+        return self._fetch(key, rank, FetchParams(key, generation, rank, layers, channels, tuple(names)),
+                           lambda fd, spec: read_placed(fd, spec, place, self.parallel_hash))
+
+    def _fetch(self, key: DocumentKey, rank: int, params: FetchParams, read) -> Iterator[FetchedShard]:
         with self._connect() as s:
-            self._call(s, "fetch", FetchParams(key, generation, rank, layers, channels, tuple(names)))
+            self._call(s, "fetch", params)
             while True:
                 d, fds = self._recv(s)
                 specs = local_wire.shards_of(d)
@@ -125,12 +185,11 @@ class LocalStoreClient:
                     for i, spec in enumerate(specs):
                         try:
                             if self._pool is None:
-                                data = read_verified(fds[i], spec, self.parallel_hash)
+                                data = read(fds[i], spec)
                             else:
                                 for j in range(i, min(i + self.threads, len(specs))):
                                     if j not in ahead:
-                                        ahead[j] = self._pool.submit(read_verified, fds[j], specs[j],
-                                                                     self.parallel_hash)
+                                        ahead[j] = self._pool.submit(read, fds[j], specs[j])
                                 data = ahead.pop(i).result()
                         except DataLoss as e:
                             raise DataLoss(f"{e} ({self._report(key, d['generation'], spec)})") from None

@@ -22,13 +22,16 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import torch
+
 from runtime.reuse.certificate import FallbackReason, Verdict
+from runtime.reuse.direct import DirectGroup
 from runtime.reuse.stager import HotSource, SourceError, StagedSource, Trace
 from runtime.model.parallel import Parallel
 from runtime.reuse.store import CERTIFICATE_FILE, MANIFEST_FILE, VerifiedFiles, read_head, shard_file
 from services.common.tenants import Tenants
 from services.store.client import StoreClient, TlsConfig, fallback_reason
-from services.store.errors import StoreError
+from services.store.errors import NoLocalStore, StoreError
 from services.store.keys import DocumentKey, Range
 
 from .exchange import ShardExchange
@@ -43,6 +46,7 @@ class FetchStats:
     bytes: int = 0                                           # from the store
     seconds: list[float] = field(default_factory=list)      # one per document fetched
     exchanged: int = 0                                       # from the other ranks of the TP group (shared shards)
+    placed: int = 0                     # of `bytes`, read straight into the tier's slabs (the local socket's path)
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,11 @@ class Opened:
     source: StagedSource | HotSource
     pinned: TierKey | None
     published: Future | None = None
+
+
+def _nbytes(part: dict | DirectGroup) -> int:
+    """The bytes of one fetched part of a document: files (name -> bytes) or a group read into slabs."""
+    return part.nbytes if isinstance(part, DirectGroup) else sum(len(d) for d in part.values())
 
 
 class Prefetcher:
@@ -64,6 +73,7 @@ class Prefetcher:
             raise ValueError("a shard exchange needs the TP group's control collectives (control.size == TP)")
         self.exchange, self.control = exchange, control
         self.local_socket = local_socket or None
+        self._warned_local = False
         self.tls = tls                                      # TLS (mTLS) to the store over gRPC; None: plaintext
         self.channels = Range(*channels)
         self.groups = [Range(a, min(a + layer_group, n_layers)) for a in range(0, n_layers, layer_group)]
@@ -109,6 +119,37 @@ class Prefetcher:
         # read_layers compares digests with the certificate's instead of hashing each byte again
         return VerifiedFiles({s.spec.name: s.data for s in shards}, {s.spec.name: s.spec.digest for s in shards})
 
+    def _direct(self, tenant: str, key: DocumentKey, generation: int, group: int, head: Future
+                ) -> DirectGroup | VerifiedFiles:
+        """One layer group through the local socket, read straight into the slabs of its layers
+        (runtime.reuse.direct: their layout follows from the head's manifest, verified first; page-locked where a
+        GPU exists, so the tier keeps them and the device copy reads them as they are); the byte stream
+        (`_stream`) where the store has no local socket here."""
+        head_art, v = read_head(head.result(), None)
+        if not v.ok:
+            raise SourceError(v.reason, v.detail)
+        g = self.groups[group]
+        direct = DirectGroup(head_art, range(g.lo, g.hi), pinned=torch.cuda.is_available())
+        self._note("fetch_start", group)
+        try:
+            for s in self._client(tenant).local.fetch_into(
+                    key, self.rank, lambda fd, spec: direct.place(fd, spec.name, spec.size), generation=generation,
+                    layers=g, channels=self.channels):
+                direct.verified(s.spec.name, s.spec.digest)
+        except NoLocalStore as e:                   # raised at connect, before any shard was read
+            if not self._warned_local:
+                self._warned_local = True
+                log.warning("%s: fetching over gRPC instead", e)
+            return self._stream(tenant, key, generation, group)
+        except StoreError as e:
+            raise SourceError(FallbackReason(fallback_reason(e).value),
+                              f"{key.doc_id} generation {generation}: {type(e).__name__}: {e}") from None
+        self._note("fetch_done", group)
+        with self._lock:
+            self.stats.bytes += direct.nbytes
+            self.stats.placed += direct.nbytes
+        return direct
+
     def _own_share(self, tenant: str, key: DocumentKey, generation: int, group: int, head: Future) -> dict:
         """This rank's part of a shared fetch of one layer group: its LOCAL shards and the latent shards of the
         layers it owns, named by its manifest (the head, verified first)."""
@@ -132,6 +173,8 @@ class Prefetcher:
             for d, ((t, k, gen, shared), head) in enumerate(zip(items, heads)):
                 if shared:      # every rank runs this, in the same order: the exchange jobs line up
                     fut = self.exchange.submit(self._streams.submit(self._own_share, t, k, gen, i, head), layers)
+                elif self.local_socket is not None:
+                    fut = self._streams.submit(self._direct, t, k, gen, i, head)
                 else:
                     fut = self._streams.submit(self._stream, t, k, gen, i)
                 groups[d].append((layers, fut))
@@ -143,7 +186,7 @@ class Prefetcher:
         reason from the source or its own verification)."""
         try:
             head_files = src.head.result()
-            nbytes = sum(len(d) for files in (head_files, *(g.result() for _, g in src.groups)) for d in files.values())
+            nbytes = sum(_nbytes(part) for part in (head_files, *(g.result() for _, g in src.groups)))
             with self._lock:
                 self.stats.seconds.append(time.perf_counter() - t0)
             if self.tier.capacity == 0:                 # the tier is off: nothing is kept, nothing to prepare
