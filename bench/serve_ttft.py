@@ -210,6 +210,10 @@ def main() -> int:
                 print(f"  {L}: tier empty {row['empty']['client_s']:.3f} s (fetch {row['empty']['fetch_s']:.3f})",
                       flush=True)
             assert worker_metric(stack, "redknot_tier_bytes{") == 0, "the tier-off worker kept documents"
+            # the share of the tier-empty fetches read straight into slabs (the local socket's path) rather than
+            # streamed as bytes
+            fetched = worker_metric(stack, "redknot_artifact_fetch_bytes_total")
+            placed = worker_metric(stack, "redknot_artifact_fetch_placed_bytes_total") / fetched if fetched else 0.0
             fallbacks = worker_metric(stack, "redknot_fallbacks_total{")
     finally:
         codes = stack.stop()
@@ -227,12 +231,14 @@ def main() -> int:
         cold = f"{r['cold']['client_s']:.2f}" if "cold" in r else "-"
         print(f"| {r['tokens']} | {r['docs']} | {rec:.3f} | {hot:.3f} | {rec / hot:.2f}x | {emp} | {cold} | "
               f"{r['hot']['server_ttft_s']:.3f} |")
-    print(f"# tier bytes while hot: {tier_bytes / 2**30:.2f} GiB; fallbacks counted after the restart: {fallbacks:.0f};"
+    print(f"# tier bytes while hot: {tier_bytes / 2**30:.2f} GiB; tier empty: {placed:.1%} of the fetched bytes read "
+          f"straight into slabs; fallbacks counted after the restart: {fallbacks:.0f};"
           f" service exit codes {codes}")
     for r in rows.values():
         r.pop("ids", None)
     write_json(args.json, dict(small=args.small, layers=cfg.n_layers, experts=cfg.n_routed_experts,
                                budget=prof.budget, profile=prof.to_dict(), question_tokens=n_q, tier_bytes=tier_bytes,
+                               empty_placed_share=placed,
                                first_length_store_bytes=row0["store_bytes"], rows=list(rows.values()),
                                exit_codes=codes), args, args.device)
     return 0 if all(v == 0 for v in codes.values()) and fallbacks == 0 else 1

@@ -39,6 +39,8 @@ class WorkerMetrics:
                                  ["reason"], registry=r)
         self.fetch_bytes = Counter("redknot_artifact_fetch_bytes", "Bytes fetched from the store by every rank",
                                    registry=r)
+        self.placed_bytes = Counter("redknot_artifact_fetch_placed_bytes", "Of the fetched bytes, those read "
+                                    "straight into the slabs the tier keeps (the store's local socket)", registry=r)
         self.exchange_bytes = Counter("redknot_artifact_exchange_bytes", "Shared shard bytes a rank received from "
                                       "the other ranks of its TP group instead of the store", registry=r)
         self.fetch_seconds = Histogram("redknot_artifact_fetch_seconds", "Store fetch latency per document and rank",

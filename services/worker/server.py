@@ -54,6 +54,7 @@ def record(metrics: WorkerMetrics, resp: WorkerResponse, reports: list[RankRepor
         metrics.fallbacks.labels(resp.fallback.reason).inc()
     for r in reports:
         metrics.fetch_bytes.inc(r.fetch.bytes)
+        metrics.placed_bytes.inc(r.fetch.placed)
         metrics.exchange_bytes.inc(r.fetch.exchanged)
         for sec in r.fetch.seconds:
             metrics.fetch_seconds.observe(sec)

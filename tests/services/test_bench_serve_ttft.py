@@ -28,4 +28,6 @@ def test_serve_ttft_small_runs_every_case_through_the_http_api_without_a_fallbac
     assert row["speedup_hot"] > 0 and row["speedup_empty"] > 0
     assert row["ledger"]["rows"]["active"] > 0 and row["ledger"]["rows"]["relocated"] > 0
     assert run["tier_bytes"] > 0 and row["store_bytes"] > 0           # the hot case's documents were in the tier
+    # the tier-empty fetches went through the store's local socket straight into slabs (the heads alone as bytes)
+    assert run["empty_placed_share"] > 0.9
     assert f"| {row['tokens']} | 2 | " in r.stdout             # the results table
