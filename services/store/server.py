@@ -116,6 +116,8 @@ async def serve(s: Settings, *, ready: asyncio.Event | None = None, stop: asynci
     log.info("store serving on %s (port %d, backend %s, %d tenants, admin tenants %s, metrics %s, local socket %s)",
              s.listen, port, s.backend, len(tokens), ",".join(sorted(s.admins())) or "none", s.metrics_listen or "off",
              s.local_socket or "off")
+    if http is not None:      # the port bound (the one asked for, or the kernel's pick for port 0): tests read it
+        print(f"redknot store: metrics on port {http[0].server_address[1]}", flush=True)
     print(f"redknot store: serving on port {port}", flush=True)
     gc = None
     if s.gc_interval_s:

@@ -1,5 +1,6 @@
-"""The rest of test_interpret.py's reuse prefill and decode cases through the kernels under Triton's interpreter
-(the same test, `reuse_case`; a file of its own so that the two halves run on two test processes)."""
+"""test_interpret.py's reuse prefill and decode cases 1-3 through the kernels under Triton's interpreter (the same
+test, `reuse_case`; a file of its own so that the cases run on several test processes; 4-6:
+test_interpret_reuse_key.py)."""
 import pytest
 import torch
 
@@ -7,7 +8,7 @@ from .test_interpret import TOL, REUSE_CASES, kernels_on, model, pytestmark, req
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("fused,picks,frame", REUSE_CASES[3:])
+@pytest.mark.parametrize("fused,picks,frame", REUSE_CASES[1:4])
 def test_reuse_prefill_and_decode_through_the_kernels(model, request_tokens, kernels_on, monkeypatch, fused, picks,  # noqa: F811
                                                       frame):
     errs = reuse_case(model, request_tokens, kernels_on, monkeypatch, fused, picks, frame)

@@ -4,7 +4,8 @@ TP=1's reuse arm; one rank with a corrupted shard makes both ranks fall back tog
 recomputation's answer, the reason counted on every rank, and no rank entering a reuse-specific collective."""
 import json
 import os
-import socket
+import uuid
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,10 +26,10 @@ PROF = ReuseProfile(first_fences=2, last_fences=2, align=16, budget=0.25, recent
 IDENT = ServingIdentity("a" * 64, "tok")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous(d) -> str:
+    """A fresh file for the ranks' rendezvous (torch.distributed's FileStore), not a TCP port: a port picked here and
+    bound later by rank 0 could be taken in between by a parallel test process."""
+    return f"file://{Path(d) / f'rdzv-{uuid.uuid4().hex}'}"
 
 
 def _docs():
@@ -44,14 +45,14 @@ def _corrupt_local_shard(d):
     open(os.path.join(d, name), "wb").write(bytes(data))
 
 
-def _rank(rank, size, port, ckpt, root, corrupt, backend="gloo", prof=PROF):
+def _rank(rank, size, init, ckpt, root, corrupt, backend="gloo", prof=PROF):
     torch.set_num_threads(1)
     device = "cpu"
     if backend == "nccl":
         torch.cuda.set_device(rank)
         device = f"cuda:{rank}"
         os.environ["REDKNOT_KERNELS"] = "0"         # the reference path: compared with the CPU run to 1e-4
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=size)
     try:
         model = load_model(ckpt, par=Parallel(rank, size), device=device)
         docs, question = _docs()
@@ -94,8 +95,8 @@ BACKENDS = ["gloo", pytest.param("nccl", marks=pytest.mark.skipif(
 def _run(setup, tmp_path, corrupt, backend="gloo", prof=PROF):
     ckpt = setup[0]
     try:
-        mp.start_processes(_rank, args=(2, _free_port(), ckpt, str(tmp_path), corrupt, backend, prof), nprocs=2,
-                           join=True, start_method="spawn")
+        mp.start_processes(_rank, args=(2, _rendezvous(tmp_path), ckpt, str(tmp_path), corrupt, backend, prof),
+                           nprocs=2, join=True, start_method="spawn")
     except mp.ProcessExitedException:
         # a gloo teardown abort after every rank passed the final barrier does not touch the results
         if not all((tmp_path / f"done{r}").exists() for r in range(2)):

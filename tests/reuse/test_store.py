@@ -2,7 +2,7 @@
 write order that makes a half-written artifact unreadable, and agree over TP=2 gloo on a corrupted shard."""
 import json
 import os
-import socket
+import uuid
 from pathlib import Path
 
 import pytest
@@ -205,15 +205,15 @@ def test_bad_expect_is_a_caller_error(saved):
 
 # ------------------------------------------------------------------------------------------ agree over gloo
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous(d) -> str:
+    """A fresh file for the ranks' rendezvous (torch.distributed's FileStore), not a TCP port: a port picked here and
+    bound later by rank 0 could be taken in between by a parallel test process."""
+    return f"file://{Path(d) / f'rdzv-{uuid.uuid4().hex}'}"
 
 
-def _rank(rank: int, size: int, port: int, root: str) -> None:
+def _rank(rank: int, size: int, init: str, root: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=size)
     try:
         art = make_artifact(rank=rank, size=size)
         d = Path(root) / f"r{rank}"
@@ -233,7 +233,7 @@ def test_agree_over_tp2_gloo(tmp_path):
         art = make_artifact(rank=rank, size=2)
         save_artifact(art, tmp_path / f"r{rank}", cert_fields(art))
     _flip(tmp_path / "r1" / "layer01.local.r1.c32-64.safetensors")
-    mp.start_processes(_rank, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(_rank, args=(2, _rendezvous(tmp_path), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
     r0, r1 = (json.loads((tmp_path / f"result{r}.json").read_text()) for r in range(2))
     assert r0["loaded"] and r0["own"] == [True, None]
     assert not r1["loaded"] and r1["own"] == [False, "digest_mismatch"]

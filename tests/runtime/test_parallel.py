@@ -1,7 +1,8 @@
 """Tensor parallelism over gloo equals one rank: TP=2 and TP=8 on a small config, prefill then decode.
 Each rank loads only its own routed experts from the checkpoint."""
 import os
-import socket
+import uuid
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,15 +19,15 @@ CFG = tiny(n_layers=4, n_heads=16, o_groups=8, compress_ratios=(0, 4, 16, 4), n_
 T, DECODE = 90, 4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous(d) -> str:
+    """A fresh file for the ranks' rendezvous (torch.distributed's FileStore), not a TCP port: a port picked here and
+    bound later by rank 0 could be taken in between by a parallel test process."""
+    return f"file://{Path(d) / f'rdzv-{uuid.uuid4().hex}'}"
 
 
-def _run(rank: int, size: int, port: int, ckpt: str, tokens: torch.Tensor, out: str) -> None:
+def _run(rank: int, size: int, init: str, ckpt: str, tokens: torch.Tensor, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=size)
     try:
         par = Parallel(rank, size)
         model = load_model(ckpt, par=par)
@@ -59,7 +60,7 @@ def test_tensor_parallel_equals_single_rank(setup, size, tmp_path):
     ckpt, tokens, ref = setup
     out = str(tmp_path / "logits.pt")
     try:
-        mp.start_processes(_run, args=(size, _free_port(), ckpt, tokens, out), nprocs=size, join=True,
+        mp.start_processes(_run, args=(size, _rendezvous(tmp_path), ckpt, tokens, out), nprocs=size, join=True,
                            start_method="spawn")
     except mp.ProcessExitedException:
         # gloo can abort a process while tearing down after every rank finished its work (seen under heavy

@@ -3,6 +3,7 @@ loopback. Every wait is bounded; every process the tests start is stopped by its
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -77,8 +78,11 @@ def running_stack(tmp_path_factory, checkpoint: Path, redis_url: str, tag: str, 
     `yield from`: stopped after the module, its keys deleted, and every service checked to stop cleanly on SIGTERM."""
     from services.common.stack import LocalStack, StackConfig
     prefix = f"{tag}-{uuid.uuid4().hex[:8]}"
-    st = LocalStack(StackConfig(workdir=tmp_path_factory.mktemp("stack"), model=checkpoint, redis_url=redis_url,
-                                prefix=prefix, **cfg)).start()
+    # the stack's ports come from free_port() and are wired into each other's settings before any service binds
+    # one: a port taken in between fails the start (the stack stops what it started), a fresh stack is tried
+    st = retry_if_port_taken(lambda: LocalStack(StackConfig(
+        workdir=tmp_path_factory.mktemp("stack"), model=checkpoint, redis_url=redis_url, prefix=prefix,
+        **cfg)).start())
     yield st
     codes = st.stop()
     r = redis.Redis.from_url(redis_url)
@@ -102,9 +106,32 @@ def scrape(url: str) -> dict[str, float]:
 
 
 def free_port() -> int:
+    """A port free now. A child process that binds it later can find it taken by a parallel test process: a server
+    that can bind port 0 and print what it got should (StoreProcess); the others start through
+    retry_if_port_taken."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# what a child says when its port was taken: redis-server ("bind: Address already in use"), Python servers
+# ("[Errno 98] ... address already in use"), prometheus ("bind: address already in use")
+ADDR_IN_USE = re.compile(r"address already in use|errno 98", re.IGNORECASE)
+
+
+def retry_if_port_taken(start, tries: int = 5):
+    """`start()`, called again (at most `tries` times in all) while it fails because a port picked with free_port()
+    was taken before its server bound it. For servers that cannot bind port 0 and report the port (redis-server:
+    `--port 0` turns TCP off) or whose ports are wired into one another before any starts (LocalStack). `start`
+    picks fresh ports on every call and fails with the child's log (AssertionError or StackError); any other
+    failure is raised at once."""
+    from services.common.stack import StackError
+    for attempt in range(tries):
+        try:
+            return start()
+        except (AssertionError, StackError) as e:
+            if attempt == tries - 1 or not ADDR_IN_USE.search(str(e)):
+                raise
 
 
 def _ping(url: str) -> bool:
@@ -114,8 +141,36 @@ def _ping(url: str) -> bool:
         return False
 
 
+def _is_pid(url: str, pid: int) -> bool:
+    """The Redis answering at `url` is process `pid` (not another test's server that took the port first)."""
+    try:
+        return sync_client(url, socket_connect_timeout=1, socket_timeout=2).info("server")["process_id"] == pid
+    except redis.RedisError:
+        return False
+
+
+def started_redis_service(tmp: Path):
+    """services.common.stack.redis_service (the local stack's AOF Redis) started and ready on a free port, tried again
+    while the port was taken first; (service, port). Ready means answered by this process, not by another's server on
+    the port. A restart (`start`, `wait_ready`) keeps the port."""
+    from services.common.stack import redis_service
+
+    def start():
+        port = free_port()
+        rs = redis_service(port, tmp / "redis", tmp / "redis.log")
+        rs.ready = lambda: _is_pid(f"redis://127.0.0.1:{port}/0", rs.proc.pid)
+        rs.start(tmp)
+        try:
+            rs.wait_ready(30)
+        except BaseException:
+            rs.kill()
+            raise
+        return rs, port
+    return retry_if_port_taken(start)
+
+
 @pytest.fixture(scope="session")
-def redis_url():
+def redis_url(tmp_path_factory):
     """REDIS_URL, else 127.0.0.1:6379 when it answers, else a redis-server of our own on a free port."""
     url = os.environ.get("REDIS_URL")
     if url:
@@ -128,19 +183,28 @@ def redis_url():
     exe = shutil.which("redis-server")
     if exe is None:
         pytest.fail("no Redis: set REDIS_URL, run one on 127.0.0.1:6379, or install redis-server")
-    port = free_port()
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    try:
+    log = tmp_path_factory.mktemp("redis") / "redis.log"
+    procs = []
+
+    def start() -> str:
+        port = free_port()
+        with open(log, "ab") as f:
+            proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                     "--appendonly", "no"], stdout=f, stderr=subprocess.STDOUT)
+        procs.append(proc)
+        url = f"redis://127.0.0.1:{port}/0"
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not _ping(url):
-            assert proc.poll() is None and time.monotonic() < deadline, "redis-server did not start"
+        while not _ping(url) or not _is_pid(url, proc.pid):
+            assert proc.poll() is None and time.monotonic() < deadline, \
+                f"redis-server did not start:\n{log.read_text(errors='replace')[-3000:]}"
             time.sleep(0.05)
-        yield url
+        return url
+    try:
+        yield retry_if_port_taken(start)
     finally:
-        proc.kill()
-        proc.wait(timeout=10)
+        for proc in procs:
+            proc.kill()
+            proc.wait(timeout=10)
 
 
 def weed_binary() -> str:
@@ -212,8 +276,10 @@ class StoreProcess:
         self.log_path = tmp / f"store-{uuid.uuid4().hex[:6]}.log"
 
     def start(self, *, port: int = 0, **env) -> "StoreProcess":
-        """`port`: listen there (a restart on the address clients already hold); 0: a free one."""
-        self.port, self.metrics_port = port or free_port(), free_port()
+        """`port`: listen there (a restart on the address clients already hold); 0: a free one, which the store binds
+        itself and prints (`redknot store: serving on port N`), as it does its metrics port: a port picked here and
+        bound later by the child could be taken in between by a parallel test process (OSError 98 in CI)."""
+        self.port, self.metrics_port = port, 0
         e = dict(os.environ, PYTHONUNBUFFERED="1", REDIS_URL=self.redis_url, REDKNOT_STORE_REDIS_PREFIX=self.prefix,
                  REDKNOT_STORE_BLOB_ROOT=str(self.blob_root), REDKNOT_STORE_TOKENS_FILE=str(self.tokens_file),
                  REDKNOT_STORE_BACKEND=self.backend, **self.extra_env, **env)
@@ -223,6 +289,9 @@ class StoreProcess:
         self.log_path = self.tmp / f"store-{uuid.uuid4().hex[:6]}.log"
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=self._log, stderr=subprocess.STDOUT)
+        self.wait_log("redknot store: serving on port ", timeout=START_TIMEOUT_S)
+        self.port = int(re.search(r"redknot store: serving on port (\d+)", self.log())[1])
+        self.metrics_port = int(re.search(r"redknot store: metrics on port (\d+)", self.log())[1])
         self.wait_serving()
         return self
 

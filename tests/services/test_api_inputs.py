@@ -23,9 +23,9 @@ import redis
 from runtime.model.checkpoint import load_tokenizer
 from services.api.settings import ApiSettings
 from services.common.build_queue import queue_tag
-from services.common.stack import Service, free_port, http_ok, redis_service
+from services.common.stack import Service, free_port, http_ok
 
-from .conftest import scrape, write_tiny_checkpoint
+from .conftest import retry_if_port_taken, scrape, started_redis_service, write_tiny_checkpoint
 
 TENANTS = {"acme": "acme-token-0123456789abcdef", "globex": "globex-token-0123456789abcdef",
            "broken": "broken-token-0123456789abcdef", "counted": "counted-token-0123456789abcdef"}
@@ -50,6 +50,13 @@ def api_service(workdir: Path, checkpoint: Path, redis_url: str, prefix: str, **
     workdir.mkdir(parents=True, exist_ok=True)
     tokens = workdir / "tokens"
     tokens.write_text("".join(f"{t} {tok}\n" for t, tok in TENANTS.items()))
+    # the API's port comes from free_port() (worker_url and store are addresses nothing listens on, never bound):
+    # started again on a fresh port while another process took it first
+    return retry_if_port_taken(lambda: _start_api(workdir, checkpoint, redis_url, prefix, tokens, settings))
+
+
+def _start_api(workdir: Path, checkpoint: Path, redis_url: str, prefix: str, tokens: Path,
+               settings: dict) -> tuple[Service, str]:
     port = free_port()
     s = ApiSettings(**{**dict(redis_url=redis_url, redis_prefix=prefix, tokens_file=str(tokens), model=str(checkpoint),
                               listen=f"127.0.0.1:{port}", worker_url=f"http://127.0.0.1:{free_port()}",
@@ -526,12 +533,9 @@ def test_a_broken_record_is_a_409_for_that_document_and_the_listing_goes_on(app)
 # --------------------------------------------------------------------------------------------- Redis down
 
 def test_redis_down_is_503_with_retry_after(tmp_path, checkpoint):
-    port = free_port()
-    rs = redis_service(port, tmp_path / "redis", tmp_path / "redis.log")
-    rs.start(tmp_path)
+    rs, port = started_redis_service(tmp_path)
     api = None
     try:
-        rs.wait_ready(30)
         api, url = api_service(tmp_path / "api", checkpoint, f"redis://127.0.0.1:{port}/0", "rkdown")
         with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TENANTS['acme']}"}, timeout=30) as c:
             doc = upload(c, "A document uploaded while Redis was up. " * 2)
@@ -665,18 +669,25 @@ def test_a_full_worker_queue_is_429_with_retry_after_and_takes_requests_again(tm
     from services.worker.settings import WorkerSettings
     tokens = tmp_path / "tokens"
     tokens.write_text("".join(f"{t} {tok}\n" for t, tok in TENANTS.items()))
-    port = free_port()
-    ws = WorkerSettings(model=str(checkpoint), profile="demo", tokens_file=str(tokens), listen=f"127.0.0.1:{port}",
-                        store=f"127.0.0.1:{free_port()}", redis_url=redis_url, max_queue=1,
-                        failpoints="after_fetch=2")
-    worker_url = f"http://127.0.0.1:{port}"
-    worker = Service("worker", [sys.executable, "-m", "services.cli", "worker"],
-                     {"PYTHONUNBUFFERED": "1", **ws.to_env()}, tmp_path / "worker.log",
-                     lambda: http_ok(worker_url + "/readyz"))
-    worker.start(Path(__file__).resolve().parents[2])
+
+    def start_worker() -> tuple[Service, str]:        # its port from free_port(): again while another took it first
+        port = free_port()
+        ws = WorkerSettings(model=str(checkpoint), profile="demo", tokens_file=str(tokens),
+                            listen=f"127.0.0.1:{port}", store=f"127.0.0.1:{free_port()}", redis_url=redis_url,
+                            max_queue=1, failpoints="after_fetch=2")
+        url = f"http://127.0.0.1:{port}"
+        w = Service("worker", [sys.executable, "-m", "services.cli", "worker"],
+                    {"PYTHONUNBUFFERED": "1", **ws.to_env()}, tmp_path / "worker.log", lambda: http_ok(url + "/readyz"))
+        w.start(Path(__file__).resolve().parents[2])
+        try:
+            w.wait_ready(120)
+        except BaseException:
+            w.kill()
+            raise
+        return w, url
+    worker, worker_url = retry_if_port_taken(start_worker)
     svc = None
     try:
-        worker.wait_ready(120)
         svc, url = api_service(tmp_path / "api", checkpoint, redis_url, f"rkfull-{uuid.uuid4().hex[:8]}",
                                worker_url=worker_url)
         headers = {"Authorization": f"Bearer {TENANTS['acme']}"}

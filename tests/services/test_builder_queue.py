@@ -20,12 +20,11 @@ from services.common.build_queue import BuildQueue
 from services.common.registry import Registry
 from runtime.reuse.profile import load_profile
 from services.common.serving import checkpoint_identity
-from services.common.stack import free_port, redis_service
 from services.common.tenants import Tenants
 from services.common.tp import RankGroup
 from services.store.keys import DocumentKey
 
-from .conftest import TOKENS
+from .conftest import TOKENS, started_redis_service
 
 PROFILE = json.dumps({"name": "q-test", "first_fences": 2, "last_fences": 2, "align": 16, "recent_rows": 16,
                       "join_rows": 8})
@@ -133,10 +132,7 @@ def test_builder_outlives_a_redis_kill_and_a_corrupt_record(checkpoint, tmp_path
     Redis while the loop runs does not stop it (it backs off, counted), a document uploaded after Redis is back is
     built, and a job whose registry record is unreadable is dead-lettered with that reason while the next job
     builds."""
-    port = free_port()
-    rs = redis_service(port, tmp_path / "redis", tmp_path / "redis.log")
-    rs.start(tmp_path)
-    rs.wait_ready(30)
+    rs, port = started_redis_service(tmp_path)
     r = redis.Redis(port=port, socket_timeout=5, socket_connect_timeout=2, health_check_interval=1)
     prefix = "rkbuilder"
     b = make_builder(checkpoint, r, prefix, tmp_path, store.target)

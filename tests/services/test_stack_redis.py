@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import redis
 
-from services.common.stack import free_port, redis_service
+from .conftest import started_redis_service
 
 
 def test_a_killed_and_restarted_redis_keeps_every_acknowledged_write(tmp_path):
-    port = free_port()
-    rs = redis_service(port, tmp_path / "redis", tmp_path / "redis.log")
-    rs.start(tmp_path)
+    rs, port = started_redis_service(tmp_path)
     try:
-        rs.wait_ready(30)
         with redis.Redis(port=port) as r:
             for i in range(200):
                 r.hset(f"rk:doc:{i}", mapping={"status": "ready", "generation": i})

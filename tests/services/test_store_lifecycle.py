@@ -147,6 +147,23 @@ def test_metrics_endpoint(store, client):
     assert store.metric("redknot_store_rpcs_total", 'code="NOT_FOUND",method="CommitGeneration"') == 1
 
 
+def test_port_zero_binds_free_ports_and_prints_them(store):
+    """StoreProcess starts the store with --listen and --metrics-listen on port 0 (a port picked by the test and bound
+    later by the child could be taken in between): the store binds ports of the kernel's choosing and prints them,
+    and the printed ports are the ones serving gRPC and /metrics."""
+    import urllib.request
+    assert "127.0.0.1:0" in store.proc.args[store.proc.args.index("--listen") + 1]
+    assert "127.0.0.1:0" in store.proc.args[store.proc.args.index("--metrics-listen") + 1]
+    assert store.port > 0 and store.metrics_port > 0 and store.port != store.metrics_port
+    log = store.log()
+    assert f"redknot store: metrics on port {store.metrics_port}\n" in log
+    assert f"redknot store: serving on port {store.port}\n" in log
+    with StoreClient(store.target, TOKENS["acme"]) as c:
+        assert list(c.list_documents()) == []
+    text = urllib.request.urlopen(f"http://127.0.0.1:{store.metrics_port}/metrics", timeout=5).read().decode()
+    assert "redknot_store_rpcs_total" in text
+
+
 def test_graceful_shutdown_finishes_in_flight_fetches(store_factory):
     store = store_factory(extra_env={"REDKNOT_STORE_GRACE_S": "20"}).start()
     key = doc_key("shutdown", tp_size=1)

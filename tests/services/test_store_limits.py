@@ -26,7 +26,7 @@ from services.store.keys import (MAX_GENERATION, Range, Reason, ShardKind, Shard
                                  local_overlap, local_overlap_reference)
 from services.store.pb import artifact_store_pb2 as pb
 
-from .conftest import TOKENS, StoreProcess, doc_key, free_port, make_generation
+from .conftest import TOKENS, StoreProcess, doc_key, free_port, make_generation, retry_if_port_taken
 
 # a health check answered while a 16k-shard call runs (it waited 28.9 s before the fix): 0.5 s, since on a 2-core
 # machine shared by two test workers, scheduling alone delayed a probe by 0.11-0.13 s (CI run of 2026-12-05)
@@ -41,7 +41,7 @@ class OwnRedis:
     """A redis-server this module starts on a free port, so it can dump every key and restart it."""
 
     def __init__(self, tmp: Path):
-        self.port, self.dir = free_port(), tmp
+        self.port, self.dir = 0, tmp
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -49,19 +49,32 @@ class OwnRedis:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> "OwnRedis":
+        """The first start takes a free port (again, while a parallel test process took it first: redis-server
+        cannot bind port 0 and report it); a restart, the same port."""
+        if self.port:
+            return self._start(self.port)
+        return retry_if_port_taken(lambda: self._start(free_port()))
+
+    def _start(self, port: int) -> "OwnRedis":
         exe = shutil.which("redis-server")
         assert exe, "redis-server is not installed"
-        self.proc = subprocess.Popen([exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--dir", str(self.dir)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        log = self.dir / "redis.log"
+        with open(log, "ab") as f:
+            self.proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                          "--appendonly", "no", "--dir", str(self.dir)],
+                                         stdout=f, stderr=subprocess.STDOUT)
+        url = f"redis://127.0.0.1:{port}/0"
         deadline = time.monotonic() + 20
         while True:
             try:
-                if redis.Redis.from_url(self.url, socket_connect_timeout=1).ping():
+                r = redis.Redis.from_url(url, socket_connect_timeout=1)
+                if r.ping() and r.info("server")["process_id"] == self.proc.pid:     # ours, not another's
+                    self.port = port
                     return self
             except redis.RedisError:
                 pass
-            assert self.proc.poll() is None and time.monotonic() < deadline, "redis-server did not start"
+            assert self.proc.poll() is None and time.monotonic() < deadline, \
+                f"redis-server did not start:\n{log.read_text(errors='replace')[-3000:]}"
             time.sleep(0.05)
 
     def kill(self) -> None:
