@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import sys
 import threading
@@ -187,6 +188,8 @@ def main() -> int:
                         if line.startswith("redknot_fallbacks_total{"))
     finally:
         codes = stack.stop()
+        if not args.workdir:        # a temporary stack's blobs (tens of GiB at 64K) would fill the disk run by run
+            shutil.rmtree(work, ignore_errors=True)
         if builder_code is not None:        # stopped on purpose before the timed cases
             codes["builder"] = builder_code
     print("\n| tokens | concurrency | arm | req/s (95% CI) | tokens/s (95% CI) | first chunk p50 s | reuse / recompute |")

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -81,7 +82,12 @@ def upload(c: httpx.Client, docs: list[list[int]]) -> list[str]:
 def wait_ready(c: httpx.Client, ids: list[str]) -> None:
     deadline = time.monotonic() + BUILD_TIMEOUT_S
     while True:
-        recs = [c.get(f"/v1/documents/{i}").json() for i in ids]
+        recs = []
+        for i in ids:
+            r = c.get(f"/v1/documents/{i}")
+            if r.status_code != 200:
+                raise SystemExit(f"GET /v1/documents/{i}: {r.status_code} {r.text[:500]}")
+            recs.append(r.json())
         bad = [r for r in recs if r["status"] == "failed"]
         if bad:
             raise SystemExit(f"build failed: {bad[0]['error']}")
@@ -217,6 +223,8 @@ def main() -> int:
             fallbacks = worker_metric(stack, "redknot_fallbacks_total{")
     finally:
         codes = stack.stop()
+        if not args.workdir:        # a temporary stack's blobs (tens of GiB at 64K) would fill the disk run by run
+            shutil.rmtree(work, ignore_errors=True)
         if builder_code is not None:        # stopped on purpose before the timed cases
             codes["builder"] = builder_code
     print("\n| tokens | docs | recompute s | reuse, tier hot s | speedup | reuse, tier empty s | speedup | "
