@@ -11,8 +11,9 @@ import ctypes
 import logging
 import os
 import signal
-import socket
+import shutil
 import sys
+import tempfile
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -25,12 +26,6 @@ from runtime.model.parallel import Parallel
 
 log = logging.getLogger("redknot.tp")
 STOP = "__stop__"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)
@@ -69,7 +64,7 @@ def _die_with_parent() -> None:
         pass
 
 
-def _entry(rank: int, target, size: int, port: int, device: str, args: tuple) -> None:
+def _entry(rank: int, target, size: int, rendezvous: str, device: str, args: tuple) -> None:
     _die_with_parent()
     if rank != 0:                           # followers stop when rank 0 broadcasts the stop, never on their own
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -79,7 +74,7 @@ def _entry(rank: int, target, size: int, port: int, device: str, args: tuple) ->
     if dev.type == "cuda":
         torch.cuda.set_device(rank)
         dev = torch.device("cuda", rank)
-    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=f"file://{rendezvous}",
                             rank=rank, world_size=size, timeout=timedelta(hours=1))
     try:
         control = Parallel(rank, size, dist.new_group(backend="gloo")) if dev.type == "cuda" else Parallel(rank, size)
@@ -102,8 +97,17 @@ def launch(size: int, target, args: tuple = (), device: str = "cpu") -> int:
         dev = torch.device(device)
         target(RankGroup(0, 1, dev, Parallel()), *args)
         return 0
-    ctx = mp.start_processes(_entry, args=(target, size, free_port(), device, args), nprocs=size, join=False,
-                             start_method="spawn")
+    # the ranks meet through a file in a directory of the group's own (a TCP port picked free here could be taken
+    # by another process before rank 0 bound it); the directory goes when the group does
+    meet = tempfile.mkdtemp(prefix="redknot-tp-")
+    try:
+        return _supervise(mp.start_processes(_entry, args=(target, size, os.path.join(meet, "rendezvous"), device,
+                                                           args), nprocs=size, join=False, start_method="spawn"))
+    finally:
+        shutil.rmtree(meet, ignore_errors=True)
+
+
+def _supervise(ctx) -> int:
     leader = ctx.processes[0]
 
     def forward(signum, _frame):
