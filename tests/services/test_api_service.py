@@ -253,12 +253,22 @@ def test_parallel_requests_show_their_queueing_in_the_latency_metrics(stack, bui
     names = ("redknot_request_queue_seconds", "redknot_time_to_first_token_seconds",
              "redknot_e2e_request_latency_seconds")
     before = scrape(stack.metrics_targets()["api"])
+    # the three requests leave together: each client's connection is open before a barrier (a served TTFT here is
+    # tens of ms, so clients made and connected inside the threads arrived spread over about one forward, and the
+    # later ones found little to wait for)
+    clients = [api(stack) for _ in range(3)]
+    start = threading.Barrier(3)
 
-    def one(_):
-        with api(stack) as c:
-            return generate(c, built, "reuse", n=2)
-    with ThreadPoolExecutor(3) as pool:
-        outs = list(pool.map(one, range(3)))
+    def one(c):
+        assert c.get("/healthz").status_code == 200
+        start.wait(timeout=30)
+        return generate(c, built, "reuse", n=2)
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            outs = list(pool.map(one, clients))
+    finally:
+        for c in clients:
+            c.close()
     assert all(o["arm"] == "reuse" for o in outs)
     after = scrape(stack.metrics_targets()["api"])
     (q, nq), (f, nf), (e, ne) = [tuple(a - b for a, b in zip(sums(after, n), sums(before, n))) for n in names]
