@@ -149,7 +149,10 @@ def test_streams_send_their_first_chunk_before_the_answer_is_done(client, docs, 
                                                      **kw)
         text = lambda choice: choice.text                                                                   # noqa: E731
         whole_text = lambda out: out.choices[0].text                                                        # noqa: E731
+    t = time.perf_counter()
     whole = ask()
+    # the same answer unstreamed: its time after the server's first token is the n - 1 decode steps (and the reply)
+    decode_s = time.perf_counter() - t - whole.model_extra["redknot"]["ttft_s"]
     t0 = time.perf_counter()
     stream = ask(stream=True)
     first, parts, finish = None, [], None
@@ -163,8 +166,11 @@ def test_streams_send_their_first_chunk_before_the_answer_is_done(client, docs, 
     assert "".join(parts) == whole_text(whole) and finish == whole.choices[0].finish_reason
     assert n > 8, "the tiny model ended its answer early; the timing below needs a longer one"
     assert first - t0 < done - t0, (first - t0, done - t0)
-    # the first chunk leaves with the first token: well before the remaining n - 1 decode steps are done
-    assert (done - first) > 0.25 * (done - t0)
+    # the first chunk leaves with the first token: well before the remaining n - 1 decode steps are done. Measured
+    # against those steps' own time (the unstreamed answer's), not the whole stream's: the streamed request's first
+    # token may wait behind other work in the worker (this stack shadows reuse requests), which says nothing of
+    # when its chunks leave
+    assert (done - first) > 0.3 * decode_s, (done - first, decode_s)
 
 
 def test_sampling_is_seeded_and_temperature_0_is_greedy(client, docs):
