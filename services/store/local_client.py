@@ -35,6 +35,20 @@ from .keys import DocumentKey, FetchedShard, Range, ShardSpec
 PARALLEL_HASH_BYTES = 1 << 20       # shards from this size are hashed with blake3's threads as well
 
 
+def _verify(spec: ShardSpec, got: int, longer: bool, parts: list, parallel_hash: bool) -> None:
+    """DataLoss unless the blob held exactly `spec.size` bytes (`got` read, `longer` if it goes on past them) and
+    `parts`, in order, hash to `spec.digest`."""
+    if got != spec.size or longer:
+        raise DataLoss(f"shard {spec.name!r} (rank {spec.rank}) is corrupt: its blob holds "
+                       f"{'more than ' if longer else ''}{got} bytes, committed {spec.size}")
+    h = blake3.blake3(max_threads=blake3.blake3.AUTO if parallel_hash and spec.size >= PARALLEL_HASH_BYTES else 1)
+    for part in parts:
+        h.update(part)
+    if h.hexdigest() != spec.digest:
+        raise DataLoss(f"shard {spec.name!r} (rank {spec.rank}) is corrupt: its bytes do not hash to the committed "
+                       f"digest {spec.digest[:16]}")
+
+
 def read_verified(fd: int, spec: ShardSpec, parallel_hash: bool = True) -> bytes:
     """The blob's bytes, or DataLoss if they are not exactly `spec.size` bytes hashing to `spec.digest`."""
     parts, offset = [], 0
@@ -45,13 +59,8 @@ def read_verified(fd: int, spec: ShardSpec, parallel_hash: bool = True) -> bytes
         parts.append(chunk)
         offset += len(chunk)
     data = parts[0] if len(parts) == 1 else b"".join(parts)
-    if len(data) != spec.size:
-        raise DataLoss(f"shard {spec.name!r} (rank {spec.rank}) is corrupt: its blob holds {len(data)} bytes, "
-                       f"committed {spec.size}")
-    threads = blake3.blake3.AUTO if parallel_hash and spec.size >= PARALLEL_HASH_BYTES else 1
-    if blake3.blake3(data, max_threads=threads).hexdigest() != spec.digest:
-        raise DataLoss(f"shard {spec.name!r} (rank {spec.rank}) is corrupt: its bytes do not hash to the committed "
-                       f"digest {spec.digest[:16]}")
+    longer = len(data) > spec.size
+    _verify(spec, min(len(data), spec.size), longer, [data], parallel_hash)
     return data
 
 
@@ -87,16 +96,7 @@ def read_placed(fd: int, spec: ShardSpec, place: Place, parallel_hash: bool = Tr
     if want < 0 or room != want:
         raise ValueError(f"shard {spec.name!r}: {len(prefix)} + {room} bytes placed for {spec.size}")
     got = len(prefix) + _preadv_full(fd, buffers, len(prefix))
-    if got != spec.size or os.pread(fd, 1, spec.size):
-        raise DataLoss(f"shard {spec.name!r} (rank {spec.rank}) is corrupt: its blob holds "
-                       f"{'more than ' if got == spec.size else ''}{got} bytes, committed {spec.size}")
-    h = blake3.blake3(prefix, max_threads=blake3.blake3.AUTO if parallel_hash and spec.size >= PARALLEL_HASH_BYTES
-                      else 1)
-    for b in buffers:
-        h.update(b)
-    if h.hexdigest() != spec.digest:
-        raise DataLoss(f"shard {spec.name!r} (rank {spec.rank}) is corrupt: its bytes do not hash to the committed "
-                       f"digest {spec.digest[:16]}")
+    _verify(spec, got, got == spec.size and bool(os.pread(fd, 1, spec.size)), [prefix, *buffers], parallel_hash)
 
 
 class LocalStoreClient:

@@ -63,6 +63,23 @@ def _nbytes(part: dict | DirectGroup) -> int:
     return part.nbytes if isinstance(part, DirectGroup) else sum(len(d) for d in part.values())
 
 
+class _Head:
+    """A document's head (its certificate and manifest files, a future), verified once by whichever of its layer
+    groups needs it first (`read_head` without a binding: the request's checks come later, in `StagedSource.read`)."""
+
+    def __init__(self, files: Future):
+        self.files, self._lock, self._read = files, threading.Lock(), None
+
+    def verified(self):
+        with self._lock:
+            if self._read is None:
+                self._read = read_head(self.files.result(), None)
+        art, v = self._read
+        if not v.ok:
+            raise SourceError(v.reason, v.detail)
+        return art
+
+
 class Prefetcher:
     def __init__(self, tier: PinnedTier, tenants: Tenants, store: str, rank: int, channels: tuple[int, int],
                  n_layers: int, layer_group: int, threads: int, trace: Trace | None = None, local_socket: str = "",
@@ -119,15 +136,13 @@ class Prefetcher:
         # read_layers compares digests with the certificate's instead of hashing each byte again
         return VerifiedFiles({s.spec.name: s.data for s in shards}, {s.spec.name: s.spec.digest for s in shards})
 
-    def _direct(self, tenant: str, key: DocumentKey, generation: int, group: int, head: Future
+    def _direct(self, tenant: str, key: DocumentKey, generation: int, group: int, head: _Head
                 ) -> DirectGroup | VerifiedFiles:
         """One layer group through the local socket, read straight into the slabs of its layers
         (runtime.reuse.direct: their layout follows from the head's manifest, verified first; page-locked where a
         GPU exists, so the tier keeps them and the device copy reads them as they are); the byte stream
         (`_stream`) where the store has no local socket here."""
-        head_art, v = read_head(head.result(), None)
-        if not v.ok:
-            raise SourceError(v.reason, v.detail)
+        head_art = head.verified()
         g = self.groups[group]
         direct = DirectGroup(head_art, range(g.lo, g.hi), pinned=torch.cuda.is_available())
         self._note("fetch_start", group)
@@ -150,12 +165,10 @@ class Prefetcher:
             self.stats.placed += direct.nbytes
         return direct
 
-    def _own_share(self, tenant: str, key: DocumentKey, generation: int, group: int, head: Future) -> dict:
+    def _own_share(self, tenant: str, key: DocumentKey, generation: int, group: int, head: _Head) -> dict:
         """This rank's part of a shared fetch of one layer group: its LOCAL shards and the latent shards of the
         layers it owns, named by its manifest (the head, verified first)."""
-        head_art, v = read_head(head.result(), None)
-        if not v.ok:
-            raise SourceError(v.reason, v.detail)
+        head_art = head.verified()
         layers = range(self.groups[group].lo, self.groups[group].hi)
         skip = self.exchange.shared_files(layers) - self.exchange.owned_files(layers)
         names = sorted({shard_file(e["name"]) for e in head_art.manifest["shards"] if e["layer"] in layers} - skip)
@@ -167,10 +180,11 @@ class Prefetcher:
         arrive first whatever the number of documents (document by document, group 0 of the last one came with the
         last bytes and the forward waited for nearly the whole fetch)."""
         heads = [self._streams.submit(self._stream, t, k, gen, None) for t, k, gen, _ in items]
+        checked = [_Head(h) for h in heads]         # each document's head verified once for all its groups
         groups: list[list[tuple[range, Future]]] = [[] for _ in items]
         for i, g in enumerate(self.groups):
             layers = range(g.lo, g.hi)
-            for d, ((t, k, gen, shared), head) in enumerate(zip(items, heads)):
+            for d, ((t, k, gen, shared), head) in enumerate(zip(items, checked)):
                 if shared:      # every rank runs this, in the same order: the exchange jobs line up
                     fut = self.exchange.submit(self._streams.submit(self._own_share, t, k, gen, i, head), layers)
                 elif self.local_socket is not None:
