@@ -5,6 +5,7 @@ that stopping a service also stops its rank processes. Every wait is bounded."""
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -28,7 +29,14 @@ from services.worker.settings import WorkerSettings
 START_TIMEOUT_S = 240.0
 
 
+# what a child says when the port it was given was taken first: redis-server ("bind: Address already in use"),
+# Python servers ("[Errno 98] ... address already in use"), prometheus ("bind: address already in use")
+ADDR_IN_USE = re.compile(r"address already in use|errno 98", re.IGNORECASE)
+PORT_TRIES = 5
+
+
 def free_port() -> int:
+    """A port free now; a server given it may find it taken when it binds (`LocalStack.start` then tries fresh ones)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -45,6 +53,14 @@ def http_ok(url: str, timeout: float = 2.0) -> bool:
 def redis_ok(url: str) -> bool:
     try:
         return bool(sync_client(url, socket_connect_timeout=1, socket_timeout=2).ping())
+    except redis.RedisError:
+        return False
+
+
+def redis_is(url: str, pid: int) -> bool:
+    """The Redis answering at `url` is process `pid` (not another server that took the port first)."""
+    try:
+        return sync_client(url, socket_connect_timeout=1, socket_timeout=2).info("server")["process_id"] == pid
     except redis.RedisError:
         return False
 
@@ -182,9 +198,10 @@ def redis_service(port: int, data_dir: Path, log: Path) -> Service:
                          "Redis URL (REDIS_URL)")
     data_dir.mkdir(parents=True, exist_ok=True)
     url = f"redis://127.0.0.1:{port}/0"
-    return Service("redis", [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes",
-                             "--appendfsync", "always",
-                             "--dir", str(data_dir)], {"PYTHONUNBUFFERED": "1"}, log, lambda: redis_ok(url))
+    svc = Service("redis", [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes",
+                            "--appendfsync", "always", "--dir", str(data_dir)], {"PYTHONUNBUFFERED": "1"}, log, None)
+    svc.ready = lambda: svc.proc is not None and redis_is(url, svc.proc.pid)     # ours, not a server on its port
+    return svc
 
 
 def store_service(listen: str, metrics_listen: str, redis_url: str, redis_prefix: str, blob_root: Path,
@@ -205,13 +222,17 @@ class LocalStack:
         self.tokens_file = self.workdir / "tokens"
         self.tokens_file.write_text("".join(f"{t} {tok}\n" for t, tok in cfg.tenants.items()))
         self.tokens_file.chmod(0o600)
-        self.ports = {n: free_port() for n in ("redis", "store", "store_metrics", "api", "worker", "builder_metrics")}
-        self.redis_url = cfg.redis_url or f"redis://127.0.0.1:{self.ports['redis']}/0"
         self.local_socket = ""
         if cfg.local_socket:        # a unix socket's path has at most 107 bytes: a short one where the workdir's is long
             sock = self.workdir / "store.sock"
             self.local_socket = str(sock if len(str(sock)) < 100 else
                                     Path(tempfile.mkdtemp(prefix="rk-")) / "store.sock")
+        self._pick_ports()
+
+    def _pick_ports(self) -> None:
+        """Fresh ports for every service, wired into each other's settings (the services are defined anew)."""
+        self.ports = {n: free_port() for n in ("redis", "store", "store_metrics", "api", "worker", "builder_metrics")}
+        self.redis_url = self.cfg.redis_url or f"redis://127.0.0.1:{self.ports['redis']}/0"
         self.services: dict[str, Service] = {}
         self._define()
 
@@ -266,10 +287,21 @@ class LocalStack:
     def start(self, progress=None, defer: tuple[str, ...] = ()) -> "LocalStack":
         """Redis and the store first (the others need them), then the API, builder and worker together; the services
         named in `defer` are left for a later `restart(name)` (a benchmark builds its documents before a worker
-        that needs the same GPU exists)."""
+        that needs the same GPU exists). The ports are picked free before any service binds one and wired into
+        each other's settings: where another process took one first (the service says "address already in use"),
+        what started is stopped and the stack starts again on fresh ports (PORT_TRIES in all)."""
         unknown = set(defer) - set(self.services)
         if unknown:
             raise ValueError(f"cannot defer {sorted(unknown)}: not services of this stack")
+        for attempt in range(PORT_TRIES):
+            try:
+                return self._start(progress, defer)
+            except StackError as e:
+                if attempt == PORT_TRIES - 1 or not ADDR_IN_USE.search(str(e)):
+                    raise
+                self._pick_ports()
+
+    def _start(self, progress, defer: tuple[str, ...]) -> "LocalStack":
         try:
             for group in (("redis", "store"), ("api", "builder", "worker")):
                 names = [n for n in group if n in self.services and n not in defer]

@@ -20,6 +20,7 @@ import redis
 
 from services.store.client import StoreClient
 from services.store.keys import DocumentKey, Range, ShardKind, ShardSpec, digest_bytes
+from services.common.stack import redis_is
 from services.store.redis_client import sync_client
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,11 +79,9 @@ def running_stack(tmp_path_factory, checkpoint: Path, redis_url: str, tag: str, 
     `yield from`: stopped after the module, its keys deleted, and every service checked to stop cleanly on SIGTERM."""
     from services.common.stack import LocalStack, StackConfig
     prefix = f"{tag}-{uuid.uuid4().hex[:8]}"
-    # the stack's ports come from free_port() and are wired into each other's settings before any service binds
-    # one: a port taken in between fails the start (the stack stops what it started), a fresh stack is tried
-    st = retry_if_port_taken(lambda: LocalStack(StackConfig(
-        workdir=tmp_path_factory.mktemp("stack"), model=checkpoint, redis_url=redis_url, prefix=prefix,
-        **cfg)).start())
+    # a port taken by another process before the service bound it: the stack starts again on fresh ones itself
+    st = LocalStack(StackConfig(workdir=tmp_path_factory.mktemp("stack"), model=checkpoint, redis_url=redis_url,
+                                prefix=prefix, **cfg)).start()
     yield st
     codes = st.stop()
     r = redis.Redis.from_url(redis_url)
@@ -114,18 +113,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# what a child says when its port was taken: redis-server ("bind: Address already in use"), Python servers
-# ("[Errno 98] ... address already in use"), prometheus ("bind: address already in use")
-ADDR_IN_USE = re.compile(r"address already in use|errno 98", re.IGNORECASE)
-
-
 def retry_if_port_taken(start, tries: int = 5):
     """`start()`, called again (at most `tries` times in all) while it fails because a port picked with free_port()
     was taken before its server bound it. For servers that cannot bind port 0 and report the port (redis-server:
-    `--port 0` turns TCP off) or whose ports are wired into one another before any starts (LocalStack). `start`
-    picks fresh ports on every call and fails with the child's log (AssertionError or StackError); any other
-    failure is raised at once."""
-    from services.common.stack import StackError
+    `--port 0` turns TCP off). `start` picks fresh ports on every call and fails with the child's log
+    (AssertionError or StackError); any other failure is raised at once. (LocalStack does this itself.)"""
+    from services.common.stack import ADDR_IN_USE, StackError
     for attempt in range(tries):
         try:
             return start()
@@ -141,14 +134,6 @@ def _ping(url: str) -> bool:
         return False
 
 
-def _is_pid(url: str, pid: int) -> bool:
-    """The Redis answering at `url` is process `pid` (not another test's server that took the port first)."""
-    try:
-        return sync_client(url, socket_connect_timeout=1, socket_timeout=2).info("server")["process_id"] == pid
-    except redis.RedisError:
-        return False
-
-
 def started_redis_service(tmp: Path):
     """services.common.stack.redis_service (the local stack's AOF Redis) started and ready on a free port, tried again
     while the port was taken first; (service, port). Ready means answered by this process, not by another's server on
@@ -157,8 +142,7 @@ def started_redis_service(tmp: Path):
 
     def start():
         port = free_port()
-        rs = redis_service(port, tmp / "redis", tmp / "redis.log")
-        rs.ready = lambda: _is_pid(f"redis://127.0.0.1:{port}/0", rs.proc.pid)
+        rs = redis_service(port, tmp / "redis", tmp / "redis.log")      # ready: answered by its own process
         rs.start(tmp)
         try:
             rs.wait_ready(30)
@@ -194,7 +178,7 @@ def redis_url(tmp_path_factory):
         procs.append(proc)
         url = f"redis://127.0.0.1:{port}/0"
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not _ping(url) or not _is_pid(url, proc.pid):
+        while not _ping(url) or not redis_is(url, proc.pid):
             assert proc.poll() is None and time.monotonic() < deadline, \
                 f"redis-server did not start:\n{log.read_text(errors='replace')[-3000:]}"
             time.sleep(0.05)
