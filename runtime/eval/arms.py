@@ -20,13 +20,15 @@ B is a fraction (0.25) or a percentage (25%). Knobs, with the eval profile's val
   sink=N            each relocated document's first N rows active first, inside the budget (0)
   slope=S           budgets per layer: from B x (1 + S) at the first reusable layer to B x (1 - S) at the
                     last, nested (0: B at every layer)
+  local=native|fp8  the stored Local contribution W_o,L O_L: the model's dtype, or e4m3 codes with a power-of-two
+                    scale per row and 128 channels, dequantized where the engine restores it (native)
 An arm's name is its canonical spec (`reuse@25%:ffn=native`); knobs left at their defaults are not named, so
 `reuse@0.25:ffn=skip` is the default arm `reuse@25%`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime.reuse.profile import DEVIATION_SIGNALS, LAST_FENCE_KV, SELECT_RULES, ReuseProfile
+from runtime.reuse.profile import DEVIATION_SIGNALS, LAST_FENCE_KV, LOCAL_FORMATS, SELECT_RULES, ReuseProfile
 
 BASELINES = ("recompute", "prefix-only", "naive")
 JOIN_ROWS, RECENT_ROWS = 16, 64
@@ -53,10 +55,11 @@ KNOBS = {
     "recent": ("recent_rows", int),
     "sink": ("sink_rows", int),
     "slope": ("budget_slope", float),
+    "local": ("local_format", lambda v: _choice(v, LOCAL_FORMATS)),
 }
 DEFAULTS = {"gpg": "1", "ffn": "skip", "lastkv": "recompute", "select": "attention", "signal": "k",
             "join": str(JOIN_ROWS), "recent": str(RECENT_ROWS), "sink": "0",
-            "slope": "0"}
+            "slope": "0", "local": "native"}
 
 
 def _choice(v: str, allowed: tuple[str, ...]) -> str:

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from runtime.llama.model import Llama
+from runtime.model.quant import dequant_fp8_rows, quant_fp8_rows
 from runtime.reuse.artifact import DocumentArtifact, KVLayerArtifact
 from runtime.reuse.certificate import Certificate, token_hash
 from runtime.reuse.controller import doc_offsets
@@ -28,10 +29,32 @@ class LlamaArtifact:
     local: list[torch.Tensor | None]          # per layer [n, d]: W_o,L O_L in reusable layers
     cert: Certificate | None = None           # what the artifact is certified for (`certify`)
     start: int = 0                            # canonical position of its first row (after its profile's preamble)
+    # local_format="fp8": `local` holds float8_e4m3fn codes and `local_s` their uint8 E8M0 exponents per row and 128
+    # channels (`quant_fp8_rows`), as DeepSeek-V4's artifacts store them; None for the model's own dtype
+    local_s: list[torch.Tensor | None] | None = None
 
     @property
     def n(self) -> int:
         return len(self.tokens)
+
+    def local_at(self, i: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """Layer i's W_o,L O_L in `dtype`: the stored tensor, or its FP8 codes dequantized (exact in float32, then
+        `dtype`: what DeepSeek-V4's restore computes)."""
+        p = self.local[i]
+        s = None if self.local_s is None else self.local_s[i]
+        return p if p is None or s is None else dequant_fp8_rows(p, s, dtype)
+
+
+def _stored_local(p: torch.Tensor, prof: ReuseProfile) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A layer's W_o,L O_L as `prof` stores it: itself, or (codes, scales) for local_format="fp8"."""
+    return quant_fp8_rows(p) if prof.local_format == "fp8" else (p, None)
+
+
+def _split_local(pairs: list) -> tuple[list, list | None]:
+    """Per-layer (tensor, scales) pairs (None where a layer has none) -> (`local`, `local_s` or None)."""
+    local = [None if q is None else q[0] for q in pairs]
+    scales = [None if q is None else q[1] for q in pairs]
+    return local, (scales if any(x is not None for x in scales) else None)
 
 
 def expectations(model: Llama, fingerprint: str = "") -> dict:
@@ -84,7 +107,8 @@ def produce_llama_many(model: Llama, tokens: list[int], profs: list[ReuseProfile
         lc.capture = None
     ks = [c["k"].clone() for c in caps]
     vs = [c["v"].clone() for c in caps]
-    local: dict[tuple[int, int], torch.Tensor] = {}                 # (layer, global_per_group) -> W_o,L O_L
+    # (layer, global_per_group, local_format) -> W_o,L O_L as stored: (tensor, FP8 scales or None)
+    local: dict[tuple[int, int, str], tuple[torch.Tensor, torch.Tensor | None]] = {}
     out = []
     for prof in profs:
         loc = (~global_heads(model, prof)).nonzero().flatten().to(dev)      # Local head ids (host mask: no sync)
@@ -93,12 +117,13 @@ def produce_llama_many(model: Llama, tokens: list[int], profs: list[ReuseProfile
             if i < prof.first_fences or i >= n_layers - prof.last_fences:
                 locals_.append(None)
                 continue
-            key = (i, prof.global_per_group)
+            key = (i, prof.global_per_group, prof.local_format)
             if key not in local:
-                local[key] = layer.self_attn.project(cap["o"].index_select(1, loc), heads=loc)
+                local[key] = _stored_local(layer.self_attn.project(cap["o"].index_select(1, loc), heads=loc), prof)
             locals_.append(local[key])
-        out.append(LlamaArtifact(list(tokens), ks, vs, locals_,
-                                 certify(model, tokens, prof, tokenizer_fp, fingerprint), start=P))
+        lp, ls = _split_local(locals_)
+        out.append(LlamaArtifact(list(tokens), ks, vs, lp, certify(model, tokens, prof, tokenizer_fp, fingerprint),
+                                 start=P, local_s=ls))
     return out
 
 
@@ -135,7 +160,7 @@ def produce_llama_packed(model: Llama, segments: list[list[int]], profs: list[Re
     cut = lambda x: [x[a:b] for a, b in spans]            # noqa: E731
     ks = list(zip(*(cut(k) for k, _, _ in caps)))                          # per document, per layer
     vs = list(zip(*(cut(v) for _, v, _ in caps)))
-    local: dict[tuple[int, int], list[torch.Tensor]] = {}
+    local: dict[tuple[int, int, str], list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
     out = []
     for prof in profs:
         loc = (~global_heads(model, prof)).nonzero().flatten().to(dev)
@@ -144,13 +169,18 @@ def produce_llama_packed(model: Llama, segments: list[list[int]], profs: list[Re
             if i < prof.first_fences or i >= n_layers - prof.last_fences:
                 per_layer.append([None] * len(segments))
                 continue
-            key = (i, prof.global_per_group)
-            if key not in local:
-                local[key] = cut(layer.self_attn.project(o.index_select(1, loc), heads=loc))
+            key = (i, prof.global_per_group, prof.local_format)
+            if key not in local:        # each document's rows quantized on their own (as produced alone)
+                local[key] = [_stored_local(x, prof)
+                              for x in cut(layer.self_attn.project(o.index_select(1, loc), heads=loc))]
             per_layer.append(local[key])
-        out.append([LlamaArtifact(list(t), list(ks[j]), list(vs[j]), [p[j] for p in per_layer],
-                                  certify(model, t, prof, tokenizer_fp, fingerprint), start=len(pres[j]))
-                    for j, t in enumerate(segments)])
+        arts = []
+        for j, t in enumerate(segments):
+            lp, ls = _split_local([p[j] for p in per_layer])
+            arts.append(LlamaArtifact(list(t), list(ks[j]), list(vs[j]), lp,
+                                      certify(model, t, prof, tokenizer_fp, fingerprint), start=len(pres[j]),
+                                      local_s=ls))
+        out.append(arts)
     return out
 
 
@@ -183,8 +213,9 @@ def relocate(model: Llama, docs: list[LlamaArtifact]) -> Relocated:
 def to_document(art: LlamaArtifact) -> DocumentArtifact:
     """`art` as the shared artifact format holds it: one `KVLayerArtifact` a layer, TP1, meta naming the family."""
     dtype = str(art.k[0].dtype).removeprefix("torch.")
+    scales = art.local_s or [None] * len(art.k)
     return DocumentArtifact(list(art.tokens), len(art.tokens),
-                            [KVLayerArtifact(k, v, p) for k, v, p in zip(art.k, art.v, art.local)],
+                            [KVLayerArtifact(k, v, p, s) for k, v, p, s in zip(art.k, art.v, art.local, scales)],
                             meta={"family": "llama", "dtype": dtype, "producer_version": PRODUCER_VERSION})
 
 
@@ -198,9 +229,11 @@ def from_document(doc: DocumentArtifact, device: torch.device | str | None = Non
     layers = doc.layers
     if not all(isinstance(la, KVLayerArtifact) for la in layers):
         raise TypeError("not a Llama-family artifact (its layers are not KVLayerArtifact)")
+    scales = [on(la.local_s) for la in layers]
     return LlamaArtifact(list(doc.tokens), [on(la.k) for la in layers], [on(la.v) for la in layers],
                          [on(la.local_p) for la in layers],
-                         start=start_of(prof, doc.tokens) if prof is not None else 0)
+                         start=start_of(prof, doc.tokens) if prof is not None else 0,
+                         local_s=scales if any(x is not None for x in scales) else None)
 
 
 def build(model: Llama, tokens: list[int], prof: ReuseProfile, fingerprint: str, tokenizer_fp: str,

@@ -39,6 +39,7 @@ class KVLayerArtifact:
     k: torch.Tensor                           # [n, KV, D]
     v: torch.Tensor                           # [n, KV, D]
     local_p: torch.Tensor | None = None       # [n, d]
+    local_s: torch.Tensor | None = None       # local_format="fp8": local_p's E8M0 scales, as LayerArtifact's
     owner: Owner = field(default=Owner.CALLER, compare=False)
 
 

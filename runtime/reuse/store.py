@@ -343,7 +343,8 @@ def _layer(m: dict, layer: int, parsed: dict[str, dict[str, torch.Tensor]]) -> L
         kv = parsed[kv_shard(layer)]
         if "k" not in kv or "v" not in kv:
             raise _reject(FallbackReason.DIGEST_MISMATCH, f"layer {layer} kv shard lacks k or v")
-        return KVLayerArtifact(kv["k"], kv["v"], parsed[local[0]]["local_p"] if local else None)
+        return KVLayerArtifact(kv["k"], kv["v"], parsed[local[0]]["local_p"] if local else None,
+                               parsed[local[0]].get("local_s") if local else None)
     if latent_shard(layer) not in parsed:
         raise _reject(FallbackReason.MISSING_SHARD, f"layer {layer} has neither a latent nor a kv shard")
     lat = parsed[latent_shard(layer)]
