@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import shutil
@@ -43,6 +44,22 @@ def bootstrap_ci(values: list[float], seed: int = 0, n: int = 2000) -> tuple[flo
     rng = random.Random(seed)
     means = sorted(statistics.fmean(rng.choices(values, k=len(values))) for _ in range(n))
     return means[int(0.025 * n)], means[int(0.975 * n) - 1]
+
+
+def ratio_ci(num: list[float], den: list[float], seed: int = 0, n: int = 2000) -> tuple[float, float | None] | None:
+    """95% percentile-bootstrap interval of mean(num) / mean(den), the two sets of windows resampled apart; None
+    where mean(den) is 0, and an upper end of None where resamples of `den` with no completed request make the
+    interval unbounded."""
+    if not den or statistics.fmean(den) <= 0:
+        return None
+    rng = random.Random(seed)
+
+    def one() -> float:
+        d = statistics.fmean(rng.choices(den, k=len(den)))
+        return statistics.fmean(rng.choices(num, k=len(num))) / d if d > 0 else math.inf
+    ratios = sorted(one() for _ in range(n))
+    hi = ratios[int(0.975 * n) - 1]
+    return ratios[int(0.025 * n)], None if math.isinf(hi) else hi
 
 
 def one_request(c: httpx.Client, ids: list[str], arm: str, n_out: int) -> tuple[float, float, float, int]:
@@ -183,6 +200,7 @@ def main() -> int:
                                                     args.windows, SMALL_EXTRA if args.small else MAX_EXTRA)
                     r["length"] = L
                     r["ratio_req_s"] = r["req_s"] / pair["recompute"]["req_s"] if pair["recompute"]["req_s"] else None
+                    r["ratio_req_s_ci"] = ratio_ci(r["windows_req_s"], pair["recompute"]["windows_req_s"])
                     rows.append(r)
                     print(f"  {L} {arm:9s} x{conc}: {r['req_s']:.3f} req/s [{r['req_s_ci'][0]:.3f}, "
                           f"{r['req_s_ci'][1]:.3f}], {r['tok_s']:.1f} tok/s, first chunk p50 "
@@ -196,10 +214,14 @@ def main() -> int:
             shutil.rmtree(work, ignore_errors=True)
         if builder_code is not None:        # stopped on purpose before the timed cases
             codes["builder"] = builder_code
-    print("\n| tokens | concurrency | arm | req/s (95% CI) | tokens/s (95% CI) | first chunk p50 s | reuse / recompute |")
+    print("\n| tokens | concurrency | arm | req/s (95% CI) | tokens/s (95% CI) | first chunk p50 s | reuse / recompute "
+          "(95% CI) |")
     print("|---:|---:|---|---|---|---:|---:|")
     for r in rows:
         ratio = f"{r['ratio_req_s']:.2f}x" if r["arm"] == "reuse" and r["ratio_req_s"] else ""
+        if ratio and r["ratio_req_s_ci"]:
+            lo, hi = r["ratio_req_s_ci"]
+            ratio += f" [{lo:.2f}, {'unbounded' if hi is None else f'{hi:.2f}'}]"
         print(f"| {r['length']} | {r['concurrency']} | {r['arm']} | {r['req_s']:.3f} [{r['req_s_ci'][0]:.3f}, "
               f"{r['req_s_ci'][1]:.3f}] | {r['tok_s']:.1f} [{r['tok_s_ci'][0]:.1f}, {r['tok_s_ci'][1]:.1f}] | "
               f"{r['first_chunk_p50_s'] or float('nan'):.3f} | {ratio} |")

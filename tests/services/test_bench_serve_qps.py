@@ -27,4 +27,7 @@ def test_serve_qps_small_drives_both_arms_at_each_concurrency(tmp_path):
         assert lo - 1e-9 <= row["req_s"] <= hi + 1e-9, row       # the mean inside its bootstrap interval
         assert row["tok_s"] == pytest.approx(row["req_s"] * run["output_tokens"]), row
         assert 0 < row["first_chunk_p50_s"] <= row["e2e_p50_s"], row
+        if row["arm"] == "reuse":           # the ratio to the recompute arm, with its bootstrap interval
+            lo, hi = row["ratio_req_s_ci"]     # (no upper end where a resampled recompute arm completed nothing)
+            assert lo - 1e-9 <= row["ratio_req_s"] <= (float("inf") if hi is None else hi + 1e-9), row
     assert "| 512 | 2 | reuse |" in r.stdout                 # the results table
