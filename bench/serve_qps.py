@@ -156,6 +156,9 @@ def main() -> int:
     ap.add_argument("--windows", type=int, default=5)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tier-gib", type=float, default=100.0)
+    ap.add_argument("--prefill-chunk", type=int, default=0, metavar="N",
+                    help="the worker's recompute arm in chunks of N tokens (REDKNOT_POLICY prefill_chunk=N: the same "
+                         "logits, bounded activations at long context; 0: one forward)")
     ap.add_argument("--workdir", default="")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
@@ -176,7 +179,8 @@ def main() -> int:
     stack = LocalStack(StackConfig(
         workdir=work / "stack", model=ckpt, tp=1, profile=json.dumps(prof.to_dict()), device=args.device,
         tenants={TENANT: TOKEN}, tier_gib=args.tier_gib,
-        worker_env={"REDKNOT_WORKER_REQUEST_TIMEOUT_S": "1800", "REDKNOT_WORKER_MAX_QUEUE": str(2 * max(concs))},
+        worker_env={**({"REDKNOT_POLICY": f"prefill_chunk={args.prefill_chunk}"} if args.prefill_chunk else {}),
+                    "REDKNOT_WORKER_REQUEST_TIMEOUT_S": "1800", "REDKNOT_WORKER_MAX_QUEUE": str(2 * max(concs))},
         api_env={"REDKNOT_API_GENERATE_TIMEOUT_S": "1800", "REDKNOT_API_SERVED_MODEL_NAME": MODEL}))
     stack.start(defer=("worker",))          # builds first: one GPU holds one Flash-sized model at a time
     rows, builder_code = [], None

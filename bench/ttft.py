@@ -291,6 +291,12 @@ def plot(rows: list[dict], name: str, out: str, cold_rows: tuple[str, list[dict]
     plt.savefig(out, dpi=120)
 
 
+def recompute(model, full: torch.Tensor) -> torch.Tensor:
+    """The recompute arm: one forward over the whole request, or, under a policy `prefill_chunk`, the worker's
+    chunked prefill into a fresh cache."""
+    return model.prefill(full, model.new_cache()) if model.policy.prefill_chunk else model(full)
+
+
 def main() -> int:
     if "--plot-from" in sys.argv:            # no run: one plot from the --json files of earlier runs
         pp = argparse.ArgumentParser()
@@ -336,9 +342,15 @@ def main() -> int:
                          "(repeatable: runtime/policy.py names the fields, e.g. fused_min_heads=8, "
                          "moe_grouped_slots=0) beside the default's, interleaved; the row gets policy_s, policy_all "
                          "and the changed fields")
+    ap.add_argument("--prefill-chunk", type=int, default=0, metavar="N",
+                    help="the recompute arm's forward in chunks of N tokens into a cache (the policy's prefill_chunk, "
+                         "as the worker's recompute arm runs under it: the same logits, bounded activations; 0: one "
+                         "forward without a cache)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
+    if args.prefill_chunk < 0:
+        ap.error("--prefill-chunk must be >= 0")
     try:
         alt = RuntimePolicy.parse(args.policy) if args.policy else None
     except ValueError as e:
@@ -349,6 +361,8 @@ def main() -> int:
     device = torch.device(args.device)
     cfg, prof = model_config(args)
     model = flash_model(cfg, device, args.q_chunk)
+    if args.prefill_chunk:
+        model.set_policy(model.policy.replace(prefill_chunk=args.prefill_chunk))
     dtype = model.dtype
     name = header(f"Flash dims x {cfg.n_layers} layers, {dtype}, routed experts {args.experts} of 256 (top-6 + shared "
                   f"kept) | profile {prof.first_fences}F-{len(prof.reusable_layers(cfg))}R-{prof.last_fences}F, budget "
@@ -401,7 +415,7 @@ def main() -> int:
         other_t, other_res = {b: [] for b in extra}, {}
         mem, warm = {}, {"recompute": [], "reuse": []}           # warm-up, every arm
         for _ in range(args.warmup):
-            for arm, fn in (("recompute", lambda: model(full)), ("reuse", reuse)):
+            for arm, fn in (("recompute", lambda: recompute(model, full)), ("reuse", reuse)):
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats()
                 t, res = timed(fn, device)
@@ -423,7 +437,7 @@ def main() -> int:
         if alt is not None:
             timed(reuse_alt, device)
         for _ in range(args.reps):                               # interleaved, side by side
-            rec_t.append(timed(lambda: model(full), device)[0])
+            rec_t.append(timed(lambda: recompute(model, full), device)[0])
             before = allocator_counters()
             t, res = timed(reuse, device)
             alloc.append(allocator_delta(before))
@@ -465,7 +479,7 @@ def main() -> int:
             got = {}
             for flag in ("1", "0"):
                 os.environ["REDKNOT_KERNELS"] = flag
-                got[flag] = (model(full).float(), reuse().logits.float())
+                got[flag] = (recompute(model, full).float(), reuse().logits.float())
             os.environ["REDKNOT_KERNELS"] = "1"
             for k, arm in enumerate(("recompute", "reuse")):
                 a, b = got["1"][k], got["0"][k]
@@ -477,7 +491,7 @@ def main() -> int:
             print(host_profile(reuse, device, title=f"of one reuse prefill at {L}"), flush=True)
         if L == args.profile_at and device.type == "cuda":
             from torch.profiler import ProfilerActivity, profile
-            for arm, fn in (("reuse", reuse), ("recompute", lambda: model(full))):
+            for arm, fn in (("reuse", reuse), ("recompute", lambda: recompute(model, full))):
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
                              with_stack=args.profile_stack) as prof_:
                     fn()

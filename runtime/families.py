@@ -49,6 +49,12 @@ def device_of(model) -> torch.device:
     return next(model.parameters()).device
 
 
+def prefill(model, tokens: torch.Tensor, cache) -> torch.Tensor:
+    """A request's own forward over its whole prompt into `cache` (the recompute arm): DeepSeek-V4 in chunks of its
+    policy's `prefill_chunk` (one forward when 0), the Llama family in one forward."""
+    return model.prefill(tokens, cache) if family(model) == "deepseek_v4" else model(tokens, cache)
+
+
 def channel_range(model, rank: int = 0, size: int = 1) -> tuple[int, int]:
     """The channels of the stored Local contribution this rank holds (the Llama family: all, at TP1)."""
     if family(model) == "deepseek_v4":

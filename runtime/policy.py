@@ -39,6 +39,11 @@ class RuntimePolicy:
     # pairs; above, the per-expert loop, whose GEMMs are then large enough that its one host read costs little
     # (0: always the loop)
     moe_grouped_slots: int = 1 << 15
+    # a request's own forward over its whole prompt (the recompute arm, a fallback, a shadow recompute) runs in
+    # chunks of at most this many tokens, each extending the request's cache (`Transformer.prefill`: the same logits
+    # and cache as one forward, tests/runtime/test_model_fidelity.py); it bounds the activations of a long prompt
+    # (the recompute arm needs ~65 GiB at 64K in one forward with 8 routed experts) (0: one forward)
+    prefill_chunk: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

@@ -984,8 +984,9 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, cache: ModelCache, chunk: int | None = None) -> torch.Tensor:
-        """Extend the cache by `tokens` in chunks; chunked prefill equals one-shot prefill."""
-        chunk = chunk or tokens.shape[0]
+        """Extend the cache by `tokens` in chunks (`chunk`, else the policy's `prefill_chunk`, else one forward);
+        chunked prefill equals one-shot prefill."""
+        chunk = chunk or self.policy.prefill_chunk or tokens.shape[0]
         out = None
         for a in range(0, tokens.shape[0], chunk):
             out = self.forward(tokens[a:a + chunk], cache)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from runtime.families import build as family_build, device_of, expectations, family
+from runtime.families import build as family_build, device_of, expectations, family, prefill
 from runtime.model.deepseek_v4 import ModelCache, Transformer
 from .certificate import Certificate, FallbackCounter, Verdict, agree, digest_bytes, token_hash, validate
 from .call import RequestState
@@ -136,7 +136,8 @@ def _recompute(model: Transformer, profile: ReuseProfile, padded: list[list[int]
     dev = device_of(model)
     full = torch.tensor(served_tokens(profile, padded, question, model.cfg.eos_token_id), device=dev)
     cache = model.new_cache()
-    return Outcome(model(full, cache), "recompute", verdict, None, cache=cache, model=model, document=document)
+    return Outcome(prefill(model, full, cache), "recompute", verdict, None, cache=cache, model=model,
+                   document=document)
 
 
 def _prefetched(model: Transformer, arts: list) -> list:

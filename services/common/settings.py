@@ -81,8 +81,8 @@ class CommonSettings(Settings):
                                "checkpoint fingerprint to use instead of hashing the checkpoint's bytes at start")
     policy: str = setting("", "REDKNOT_POLICY", "runtime policy: key=value,... over RuntimePolicy's measured defaults "
                                                 "(runtime/policy.py: fused_min_heads, fused_min_segments, "
-                                                "key_frame_min_heads, stacked_parts, moe_grouped_slots; empty: the "
-                                                "defaults)")
+                                                "key_frame_min_heads, stacked_parts, moe_grouped_slots, "
+                                                "prefill_chunk; empty: the defaults)")
 
     @field_validator("policy")
     @classmethod

@@ -25,7 +25,7 @@ from typing import Protocol
 
 import torch
 
-from runtime.families import device_of
+from runtime.families import device_of, prefill
 from runtime.model.deepseek_v4 import ModelCache
 from runtime.reuse.call import RequestState
 from runtime.reuse.certificate import BROKEN_ARTIFACT, FallbackReason, Verdict
@@ -181,7 +181,7 @@ class RankEngine:
         dev = device_of(self.model)
         tokens = served_tokens(self.binding.profile, docs, question, self.eos)
         cache = self.model.new_cache()
-        return self.model(torch.tensor(tokens, device=dev), cache), cache
+        return prefill(self.model, torch.tensor(tokens, device=dev), cache), cache
 
     @property
     def shadow_pending(self) -> bool:

@@ -13,7 +13,7 @@ def test_ttft_cpu_smoke_run_with_a_second_budget_and_the_cold_arm(tmp_path):
     r = subprocess.run([sys.executable, "bench/ttft.py", "--small", "--device", "cpu", "--layers", "8", "--experts", "8",
                     "--lengths", "1024", "--cold-at", "1024", "--reps", "1", "--warmup", "2", "--extra-budgets", "0.1",
                     "--policy", "fused_min_heads=4", "--policy", "moe_grouped_slots=0",
-                    "--hostprof-at", "1024", "--json",
+                    "--hostprof-at", "1024", "--prefill-chunk", "256", "--json",
                     str(out)], cwd=ROOT, check=True, capture_output=True, text=True, timeout=600)
     run = json.loads(out.read_text())
     # --hostprof-at: one reuse prefill under cProfile, our functions by their own time and with callees
@@ -21,6 +21,7 @@ def test_ttft_cpu_smoke_run_with_a_second_budget_and_the_cold_arm(tmp_path):
     assert "Ordered by: internal time" in prof and "Ordered by: cumulative time" in prof
     assert "runtime/reuse/deepseek.py" in prof and "(_reusable_layer)" in prof
     assert run["device"] == "cpu"             # the arms timed beside the run's own do not rename the device
+    assert run["args"]["prefill_chunk"] == 256                  # the recompute arm as a chunked prefill
     (row,) = run["rows"]
     assert row["budget"] == 0.25 and row["cold_s"] > 0 and row["recompute_s"] > 0
     (extra,) = row["extra"]

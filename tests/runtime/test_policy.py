@@ -69,3 +69,28 @@ def test_the_services_build_the_policy_at_their_edge():
         assert s.runtime_policy() == RuntimePolicy(fused_min_heads=4, moe_grouped_slots=0)
         with pytest.raises(pydantic.ValidationError, match=r"policy[\s\S]*'frame=1' must be key=value"):
             cls.from_args(None, env={"REDKNOT_POLICY": "fused_min_heads=4,frame=1"})
+
+
+def test_prefill_chunk_runs_the_recompute_arm_in_chunks_with_one_forwards_logits_and_cache():
+    """`prefill_chunk` bounds a long prompt's activations: the recompute arm (runtime.families.prefill, what the
+    worker's recompute, fallbacks and shadows run) extends the cache chunk by chunk, with the logits and the cache of
+    one forward (the next step equal too)."""
+    from unittest import mock
+
+    import torch
+
+    from runtime.families import prefill
+    from tests.tiny import tiny_model
+    model = tiny_model()
+    tokens = torch.randint(3, model.cfg.vocab_size, (70,), generator=torch.Generator().manual_seed(2))
+    whole_cache = model.new_cache()
+    whole = model(tokens, whole_cache)
+    with model.policy_as(RuntimePolicy(prefill_chunk=16)), mock.patch.object(model, "forward",
+                                                                             wraps=model.forward) as fwd:
+        cache = model.new_cache()
+        got = prefill(model, tokens, cache)
+        assert fwd.call_count == 5 and [c.args[0].shape[0] for c in fwd.call_args_list] == [16, 16, 16, 16, 6]
+    torch.testing.assert_close(got, whole, atol=1e-5, rtol=1e-5)
+    nxt = torch.tensor([int(whole.argmax())])
+    torch.testing.assert_close(model(nxt, cache), model(nxt, whole_cache), atol=1e-5, rtol=1e-5)
+    assert RuntimePolicy.parse(["prefill_chunk=8192"]).prefill_chunk == 8192
