@@ -38,3 +38,19 @@ def tiny_llama(cfg: LlamaConfig = TINY_LLAMA, seed: int = 0, std: float = 0.15) 
     for p in m.parameters():
         torch.nn.init.normal_(p, std=std)
     return m.eval()
+
+
+def stored_tiny_llama(directory, cfg: LlamaConfig = TINY_LLAMA) -> Llama:
+    """`tiny_llama(cfg)` saved as a checkpoint in `directory` and loaded back by the services' loader (by its
+    config.json's model_type), as a worker or builder holds it."""
+    from runtime.families import load_checkpoint
+    from runtime.llama.loader import save_llama
+    save_llama(tiny_llama(cfg), directory)
+    return load_checkpoint(directory)
+
+
+def random_request(seed: int, lengths: tuple[int, ...], question: int, vocab: int = 128) -> tuple[list, list]:
+    """Documents of `lengths` random token ids (from 3: no special token) and a question of `question` ids."""
+    g = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+    return docs, torch.randint(3, vocab, (question,), generator=g).tolist()

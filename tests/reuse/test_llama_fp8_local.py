@@ -7,16 +7,15 @@ import pytest
 import torch
 
 from runtime.eval.arms import ArmError, parse_arm
-from runtime.families import build, expectations, load_checkpoint
+from runtime.families import build, expectations
 from runtime.llama.artifacts import produce_llama, produce_llama_many, produce_llama_packed
-from runtime.llama.loader import save_llama
 from runtime.model.quant import FP8_ROW_BLOCK
 from runtime.reuse.certificate import FallbackReason, token_hash
 from runtime.reuse.engine import ReuseEngine
 from runtime.reuse.profile import ReuseProfile
 from runtime.reuse.request import ServingIdentity, answer
 from runtime.reuse.store import load_artifact
-from tests.tiny import TINY_LLAMA, tiny_llama
+from tests.tiny import TINY_LLAMA, random_request, stored_tiny_llama
 
 CFG = TINY_LLAMA
 NATIVE = ReuseProfile(name="t", first_fences=2, last_fences=2, align=1, join_rows=4, recent_rows=8, budget=0.25,
@@ -27,13 +26,8 @@ IDENT = ServingIdentity("f" * 64, "tok")
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    m = tiny_llama(CFG)
-    ckpt = tmp_path_factory.mktemp("ckpt")
-    save_llama(m, ckpt)
-    m = load_checkpoint(ckpt)
-    g = torch.Generator().manual_seed(3)
-    docs = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (30, 41, 25)]
-    question = torch.randint(3, 128, (9,), generator=g).tolist()
+    m = stored_tiny_llama(tmp_path_factory.mktemp("ckpt"), CFG)
+    docs, question = random_request(3, (30, 41, 25), 9)
     return m, docs, question
 
 

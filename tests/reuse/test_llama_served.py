@@ -8,9 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.families import build, check_profile, expectations, load_checkpoint
+from runtime.families import build, check_profile, expectations
 from runtime.llama.artifacts import produce_llama
-from runtime.llama.loader import save_llama
 from runtime.reuse.artifact import KVLayerArtifact
 from runtime.reuse.certificate import FallbackCounter, FallbackReason, token_hash
 from runtime.reuse.engine import ReuseEngine
@@ -18,7 +17,7 @@ from runtime.reuse.profile import ProfileError, ReuseProfile
 from runtime.reuse.request import ServingIdentity, answer, answer_staged
 from runtime.reuse.stager import StagedSource
 from runtime.reuse.store import CERTIFICATE_FILE, MANIFEST_FILE, load_artifact
-from tests.tiny import TINY_LLAMA, tiny_llama
+from tests.tiny import TINY_LLAMA, random_request, stored_tiny_llama
 
 CFG = TINY_LLAMA
 PROF = ReuseProfile(name="t", first_fences=2, last_fences=2, align=1, join_rows=4, recent_rows=8, budget=0.25,
@@ -28,13 +27,8 @@ IDENT = ServingIdentity("f" * 64, "tok")
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    m = tiny_llama(CFG)
-    ckpt = tmp_path_factory.mktemp("ckpt")
-    save_llama(m, ckpt)
-    m = load_checkpoint(ckpt)                       # the services' loader, by config.json's model_type
-    g = torch.Generator().manual_seed(1)
-    docs = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (30, 41, 25)]
-    question = torch.randint(3, 128, (9,), generator=g).tolist()
+    m = stored_tiny_llama(tmp_path_factory.mktemp("ckpt"), CFG)
+    docs, question = random_request(1, (30, 41, 25), 9)
     root = tmp_path_factory.mktemp("arts")
     dirs = [build(m, d, PROF, IDENT.fingerprint, IDENT.tokenizer_fingerprint, root / f"d{i}", generation=1)
             for i, d in enumerate(docs)]
