@@ -260,7 +260,7 @@ class LlamaAdapter:
             # non-active rows: W_o,G O_G + bias + the artifact's W_o,L O_L (their Local heads' outputs zeroed)
             h2 = x + attn.project(self.reusable_attention(attn, q, lc, positions, k_pos, sel, heads))
             if n_reloc:
-                h2[:n_reloc] += torch.cat([d.local_at(i, x.dtype) for d in docs[1:]]).to(x.dtype) * rest
+                h2[:n_reloc] += torch.cat([d.local_at(i, x.dtype) for d in docs[1:]]) * rest
         if self.prof.ffn_mode == "native" or full:
             h2 = h2 + layer.mlp(layer.post_attention_layernorm(h2))
         else:
@@ -324,7 +324,7 @@ class LlamaAdapter:
             if attn.o_proj.bias is not None:
                 y = y + attn.o_proj.bias
             local = torch.cat([d.local_at(i, y.dtype) for d in docs[1:]])
-            out[rest] = (y + local[rest].to(y.dtype)).to(out.dtype)
+            out[rest] = (y + local[rest]).to(out.dtype)
         h2 = x + out
         rest_ffn = self.prof.ffn_mode == "native" and not full
         mlp_rows = torch.ones_like(row_active) if rest_ffn else row_active

@@ -38,11 +38,13 @@ class LlamaArtifact:
         return len(self.tokens)
 
     def local_at(self, i: int, dtype: torch.dtype) -> torch.Tensor | None:
-        """Layer i's W_o,L O_L in `dtype`: the stored tensor, or its FP8 codes dequantized (exact in float32, then
-        `dtype`: what DeepSeek-V4's restore computes)."""
+        """Layer i's W_o,L O_L in `dtype`: the stored tensor cast, or its FP8 codes dequantized (exact in float32,
+        then `dtype`: what DeepSeek-V4's restore computes)."""
         p = self.local[i]
         s = None if self.local_s is None else self.local_s[i]
-        return p if p is None or s is None else dequant_fp8_rows(p, s, dtype)
+        if p is None:
+            return None
+        return p.to(dtype) if s is None else dequant_fp8_rows(p, s, dtype)
 
 
 def _stored_local(p: torch.Tensor, prof: ReuseProfile) -> tuple[torch.Tensor, torch.Tensor | None]:
