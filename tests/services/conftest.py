@@ -6,7 +6,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ import redis
 
 from services.store.client import StoreClient
 from services.store.keys import DocumentKey, Range, ShardKind, ShardSpec, digest_bytes
-from services.common.stack import redis_is
+from services.common.stack import ADDR_IN_USE, PORT_TRIES, StackError, free_port, redis_is, redis_ok
 from services.store.redis_client import sync_client
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,34 +103,18 @@ def scrape(url: str) -> dict[str, float]:
     return out
 
 
-def free_port() -> int:
-    """A port free now. A child process that binds it later can find it taken by a parallel test process: a server
-    that can bind port 0 and print what it got should (StoreProcess); the others start through
-    retry_if_port_taken."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def retry_if_port_taken(start, tries: int = 5):
+def retry_if_port_taken(start, tries: int = PORT_TRIES):
     """`start()`, called again (at most `tries` times in all) while it fails because a port picked with free_port()
-    was taken before its server bound it. For servers that cannot bind port 0 and report the port (redis-server:
+    was taken before its server bound it (a server that can bind port 0 and print what it got should instead:
+    StoreProcess). For servers that cannot bind port 0 and report the port (redis-server:
     `--port 0` turns TCP off). `start` picks fresh ports on every call and fails with the child's log
     (AssertionError or StackError); any other failure is raised at once. (LocalStack does this itself.)"""
-    from services.common.stack import ADDR_IN_USE, StackError
     for attempt in range(tries):
         try:
             return start()
         except (AssertionError, StackError) as e:
             if attempt == tries - 1 or not ADDR_IN_USE.search(str(e)):
                 raise
-
-
-def _ping(url: str) -> bool:
-    try:
-        return bool(sync_client(url, socket_connect_timeout=1, socket_timeout=2).ping())
-    except redis.RedisError:
-        return False
 
 
 def started_redis_service(tmp: Path):
@@ -158,10 +141,10 @@ def redis_url(tmp_path_factory):
     """REDIS_URL, else 127.0.0.1:6379 when it answers, else a redis-server of our own on a free port."""
     url = os.environ.get("REDIS_URL")
     if url:
-        assert _ping(url), f"REDIS_URL={url} does not answer"
+        assert redis_ok(url), f"REDIS_URL={url} does not answer"
         yield url
         return
-    if _ping("redis://127.0.0.1:6379/0"):
+    if redis_ok("redis://127.0.0.1:6379/0"):
         yield "redis://127.0.0.1:6379/0"
         return
     exe = shutil.which("redis-server")
@@ -178,7 +161,7 @@ def redis_url(tmp_path_factory):
         procs.append(proc)
         url = f"redis://127.0.0.1:{port}/0"
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not _ping(url) or not redis_is(url, proc.pid):
+        while not redis_ok(url) or not redis_is(url, proc.pid):
             assert proc.poll() is None and time.monotonic() < deadline, \
                 f"redis-server did not start:\n{log.read_text(errors='replace')[-3000:]}"
             time.sleep(0.05)
