@@ -32,7 +32,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.report import header, write_json  # noqa: E402
-from bench.serve_ttft import QUESTION, TENANT, TOKEN, _client, random_checkpoint, upload, wait_ready  # noqa: E402
+from bench.serve_ttft import (QUESTION, TENANT, TOKEN, _client, add_worker_args, random_checkpoint,  # noqa: E402
+                              upload, wait_ready, worker_env)
 from bench.ttft import add_model_args, model_config, request  # noqa: E402
 from services.common.stack import LocalStack, StackConfig  # noqa: E402
 
@@ -156,9 +157,7 @@ def main() -> int:
     ap.add_argument("--windows", type=int, default=5)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tier-gib", type=float, default=100.0)
-    ap.add_argument("--prefill-chunk", type=int, default=0, metavar="N",
-                    help="the worker's recompute arm in chunks of N tokens (REDKNOT_POLICY prefill_chunk=N: the same "
-                         "logits, bounded activations at long context; 0: one forward)")
+    add_worker_args(ap)
     ap.add_argument("--workdir", default="")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
@@ -179,8 +178,7 @@ def main() -> int:
     stack = LocalStack(StackConfig(
         workdir=work / "stack", model=ckpt, tp=1, profile=json.dumps(prof.to_dict()), device=args.device,
         tenants={TENANT: TOKEN}, tier_gib=args.tier_gib,
-        worker_env={**({"REDKNOT_POLICY": f"prefill_chunk={args.prefill_chunk}"} if args.prefill_chunk else {}),
-                    "REDKNOT_WORKER_REQUEST_TIMEOUT_S": "1800", "REDKNOT_WORKER_MAX_QUEUE": str(2 * max(concs))},
+        worker_env={**worker_env(args), "REDKNOT_WORKER_MAX_QUEUE": str(2 * max(concs))},
         api_env={"REDKNOT_API_GENERATE_TIMEOUT_S": "1800", "REDKNOT_API_SERVED_MODEL_NAME": MODEL}))
     stack.start(defer=("worker",))          # builds first: one GPU holds one Flash-sized model at a time
     rows, builder_code = [], None

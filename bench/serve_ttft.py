@@ -65,6 +65,20 @@ def random_checkpoint(args, cfg, prefix: str) -> tuple[Path, Path]:
     return work, ckpt
 
 
+def add_worker_args(ap) -> None:
+    """The served worker's flags both serve benchmarks take (`worker_env` turns them into its settings)."""
+    ap.add_argument("--prefill-chunk", type=int, default=0, metavar="N",
+                    help="the worker's recompute arm in chunks of N tokens (REDKNOT_POLICY prefill_chunk=N: the same "
+                         "logits, bounded activations at long context; 0: one forward)")
+
+
+def worker_env(args) -> dict[str, str]:
+    """The worker's environment in a serve benchmark: a request queue that may hold a long build's worth of
+    requests, and the policy `add_worker_args` asked for."""
+    return {"REDKNOT_WORKER_REQUEST_TIMEOUT_S": "1800",
+            **({"REDKNOT_POLICY": f"prefill_chunk={args.prefill_chunk}"} if args.prefill_chunk else {})}
+
+
 def _client(stack: LocalStack) -> httpx.Client:
     return httpx.Client(base_url=stack.api_url, headers={"Authorization": f"Bearer {TOKEN}"},
                         timeout=httpx.Timeout(1800.0, connect=10.0))
@@ -135,9 +149,7 @@ def main() -> int:
     ap.add_argument("--empty-reps", type=int, default=0, help="reps of the tier-empty case (default: --reps)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tier-gib", type=float, default=100.0, help="the worker's pinned tier per rank (hot case)")
-    ap.add_argument("--prefill-chunk", type=int, default=0, metavar="N",
-                    help="the worker's recompute arm in chunks of N tokens (REDKNOT_POLICY prefill_chunk=N: the same "
-                         "logits, bounded activations at long context; 0: one forward)")
+    add_worker_args(ap)
     ap.add_argument("--workdir", default="", help="keep the stack's files here (default: a temp dir)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
@@ -160,8 +172,7 @@ def main() -> int:
         workdir=work / "stack", model=ckpt, tp=1, profile=json.dumps(prof.to_dict()), device=args.device,
         tenants={TENANT: TOKEN}, tier_gib=args.tier_gib,
         # the worker's request queue may hold a long build's worth of requests; one API call may take minutes
-        worker_env={**({"REDKNOT_POLICY": f"prefill_chunk={args.prefill_chunk}"} if args.prefill_chunk else {}),
-                    "REDKNOT_WORKER_REQUEST_TIMEOUT_S": "1800"}, api_env={"REDKNOT_API_GENERATE_TIMEOUT_S": "1800"}))
+        worker_env=worker_env(args), api_env={"REDKNOT_API_GENERATE_TIMEOUT_S": "1800"}))
     t = time.perf_counter()
     # builds first, with no worker: one GPU holds one Flash-sized model and its work at a time (two models and a
     # builder's forward beside them ran out of the H200's memory); in a deployment builders have GPUs of their own.
