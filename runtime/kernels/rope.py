@@ -18,9 +18,14 @@ from ._triton import HAVE_TRITON, tl, triton
 if HAVE_TRITON:
 
     @triton.jit
-    def _rope_kernel(x_ptr, s_ptr, cos_ptr, sin_ptr, H, stride_xt, stride_xh, stride_st, stride_sh, rope_off,
-                     INVERSE: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64)
+    def _rope_kernel(x_ptr, s_ptr, cos_ptr, sin_ptr, rows_ptr, H, stride_xt, stride_xh, stride_st, stride_sh,
+                     rope_off, INVERSE: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                     ROW_IDS: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)                # the angles' row
+        if ROW_IDS:
+            r = tl.load(rows_ptr + t)                    # x's row
+        else:
+            r = t
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         hmask = offs_h < H
         offs_i = tl.arange(0, HALF)
@@ -28,10 +33,10 @@ if HAVE_TRITON:
         s = tl.load(sin_ptr + t * HALF + offs_i)[None, :]
         if INVERSE:
             s = -s
-        src = s_ptr + t * stride_st + offs_h[:, None] * stride_sh + rope_off + 2 * offs_i[None, :]
+        src = s_ptr + r * stride_st + offs_h[:, None] * stride_sh + rope_off + 2 * offs_i[None, :]
         xe = tl.load(src, mask=hmask[:, None], other=0.0).to(tl.float32)
         xo = tl.load(src + 1, mask=hmask[:, None], other=0.0).to(tl.float32)
-        dst = x_ptr + t * stride_xt + offs_h[:, None] * stride_xh + rope_off + 2 * offs_i[None, :]
+        dst = x_ptr + r * stride_xt + offs_h[:, None] * stride_xh + rope_off + 2 * offs_i[None, :]
         tl.store(dst, (xe * c - xo * s).to(x_ptr.dtype.element_ty), mask=hmask[:, None])
         tl.store(dst + 1, (xo * c + xe * s).to(x_ptr.dtype.element_ty), mask=hmask[:, None])
 
@@ -50,37 +55,33 @@ def rope_reference_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inver
     return x
 
 
-def rope_source(x: torch.Tensor, rd: int) -> torch.Tensor:
-    """A `src` for `rope_` that keeps only x's trailing rd channels: one compact copy of them ([T, H, rd], 1/8 of a
-    512-wide row at rd = 64) seen through a read-only [T, H, D] view whose trailing rd channels ARE that copy (its
-    other channels alias neighbouring rows and are never read: `rope_` reads a source's trailing rd only). With it
-    x's rope channels may be rotated in place again and again from the saved originals, where a full clone of x
-    would otherwise hold them."""
-    assert x.dim() == 3 and 0 < rd <= x.shape[-1], (x.shape, rd)
-    T, H, D = x.shape
-    buf = torch.empty(T * H * rd + (D - rd), dtype=x.dtype, device=x.device)
-    buf[D - rd:].view(T, H, rd).copy_(x[..., D - rd:])
-    return buf.as_strided((T, H, D), (H * rd, rd, 1))
-
-
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False,
-          src: torch.Tensor | None = None) -> torch.Tensor:
-    """Rotate x's trailing rope channels in place (from `src`'s when given); returns x."""
-    assert x.dim() == 3 and cos.shape == sin.shape and cos.shape[0] == x.shape[0], (x.shape, cos.shape)
+          src: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotate x's trailing rope channels in place (from `src`'s when given); returns x. `rows` (int64 [R] on x's
+    device): only these rows of x, row rows[i] at the angles cos[i]/sin[i] (one launch over rows gathered from
+    anywhere in x, e.g. the served rows of every part of a stacked buffer)."""
+    assert x.dim() == 3 and cos.shape == sin.shape, (x.shape, cos.shape)
+    assert cos.shape[0] == (x.shape[0] if rows is None else rows.shape[0]), (x.shape, cos.shape)
     assert src is None or src.shape == x.shape, (src.shape, x.shape)
+    if rows is not None and src is not None:
+        raise ValueError("rope_: rows with a separate src is not supported")
     if not _triton.enabled(x):
-        return rope_reference_(x, cos, sin, inverse, src)
-    T, H, D = x.shape
+        if rows is None:
+            return rope_reference_(x, cos, sin, inverse, src)
+        x[rows] = rope_reference_(x[rows], cos, sin, inverse)
+        return x
+    T = cos.shape[0]
+    _, H, D = x.shape
     half = cos.shape[-1]
     assert (half & (half - 1)) == 0, f"rope pairs {half} must be a power of two"
     src = x if src is None else src
     assert x.stride(-1) == 1 and src.stride(-1) == 1, "the channel dim must be contiguous"
-    # (a `rope_source` view has overlapping rows: only its trailing rope channels are read, and they are distinct)
     if T == 0 or H == 0:
         return x
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
     block_h = min(16, triton.next_power_of_2(H))
-    _rope_kernel[(T, triton.cdiv(H, block_h))](x, src, cos, sin, H, x.stride(0), x.stride(1), src.stride(0),
-                                               src.stride(1), D - 2 * half, INVERSE=inverse, HALF=half,
-                                               BLOCK_H=block_h, num_warps=1)
+    _rope_kernel[(T, triton.cdiv(H, block_h))](x, src, cos, sin, cos if rows is None else rows, H, x.stride(0),
+                                               x.stride(1), src.stride(0), src.stride(1), D - 2 * half,
+                                               INVERSE=inverse, HALF=half, BLOCK_H=block_h,
+                                               ROW_IDS=rows is not None, num_warps=1)
     return x

@@ -77,22 +77,70 @@ if HAVE_TRITON:
         return k, v
 
     @triton.jit
+    def _part_row(prog_ptr, i):
+        """Row i of a parts launch's program table (int64 [., 4]): its part, its (first) query row t, v, that row's
+        place in the call's angle table, and the end of the part's rows."""
+        row = prog_ptr + i * 4
+        return tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3)
+
+    @triton.jit
+    def _part_segment(tab_ptr, part, dt: tl.constexpr):
+        """A part's segment (multiseg.segment_table's row: latent address, n, Delta, entries address, entry
+        count): its latent and entries as pointers, their counts and its Delta."""
+        row = tab_ptr + part * 6
+        return (tl.load(row).to(tl.pointer_type(dt)), tl.load(row + 1), tl.load(row + 3).to(tl.pointer_type(dt)),
+                tl.load(row + 4), tl.load(row + 2))
+
+    @triton.jit
+    def _turned(q, base, qmask, cos_ptr, sin_ptr, v, offs_d, D: tl.constexpr, HALF: tl.constexpr):
+        """q [R, D] (rows at `base` + channel) with its trailing 2 x HALF channels turned by the interleaved pairs
+        (2i, 2i+1) at the angles of row v[r] of cos/sin [., HALF] (float32), rounded to q's dtype: the arithmetic
+        of `rope_` (runtime/kernels/rope.py). Each channel's pair partner is read again from memory (a cache
+        hit), so nothing is shuffled between registers; the other channels are left exact."""
+        RO: tl.constexpr = D - 2 * HALF
+        rope = (offs_d >= RO)[None, :]
+        pair = tl.where(offs_d >= RO, (offs_d - RO) // 2, 0)[None, :]
+        ang = v[:, None] * HALF + pair
+        c = tl.load(cos_ptr + ang, mask=qmask & rope, other=1.0)
+        s = tl.load(sin_ptr + ang, mask=qmask & rope, other=0.0)
+        s = tl.where((offs_d % 2 == 0)[None, :], -s, s)
+        partner = tl.load(base + (offs_d ^ 1)[None, :], mask=qmask & rope, other=0.0)
+        return (q.to(tl.float32) * c + partner.to(tl.float32) * s).to(q.dtype)
+
+    @triton.jit
     def _sparse_mqa_kernel(q_ptr, k_ptr, e_ptr, cpos_ptr, picks_ptr, o_ptr, lse_ptr,
                            H, n_keys, n_entries, n_picks, ratio, window, qk_scale, pos_shift,
                            stride_qt, stride_qh, stride_pt,
+                           tab_ptr, prog_ptr, cos_ptr, sin_ptr, stride_op, stride_lp,
                            MODE: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_H: tl.constexpr,
-                           BLOCK_N: tl.constexpr, PREC: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64)
+                           BLOCK_N: tl.constexpr, PREC: tl.constexpr, PARTS: tl.constexpr, HALF: tl.constexpr):
+        """PARTS: one launch over many segments' parts (`sparse_mqa_parts`): program i is the query row that
+        prog_ptr's row i names in its part, whose segment row in tab_ptr gives the keys, entries and Delta; its
+        query is turned to t - Delta on load (cos/sin of the part's row), its picks are row i of picks_ptr, its
+        output and LSE go to the part's slice of the stacked buffers (o_ptr + part x stride_op)."""
         hb = tl.program_id(1)
         offs_v = tl.program_id(2) * DV + tl.arange(0, DV)                 # this program's output columns
         offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         hmask = offs_h < H
         offs_d = tl.arange(0, D)
         offs_n = tl.arange(0, BLOCK_N)
-
+        if PARTS:
+            i = tl.program_id(0).to(tl.int64)
+            part, t, arow, _ = _part_row(prog_ptr, i)
+            k_ptr, n_keys, e_ptr, n_entries, delta = _part_segment(tab_ptr, part, q_ptr.dtype.element_ty)
+            cp = (tl.load(cpos_ptr + t) - delta).to(tl.int32)          # cpos_ptr: the request positions
+            o_ptr += part * stride_op
+            lse_ptr += part * stride_lp
+            pick_row = i
+        else:
+            t = tl.program_id(0).to(tl.int64)
+            cp = tl.load(cpos_ptr + t).to(tl.int32)
+            pick_row = t
         q = tl.load(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
                     mask=hmask[:, None], other=0.0)
-        cp = tl.load(cpos_ptr + t).to(tl.int32)
+        if PARTS:
+            q = _turned(q, q_ptr + t * stride_qt + offs_h[:, None] * stride_qh, hmask[:, None], cos_ptr, sin_ptr,
+                        arow + tl.zeros([BLOCK_H], tl.int64), offs_d, D, HALF)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, DV], dtype=tl.float32)
@@ -118,7 +166,7 @@ if HAVE_TRITON:
         elif MODE == 2:
             for start in range(0, n_picks, BLOCK_N):
                 j = start + offs_n
-                idx = tl.load(picks_ptr + t * stride_pt + j, mask=j < n_picks, other=-1)
+                idx = tl.load(picks_ptr + pick_row * stride_pt + j, mask=j < n_picks, other=-1)
                 valid = (idx >= 0) & (idx < n_entries)
                 k, v = _tile(e_ptr, idx, valid, offs_d, offs_v, D, DV)
                 m_i, l_i, acc = _online_block(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale, PREC)
@@ -133,25 +181,41 @@ if HAVE_TRITON:
     @triton.jit
     def _sparse_mqa_rows_kernel(q_ptr, k_ptr, e_ptr, cpos_ptr, o_ptr, lse_ptr,
                                 T, H, n_keys, n_entries, ratio, window, qk_scale, pos_shift, stride_qt, stride_qh,
+                                tab_ptr, prog_ptr, cos_ptr, sin_ptr, stride_op, stride_lp,
                                 MODE: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
-                                BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+                                BLOCK_N: tl.constexpr, PREC: tl.constexpr, PARTS: tl.constexpr,
+                                HALF: tl.constexpr):
         """`_sparse_mqa_kernel` for calls of few heads in modes "none" and "causal": one program holds ROWS
         query rows x BLOCK_H heads (matrix row m: query row t0 + m // BLOCK_H, head m % BLOCK_H), so the MMA tile's
         M = ROWS x BLOCK_H rows are filled (8 heads alone fill half of a 16-row tile) and each key tile, read once,
         serves every row of the block: the union of the rows' windows, then every entry visible to one of them,
         each score masked to the rows that see its key. The rows' positions need not be consecutive (a gap only
-        widens the union)."""
+        widens the union). PARTS: one launch over many segments' parts, as `_sparse_mqa_kernel`'s (program i:
+        ROWS consecutive rows of one part from row i of prog_ptr, its last row the part's end T)."""
         M: tl.constexpr = ROWS * BLOCK_H
         offs_m = tl.arange(0, M)
-        t = tl.program_id(0).to(tl.int64) * ROWS + offs_m // BLOCK_H
         h = tl.program_id(1) * BLOCK_H + offs_m % BLOCK_H
-        tmask = t < T
-        mmask = tmask & (h < H)
         offs_d = tl.arange(0, D)
         offs_n = tl.arange(0, BLOCK_N)
+        if PARTS:
+            part, t0, v0, end = _part_row(prog_ptr, tl.program_id(0).to(tl.int64))
+            k_ptr, n_keys, e_ptr, n_entries, delta = _part_segment(tab_ptr, part, q_ptr.dtype.element_ty)
+            t = t0 + offs_m // BLOCK_H
+            tmask = t < end
+        else:
+            t = tl.program_id(0).to(tl.int64) * ROWS + offs_m // BLOCK_H
+            tmask = t < T
+        mmask = tmask & (h < H)
         q = tl.load(q_ptr + t[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :],
                     mask=mmask[:, None], other=0.0)
-        cp = tl.load(cpos_ptr + t, mask=tmask, other=0).to(tl.int32)                      # [M]
+        if PARTS:
+            q = _turned(q, q_ptr + t[:, None] * stride_qt + h[:, None] * stride_qh, mmask[:, None], cos_ptr,
+                        sin_ptr, v0 + offs_m // BLOCK_H, offs_d, D, HALF)
+            cp = (tl.load(cpos_ptr + t, mask=tmask, other=0) - delta).to(tl.int32)
+            o_ptr += part * stride_op
+            lse_ptr += part * stride_lp
+        else:
+            cp = tl.load(cpos_ptr + t, mask=tmask, other=0).to(tl.int32)                  # [M]
         cp_min = tl.min(tl.where(tmask, cp, 2147483647), 0)
         cp_max = tl.max(tl.where(tmask, cp, -2147483647), 0)
         m_i = tl.full([M], float("-inf"), tl.float32)
@@ -270,9 +334,9 @@ def sparse_mqa_attention(q: torch.Tensor, keys: torch.Tensor, cpos: torch.Tensor
             raise ValueError(f"ROWS x BLOCK_H = {rows * cfg['BLOCK_H']}: a dot needs at least 16 matrix rows")
         _sparse_mqa_rows_kernel[(triton.cdiv(T, rows), triton.cdiv(H, cfg["BLOCK_H"]))](
             q, k_arg, e, cpos, o, lse, T, H, keys.shape[0], n_entries, max(int(ratio), 1), int(window),
-            scale * LOG2E, int(pos_shift), q.stride(0), q.stride(1), MODE=MODES[mode], D=D, ROWS=rows,
-            BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], PREC=dot_precision(q.dtype), num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"])
+            scale * LOG2E, int(pos_shift), q.stride(0), q.stride(1), cpos, cpos, o, o, 0, 0, MODE=MODES[mode], D=D,
+            ROWS=rows, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], PREC=dot_precision(q.dtype), PARTS=False,
+            HALF=1, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         return o, lse
     cfg = dict(default_config(H, D), **({k: v for k, v in (config or {}).items() if k != "ROWS"}))
     DV = min(int(cfg.get("DV", D)), D)          # output columns per program (DV < D recomputes S per slice)
@@ -282,7 +346,73 @@ def sparse_mqa_attention(q: torch.Tensor, keys: torch.Tensor, cpos: torch.Tensor
     _sparse_mqa_kernel[grid](q, k_arg, e, cpos, p, o, lse,
                              H, keys.shape[0], n_entries, n_picks, max(int(ratio), 1), int(window),
                              scale * LOG2E, int(pos_shift), q.stride(0), q.stride(1), stride_pt,
+                             cpos, cpos, o, o, 0, 0,
                              MODE=MODES[mode], D=D, DV=DV, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
-                             PREC=dot_precision(q.dtype),
+                             PREC=dot_precision(q.dtype), PARTS=False, HALF=1,
                              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return o, lse
+
+
+def sparse_mqa_parts(q: torch.Tensor, qpos: torch.Tensor, tab: torch.Tensor, prog: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, o_buf: torch.Tensor, lse_buf: torch.Tensor, window: int, ratio: int,
+                     scale: float, mode: str, picks: torch.Tensor | None = None, rows: int = 1,
+                     config: dict | None = None) -> None:
+    """Many segments' parts of one call in one launch (runtime/reuse/segments.py's stacked path), whatever their
+    number: part p attends segment p of `tab` (multiseg.segment_table's rows: latent, n, Delta, entries and their
+    count, 0 where the part attends none) from some of the query rows, with the query's rope channels turned to
+    t - Delta as they are loaded.
+
+    q [T,H,D] normed, not turned; qpos [T] int64 request positions; prog [N,4] int64 per program (part, first
+    query row, that row's angle row, the part's end row), ROWS rows per program (`rows`, 1 for "picks"); cos/sin
+    [V, HALF] float32 the angles of every (part, row) at t - Delta; o_buf [P,T,H,D], lse_buf [P,T,H] float32:
+    each part's rows written in its slice, the output's rope channels NOT yet turned back. mode "causal" (entries
+    complete before the row: (t - Delta + 1) // ratio; a part whose table row has no entries: the window only) or
+    "picks" (picks [N, k] int32: program i's row i, -1 = none)."""
+    check_runnable(q)
+    T, H, D = q.shape
+    P = o_buf.shape[0]
+    assert o_buf.shape == (P, T, H, D) and lse_buf.shape == (P, T, H), (o_buf.shape, lse_buf.shape, q.shape)
+    assert o_buf.dtype == lse_buf.dtype == torch.float32 and o_buf.is_contiguous() and lse_buf.is_contiguous()
+    assert prog.dtype == torch.int64 and prog.dim() == 2 and prog.shape[1] == 4, prog.shape
+    assert mode in ("causal", "picks"), mode
+    half = cos.shape[-1]
+    if D & (D - 1) or (half & (half - 1)) or not 0 < 2 * half < D:
+        raise ValueError(f"head dim {D} and rope pairs {half} must be powers of two, {2 * half} < {D}")
+    N = prog.shape[0]
+    if N == 0 or H == 0:
+        return
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    qpos = qpos.to(device=q.device, dtype=torch.int64).contiguous()
+    args = (tab, prog, cos, sin, o_buf.stride(0), lse_buf.stride(0))
+    if rows > 1:
+        if mode == "picks" or rows & (rows - 1):
+            raise ValueError(f"ROWS={rows} needs mode causal and a power of two")
+        bh = triton.next_power_of_2(H)
+        cfg = dict(BLOCK_H=bh, BLOCK_N=64 if D >= 512 else 16, num_warps=8 if D >= 512 and rows * bh >= 64 else 4,
+                   num_stages=2)
+        cfg.update({k: v for k, v in (config or {}).items() if k != "ROWS"})
+        if rows * cfg["BLOCK_H"] < 16:
+            raise ValueError(f"ROWS x BLOCK_H = {rows * cfg['BLOCK_H']}: a dot needs at least 16 matrix rows")
+        _sparse_mqa_rows_kernel[(N, triton.cdiv(H, cfg["BLOCK_H"]))](
+            q, q, q, qpos, o_buf, lse_buf, T, H, 0, 0, max(int(ratio), 1), int(window), scale * LOG2E, 0,
+            q.stride(0), q.stride(1), *args, MODE=1, D=D, ROWS=rows, BLOCK_H=cfg["BLOCK_H"],
+            BLOCK_N=cfg["BLOCK_N"], PREC=dot_precision(q.dtype), PARTS=True, HALF=half, num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"])
+        return
+    if mode == "picks":
+        assert picks is not None and picks.shape[0] == N, (None if picks is None else picks.shape, N)
+        picks = picks.to(device=q.device, dtype=torch.int32).contiguous()
+        n_picks, stride_pt, p = picks.shape[1], picks.stride(0), (picks if picks.numel() else prog)
+    else:
+        n_picks, stride_pt, p = 0, 0, prog
+    cfg = dict(default_config(H, D), **({k: v for k, v in (config or {}).items() if k != "ROWS"}))
+    DV = min(int(cfg.get("DV", D)), D)
+    if D % DV or DV & (DV - 1):
+        raise ValueError(f"DV={DV} must be a power of two dividing D={D}")
+    _sparse_mqa_kernel[(N, triton.cdiv(H, cfg["BLOCK_H"]), D // DV)](
+        q, q, q, qpos, p, o_buf, lse_buf, H, 0, 0, n_picks, max(int(ratio), 1), int(window), scale * LOG2E, 0,
+        q.stride(0), q.stride(1), stride_pt, *args, MODE=MODES[mode], D=D, DV=DV, BLOCK_H=cfg["BLOCK_H"],
+        BLOCK_N=cfg["BLOCK_N"], PREC=dot_precision(q.dtype), PARTS=True, HALF=half, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])

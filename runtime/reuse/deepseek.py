@@ -419,7 +419,7 @@ class DeepSeekAdapter:
                                      (h[a:b], qr[a:b]) if h is not None else None, None,
                                      rows.pos_host[a:b], None if own_picks is None else own_picks[a:b],
                                      rows.trig.setdefault(a, {}), None if res is None else res[a:b],
-                                     q_scratch=True, policy=self.model.policy)
+                                     policy=self.model.policy)
             res = o if res is None else res
             pairs = pairs + p
         return res, pairs

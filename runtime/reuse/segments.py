@@ -13,10 +13,11 @@ import torch
 from runtime.model.config import CSA, HCA, WINDOW
 from runtime.model.deepseek_v4 import NEG_INF
 from runtime.policy import DEFAULT_POLICY, RuntimePolicy
-from runtime.kernels import enabled, merge_stacked, rope_, sparse_mqa_attention
-from runtime.kernels.multiseg import multi_segment_attention
-from runtime.kernels.rope import rope_source
+from runtime.kernels import enabled, merge_stacked, rope_
+from runtime.kernels._host import to_device_nowait
+from runtime.kernels.multiseg import multi_segment_attention, segment_table
 from runtime.kernels.reference import sparse_mqa_reference
+from runtime.kernels.sparse_attention import packed_rows, sparse_mqa_parts
 from .keys import SegmentKeys, angles, memo, offsets, shifted
 from .picks import indexer_global_picks, indexer_picks, own_global_picks, pick_runs
 
@@ -71,25 +72,23 @@ def fused_call(q_raw: torch.Tensor, picks, n_segments: int, policy: RuntimePolic
 def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: list[SegmentKeys], sink: torch.Tensor,
                       idx_inputs=None, picks: list | None = None, qpos_host: np.ndarray | None = None,
                       own_picks: torch.Tensor | None = None, trig: dict | None = None,
-                      out: torch.Tensor | None = None, q_scratch: bool = False,
+                      out: torch.Tensor | None = None,
                       policy: RuntimePolicy = DEFAULT_POLICY) -> tuple[torch.Tensor, torch.Tensor | int]:
     """q_raw [T,H,D] normed, not yet roped; qpos request positions (increasing). Returns the merged per-head output
     [T,H,D] in q_raw's dtype WITH the inverse output RoPE applied (ready for W_a), and the number of (query, key)
     pairs attended (an int from host arithmetic, or a tensor where picks are counted: no host sync).
 
-    Per segment j at Delta_j, only on the rows it serves: the query's RoPE channels are rotated to t - Delta_j (a
-    64-channel write into one shared copy of q), the fused sparse attention (or its torch reference) writes the
-    partial output and LSE into slice j of one stacked buffer, and the partial output's RoPE channels are
-    de-rotated at t - Delta_j (+Delta_j into the request frame, then the inverse output RoPE at t, in one
-    rotation). One pass then merges every row's parts with the sink once. `own_picks` [T, k]: each row's entry
+    Per segment j at Delta_j, only on the rows it serves: the query's RoPE channels are rotated to t - Delta_j, the
+    sparse attention writes the partial output and LSE into slice j of one stacked buffer, and the partial output's
+    RoPE channels are de-rotated at t - Delta_j (+Delta_j into the request frame, then the inverse output RoPE at t,
+    in one rotation); on CUDA every part in a bounded number of launches (`_stacked_parts`), elsewhere one torch
+    reference call per part. One pass then merges every row's parts with the sink once. `own_picks` [T, k]: each row's entry
     picks in its own segment (the artifact's, global_picks="artifact"); else CSA picks are the native indexer's
     top-k over the union of all segments' visible entries. On CUDA, a call of at least `policy.fused_min_heads`
     heads or `policy.fused_min_segments` segments does all of this in one launch of the fused multi-segment kernel
     instead (`_fused_segment_attention`).
     `out`: a contiguous [T,H,D] tensor of q_raw's dtype the merged output is written into (a caller's row slice),
-    else a new one.
-    `q_scratch`: the caller no longer needs q_raw, so the per-segment rotations are written into it in place (from
-    a compact copy of its rope channels, `rope_source`) instead of into a clone of it."""
+    else a new one."""
     T, H, D = q_raw.shape
     W = attn.cfg.window_size
     host = qpos.cpu().numpy() if qpos_host is None else qpos_host      # host arithmetic: numpy, never a launch
@@ -102,34 +101,18 @@ def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: l
     plan = _plan(attn, host, segments, picks, own_picks, trig)
     o_buf = torch.empty((len(plan), T, H, D), dtype=torch.float32, device=q_raw.device)
     lse_buf = torch.full((len(plan), T, H), NEG_INF, dtype=torch.float32, device=q_raw.device)
-    fast = enabled(q_raw)
-    if q_scratch and fast and T:          # q_raw's rope channels saved (1/8 of it), the parts turned in q_raw itself
-        src_all, q = rope_source(q_raw, 2 * attn.rotary.inv_freq.numel()), q_raw
+    if enabled(q_raw):
+        _stacked_parts(attn, q_raw, qpos, host, segments, plan, o_buf, lse_buf, trig)
     else:
-        src_all, q = q_raw, q_raw.clone()  # the 448 non-RoPE channels are shared by every part
-    # where the parts cover most of the stacked rows (HCA: every segment serves every later row), the outputs are
-    # de-rotated in one launch over the whole stack (rows a part does not serve are never read by the merge)
-    at_once = 2 * sum(hi - lo for _, lo, hi, _, _ in plan) >= len(plan) * T
-    for p, (j, lo, hi, mode, pk) in enumerate(plan):
-        seg = segments[j]
-        cos, sin = angles(attn, qpos, lo, hi, seg.delta, trig)
-        qs = rope_(q[lo:hi], cos, sin, src=src_all[lo:hi])
-        cl = shifted(qpos, lo, hi, seg.delta, trig)
-        ent = seg.entries if mode != "none" else None
-        o, lse = o_buf[p, lo:hi], lse_buf[p, lo:hi]
-        if fast:
-            sparse_mqa_attention(qs, seg.latent, cl, W, ent, mode, attn.ratio or 1, pk, attn.scale, out=(o, lse))
-        else:
-            ro, rl = sparse_mqa_reference(qs, seg.latent, cl, W, ent, mode, attn.ratio or 1, pk, attn.scale)
-            o.copy_(ro)
-            lse.copy_(rl)
-        if not at_once:
-            rope_(o, cos, sin, inverse=True)
-    if at_once and plan:
-        cs = memo(trig, ("stacked", attn.kind == WINDOW, T, tuple(segments[j].delta for j, *_ in plan)),
-                   lambda: [torch.cat(c) for c in zip(*[angles(attn, qpos, 0, T, segments[j].delta, trig)
-                                                        for j, *_ in plan])])
-        rope_(o_buf.view(len(plan) * T, H, D), *cs, inverse=True)
+        for p, (j, lo, hi, mode, pk) in enumerate(plan):
+            seg = segments[j]
+            cos, sin = angles(attn, qpos, lo, hi, seg.delta, trig)
+            qs = rope_(q_raw[lo:hi].clone(), cos, sin)
+            ro, rl = sparse_mqa_reference(qs, seg.latent, shifted(qpos, lo, hi, seg.delta, trig), W,
+                                          seg.entries if mode != "none" else None, mode, attn.ratio or 1, pk,
+                                          attn.scale)
+            o_buf[p, lo:hi] = rope_(ro, cos, sin, inverse=True)
+            lse_buf[p, lo:hi] = rl
     out = merge_stacked(o_buf, lse_buf, sink, q_raw.dtype, [(lo, hi) for _, lo, hi, _, _ in plan], out=out)
     # pairs the kernel attends: clipped window rows plus visible entries (on the host), plus picks (on the device)
     pairs = _pairs_host(attn, host, segments, attn.kind == HCA, trig)
@@ -139,6 +122,53 @@ def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: l
                 sum((pk >= 0).sum() for _, _, _, m, pk in plan if m == "picks")
         pairs = n_picks + pairs
     return out, pairs
+
+
+def _stacked_parts(attn, q_raw, qpos, host, segments, plan, o_buf, lse_buf, trig):
+    """The stacked parts on CUDA in a bounded number of launches whatever the segments: one launch of the sparse
+    kernel over every window/causal part and one over every picks part (`sparse_mqa_parts`: each program reads its
+    part's segment from a table and turns its query rows to t - Delta as it loads them), then one rotation that
+    turns every part's served output rows back (`rope_` over listed rows). The tables that depend only on the rows
+    and the segments' places (angles, programs, output rows) are made once per call's rows (`trig`)."""
+    T, H, D = q_raw.shape
+    dev = q_raw.device
+    spans = tuple((lo, hi, segments[j].delta) for j, lo, hi, _, _ in plan)
+    rows = packed_rows(H, "causal")
+
+    def tables():
+        n = np.array([hi - lo for lo, hi, _ in spans], dtype=np.int64)
+        v0 = np.concatenate([[0], np.cumsum(n)[:-1]]) if len(n) else n
+        t = np.concatenate([np.arange(lo, hi) for lo, hi, _ in spans]) if len(n) else n
+        delta = np.repeat(np.array([d for _, _, d in spans], dtype=np.int64), n)
+        part = np.repeat(np.arange(len(spans), dtype=np.int64), n)
+        cos, sin = attn.rotary.cos_sin(to_device_nowait(torch.from_numpy(host[t] - delta), dev))
+        out_rows = to_device_nowait(torch.from_numpy(part * T + t), dev)
+        progs = {}
+        for mode, step in (("causal", rows), ("picks", 1)):
+            want = [p for p, (_, _, _, m, _) in enumerate(plan) if (m == "picks") == (mode == "picks")]
+            prog = [(p, r, v0[p] + r - spans[p][0], spans[p][1]) for p in want
+                    for r in range(spans[p][0], spans[p][1], step)]
+            progs[mode] = (want, to_device_nowait(torch.tensor(prog, dtype=torch.int64).reshape(-1, 4), dev))
+        return cos, sin, out_rows, progs
+    cos, sin, out_rows, progs = memo(trig, ("parts", attn.kind == WINDOW, T, rows, spans,
+                                            tuple(m == "picks" for _, _, _, m, _ in plan)), tables)
+    for mode, (want, prog) in progs.items():
+        if not want:
+            continue
+        # every part's segment as a table row; the window-only parts' entries left out
+        tab, keep = segment_table([SegmentKeys(segments[plan[p][0]].delta, segments[plan[p][0]].latent,
+                                               segments[plan[p][0]].entries if plan[p][3] != "none" else None)
+                                   for p in range(len(plan))], dev, q_raw.dtype, True)
+        pk = None
+        if mode == "picks":
+            parts = [plan[p][4] for p in want]
+            k = max(x.shape[1] for x in parts)
+            pk = torch.cat([x if x.shape[1] == k else torch.nn.functional.pad(x, (0, k - x.shape[1]), value=-1)
+                            for x in parts])
+        sparse_mqa_parts(q_raw, qpos, tab, prog, cos, sin, o_buf, lse_buf, attn.cfg.window_size, attn.ratio or 1, attn.scale,
+                         mode, pk, rows if mode == "causal" else 1)
+        del keep
+    rope_(o_buf.view(-1, H, D), cos, sin, inverse=True, rows=out_rows)
 
 
 def _pairs_host(attn, host: np.ndarray, segments: list[SegmentKeys], causal: bool, trig=None) -> int:

@@ -18,7 +18,8 @@ from runtime.kernels import indexer, merge, mhc, multiseg, rmsnorm, rope, sparse
 FUSED = dict(q_ptr="*bf16", qpos_ptr="*i64", tab_ptr="*i64", picks_ptr="*i32", bounds_ptr="*i32", freq_ptr="*fp32",
              sink_ptr="*fp32", o_ptr="*bf16", qk_scale="fp32", sink_scale="fp32")
 STACKED = dict(q_ptr="*bf16", k_ptr="*bf16", e_ptr="*bf16", cpos_ptr="*i64", picks_ptr="*i32", o_ptr="*fp32",
-               lse_ptr="*fp32", qk_scale="fp32")
+               lse_ptr="*fp32", qk_scale="fp32", tab_ptr="*i64", prog_ptr="*i64", cos_ptr="*fp32", sin_ptr="*fp32",
+               stride_op="i64", stride_lp="i64")
 MERGE = dict(o_ptr="*fp32", lse_ptr="*fp32", sink_ptr="*fp32", out_ptr="*bf16")
 MERGE_N = dict(o_tab="*i64", lse_tab="*i64", sink_ptr="*fp32", out_ptr="*bf16", lse_out_ptr="*fp32")
 INDEXER = dict(q_ptr="*bf16", k_ptr="*bf16", w_ptr="*fp32", cpos_ptr="*i64", o_ptr="*fp32", scale="fp32")
@@ -27,7 +28,7 @@ HC_WEIGHTS = dict(x_ptr="*bf16", mix_ptr="*fp32", base_ptr="*fp32", scale_ptr="*
                   post_ptr="*fp32", comb_ptr="*fp32", out_ptr="*bf16", hc_eps="fp32")
 HC_POST = dict(y_ptr="*bf16", x_ptr="*bf16", post_ptr="*fp32", comb_ptr="*fp32", out_ptr="*bf16",
                yrow_ptr="*i64", orow_ptr="*i64")
-ROPE = dict(x_ptr="*bf16", s_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32")
+ROPE = dict(x_ptr="*bf16", s_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32", rows_ptr="*i64")
 RMS = dict(x_ptr="*bf16", w_ptr="*fp32", y_ptr="*bf16", eps="fp32")
 SWIGLU = dict(g_ptr="*bf16", u_ptr="*bf16", w_ptr="*fp32", h_ptr="*bf16", limit="fp32")
 FUSED_C = dict(D=512, HALF_R=32, RP=32, COLS=multiseg.COLS, PREC="tf32")
@@ -42,11 +43,15 @@ KERNELS = [
     ("fused packed, 8 heads x 2 rows", multiseg._multiseg_packed_kernel, FUSED,
      dict(FUSED_C, ROWS=2, BLOCK_H=8, BLOCK_N=32), 4, True),
     ("stacked part, 64 heads", sparse_attention._sparse_mqa_kernel, STACKED,
-     dict(D=512, DV=512, BLOCK_H=64, BLOCK_N=64, PREC="tf32"), 8, True),
+     dict(D=512, DV=512, BLOCK_H=64, BLOCK_N=64, PREC="tf32", PARTS=False, HALF=1), 8, True),
     ("stacked part, 8 heads", sparse_attention._sparse_mqa_kernel, STACKED,
-     dict(D=512, DV=512, BLOCK_H=16, BLOCK_N=64, PREC="tf32"), 4, True),
+     dict(D=512, DV=512, BLOCK_H=16, BLOCK_N=64, PREC="tf32", PARTS=False, HALF=1), 4, True),
     ("stacked part, 8 heads x 8 rows", sparse_attention._sparse_mqa_rows_kernel, STACKED,
-     dict(D=512, ROWS=8, BLOCK_H=8, BLOCK_N=64, PREC="tf32"), 8, True),
+     dict(D=512, ROWS=8, BLOCK_H=8, BLOCK_N=64, PREC="tf32", PARTS=False, HALF=1), 8, True),
+    ("stacked parts in one launch, 8 heads", sparse_attention._sparse_mqa_kernel, STACKED,
+     dict(D=512, DV=512, BLOCK_H=16, BLOCK_N=64, PREC="tf32", PARTS=True, HALF=32), 4, True),
+    ("stacked parts in one launch, 8 heads x 8 rows", sparse_attention._sparse_mqa_rows_kernel, STACKED,
+     dict(D=512, ROWS=8, BLOCK_H=8, BLOCK_N=64, PREC="tf32", PARTS=True, HALF=32), 8, True),
     ("stacked merge", merge._merge_stacked_kernel, MERGE, dict(D=512, BLOCK_R=8, BLOCK_D=512), 4, False),
     ("N-way merge", merge._merge_kernel, MERGE_N, dict(HAS_SINK=True, D=512, BLOCK_R=8, BLOCK_D=512), 4, False),
     ("indexer scores", indexer._indexer_scores_kernel, INDEXER,
@@ -59,7 +64,9 @@ KERNELS = [
     ("mHC post", mhc._hc_post_kernel, HC_POST, dict(HC=4, BT=16, BD=128, Y_ROWS=False, OUT_ROWS=False), 4, False),
     ("mHC post, row maps", mhc._hc_post_kernel, HC_POST, dict(HC=4, BT=16, BD=128, Y_ROWS=True, OUT_ROWS=True), 4,
      False),
-    ("RoPE slice", rope._rope_kernel, ROPE, dict(INVERSE=False, HALF=32, BLOCK_H=16), 1, False),
+    ("RoPE slice", rope._rope_kernel, ROPE, dict(INVERSE=False, HALF=32, BLOCK_H=16, ROW_IDS=False), 1, False),
+    ("RoPE slice, listed rows", rope._rope_kernel, dict(ROPE, x_ptr="*fp32", s_ptr="*fp32"),
+     dict(INVERSE=True, HALF=32, BLOCK_H=16, ROW_IDS=True), 1, False),
     ("RMS norm, 4096 wide", rmsnorm._rms_norm_kernel, RMS, dict(BLOCK=4096), 8, False),
     ("RMS norm, unweighted, 512 wide (per head)", rmsnorm._rms_norm_kernel, RMS, dict(BLOCK=512, HAS_W=False), 1,
      False),

@@ -59,7 +59,7 @@ def kernels_on(monkeypatch):
             return fn(*a, **kw)
         return inner
     monkeypatch.setattr(segments_mod, "multi_segment_attention", count("fused", segments_mod.multi_segment_attention))
-    monkeypatch.setattr(segments_mod, "sparse_mqa_attention", count("sparse", segments_mod.sparse_mqa_attention))
+    monkeypatch.setattr(segments_mod, "sparse_mqa_parts", count("sparse", segments_mod.sparse_mqa_parts))
     return calls
 
 
@@ -332,60 +332,56 @@ def test_fused_kernel_rows_per_program_equal_the_reference(kind, H, rows_per_pro
 
 
 @torch.no_grad()
-def test_rope_source_keeps_only_the_rope_channels_and_rotates_like_the_tensor(kernels_on):
-    """rope_source: a compact copy of x's trailing rope channels behind a [T, H, D] view; rope_ from it (the
-    kernel, and the torch reference on the same view) writes exactly what rope_ from x itself writes, also after x
-    was overwritten, and the copy holds T*H*rd values plus the view's lead (not a clone of x)."""
-    from runtime.kernels.rope import rope_, rope_reference_, rope_source
-    g = torch.Generator().manual_seed(11)
-    T, H, D, rd = 9, 3, 32, 8
-    x = torch.randn(T, H, D, generator=g)
-    ang = torch.randn(T, rd // 2, generator=g)
-    cos, sin = ang.cos(), ang.sin()
-    src = rope_source(x, rd)
-    assert src.shape == x.shape and torch.equal(src[..., -rd:], x[..., -rd:])
-    assert src.untyped_storage().nbytes() == (T * H * rd + D - rd) * x.element_size()
-    want = rope_(torch.zeros_like(x), cos, sin, src=x)
-    x.normal_(generator=g)                                # the originals live on in the copy only
-    for fn in (rope_, rope_reference_):
-        got = fn(torch.zeros_like(x), cos, sin, src=src)
-        assert torch.equal(got, want)
-
-
-@torch.no_grad()
-@pytest.mark.parametrize("kind", ["hca", "csa-own"])
-def test_stacked_path_with_the_query_as_scratch_equals_the_clone(kind, kernels_on, monkeypatch):
-    """segment_attention's stacked path (per-segment rotation, sparse kernel, de-rotation, merge) with q_scratch
-    (the parts' rotations written into q_raw itself from `rope_source`) equals it with q_raw cloned, bit for bit,
-    over four segments with rows crossing the joins; q_raw then holds the last part's rotation (it was scratch)."""
+@pytest.mark.parametrize("kind", ["window", "hca", "csa-own"])
+def test_stacked_parts_in_bounded_launches_equal_the_reference(kind, kernels_on, monkeypatch):
+    """segment_attention's stacked path on the kernels (every part's query turned as the kernel loads it, one
+    launch per kind of part, one rotation back over every part's served rows, the merge) equals the torch
+    reference path (per part: rotation, attention, de-rotation) to 1e-5, over 4 and over 12 segments with rows
+    crossing the joins; the launches are as many at 12 segments as at 4."""
     import types
-    from runtime.model.config import CSA, HCA
+    import runtime.kernels.rope as rope_mod
+    import runtime.kernels.sparse_attention as sa
+    from runtime.model.config import CSA, HCA, WINDOW
     from runtime.model.deepseek_v4 import Rotary
+    launched = []
+    for mod, name in ((sa, "_sparse_mqa_kernel"), (sa, "_sparse_mqa_rows_kernel"), (rope_mod, "_rope_kernel")):
+        kern = getattr(mod, name)
+        monkeypatch.setattr(mod, name, type("Spy", (), {"__getitem__": lambda self, grid, k=kern, n=name:
+                                                        launched.append(n) or k[grid]})())
     g = torch.Generator().manual_seed(5)
-    D, W, H, ratio = 32, 8, 4, {"hca": 8, "csa-own": 4}[kind]
-    lens = [24, 40, 32, 9]
-    deltas = [sum(lens[:j]) for j in range(len(lens))]
+    D, W, H = 32, 8, 4
+    ratio = {"window": 0, "hca": 8, "csa-own": 4}[kind]
     rot = Rotary(1.0 / (10000.0 ** (torch.arange(0, 8, 2).float() / 8)))
-    attn = types.SimpleNamespace(kind=HCA if kind == "hca" else CSA, ratio=ratio, scale=D ** -0.5, rotary=rot,
-                                 indexer=None, cfg=types.SimpleNamespace(window_size=W))
-    segs = [segments_mod.SegmentKeys(d, torch.randn(n, D, generator=g), torch.randn(n // ratio, D, generator=g))
-            for n, d in zip(lens, deltas)]
-    rows = torch.arange(2, sum(lens), 3)
-    q = torch.randn(rows.numel(), H, D, generator=g)
-    sink = torch.randn(H, generator=g)
-    own = None
-    if kind == "csa-own":
-        seg_of = torch.searchsorted(torch.tensor(deltas), rows, right=True) - 1
-        vis = (rows - torch.tensor(deltas)[seg_of] + 1) // 4
-        own = torch.where(vis[:, None] > 0, (torch.rand(rows.numel(), 5, generator=g) * vis[:, None]).long(), -1)
-    ref, _ = segments_mod.segment_attention(attn, q, rows, segs, sink, qpos_host=rows.numpy(), own_picks=own)
-    before = kernels_on["sparse"]
-    q2 = q.clone()
-    got, _ = segments_mod.segment_attention(attn, q2, rows, segs, sink, qpos_host=rows.numpy(), own_picks=own,
-                                            q_scratch=True)
-    assert kernels_on["sparse"] > before and kernels_on["fused"] == 0     # the stacked path ran, on the kernels
-    assert torch.equal(got, ref)
-    assert torch.equal(q2[..., :-8], q[..., :-8]) and not torch.equal(q2, q)
+    attn = types.SimpleNamespace(kind={"window": WINDOW, "hca": HCA, "csa-own": CSA}[kind], ratio=ratio,
+                                 scale=D ** -0.5, rotary=rot, indexer=None, cfg=types.SimpleNamespace(window_size=W))
+    counts = {}
+    for lens in ([24, 40, 32, 9], [24, 16, 40, 8, 32, 24, 16, 40, 8, 32, 24, 9]):
+        deltas = [sum(lens[:j]) for j in range(len(lens))]
+        segs = [segments_mod.SegmentKeys(d, torch.randn(n, D, generator=g),
+                                         torch.randn(n // ratio, D, generator=g) if ratio else None)
+                for n, d in zip(lens, deltas)]
+        rows = torch.arange(2, sum(lens), 3)
+        q = torch.randn(rows.numel(), H, D, generator=g)
+        sink = torch.randn(H, generator=g)
+        own = None
+        if kind == "csa-own":
+            seg_of = torch.searchsorted(torch.tensor(deltas), rows, right=True) - 1
+            vis = (rows - torch.tensor(deltas)[seg_of] + 1) // 4
+            own = torch.where(vis[:, None] > 0, (torch.rand(rows.numel(), 5, generator=g) * vis[:, None]).long(), -1)
+        monkeypatch.setenv("REDKNOT_KERNELS", "0")
+        ref, ref_pairs = segments_mod.segment_attention(attn, q, rows, segs, sink, qpos_host=rows.numpy(),
+                                                        own_picks=own)
+        assert not launched
+        monkeypatch.setenv("REDKNOT_KERNELS", "1")
+        before = kernels_on["sparse"]
+        got, pairs = segments_mod.segment_attention(attn, q, rows, segs, sink, qpos_host=rows.numpy(),
+                                                    own_picks=own, trig={})
+        assert kernels_on["sparse"] > before and kernels_on["fused"] == 0    # the stacked path ran, on the kernels
+        assert rel_err(got, ref) <= TOL and int(pairs) == int(ref_pairs)
+        counts[len(lens)] = sorted(launched)
+        launched.clear()
+    assert counts[4] == counts[12] and counts[4].count("_rope_kernel") == 1, counts
+    assert len(counts[4]) <= 3, counts         # window/causal parts, picks parts (csa), the rotation back
 
 
 @torch.no_grad()

@@ -393,9 +393,11 @@ def test_mhc_kernels_equal_model_hc(T, D, dtype):
     assert torch.equal(got[others], keep[others])
 
 
+@pytest.mark.parametrize("path", ["fused", "stacked"])
 @pytest.mark.parametrize("kind,H", [("window", 64), ("hca", 64), ("hca", 8), ("csa-own", 64), ("csa-own", 8)])
-def test_fused_multi_segment_equals_reference(kind, H, monkeypatch):
-    """runtime/kernels/multiseg.py through runtime/reuse/segments.py `segment_attention` at real dims (D = 512,
+def test_fused_multi_segment_equals_reference(kind, H, path, monkeypatch):
+    """runtime/kernels/multiseg.py (`path` "fused"), or the stacked parts in one launch per kind of part
+    (`sparse_mqa_parts`, "stacked"), through runtime/reuse/segments.py `segment_attention` at real dims (D = 512,
     64 rope channels, window 128; 64 heads, or the 8 Global heads), five segments at their offsets (a prefix, three
     relocated documents, new rows), bf16, against the reference path (per-segment torch attention, query rotation,
     de-rotation, stacked merge with the sink) on the float32 upcast inputs."""
@@ -426,21 +428,24 @@ def test_fused_multi_segment_equals_reference(kind, H, monkeypatch):
         own = (torch.rand(rows.numel(), 64, device=DEV, generator=g) * n_ent[:, None]).long()
         own = torch.where(torch.rand(own.shape, device=DEV, generator=g) < 0.2, -1, own)
     hostpos = rows.cpu().numpy()
-    counted = {"fused": 0}
-    real = C.multi_segment_attention
-
-    def count(*a, **kw):
-        counted["fused"] += 1
-        return real(*a, **kw)
-    monkeypatch.setattr(C, "multi_segment_attention", count)
+    counted = {"fused": 0, "stacked": 0}
+    for name, key in (("multi_segment_attention", "fused"), ("sparse_mqa_parts", "stacked")):
+        def count(*a, _real=getattr(C, name), _key=key, **kw):
+            counted[_key] += 1
+            return _real(*a, **kw)
+        monkeypatch.setattr(C, name, count)
     poison()
-    out, pairs = C.segment_attention(attn, q, rows, segs, sink, qpos_host=hostpos, own_picks=own,
-                                     policy=RuntimePolicy(fused_min_heads=1))
-    assert counted["fused"] == 1 and out.dtype == DT
+    policy = RuntimePolicy(fused_min_heads=1) if path == "fused" else \
+        RuntimePolicy(fused_min_heads=1 << 30, fused_min_segments=1 << 30)
+    out, pairs = C.segment_attention(attn, q, rows, segs, sink, qpos_host=hostpos, own_picks=own, policy=policy)
+    # one fused launch, or at most two parts launches (window/causal parts, picks parts) for the five segments
+    assert (counted["fused"], min(counted["stacked"], 1)) == ((1, 0) if path == "fused" else (0, 1))
+    assert counted["stacked"] <= 2 and out.dtype == DT
     monkeypatch.setenv("REDKNOT_KERNELS", "0")
     up = [C.SegmentKeys(s.delta, s.latent.float(), None if s.entries is None else s.entries.float()) for s in segs]
+    before = dict(counted)
     ref, ref_pairs = C.segment_attention(attn, q.float(), rows, up, sink, qpos_host=hostpos, own_picks=own)
-    assert counted["fused"] == 1
+    assert counted == before
     assert int(pairs) == int(ref_pairs)
     assert rel_err(out.float(), ref) < TOL
 

@@ -77,7 +77,7 @@ def counted(monkeypatch):
             return fn(*a, **kw)
         return inner
     monkeypatch.setattr(K, "sparse_mqa_attention", wrap(K.sparse_mqa_attention, "attention"))
-    monkeypatch.setattr(segments_mod, "sparse_mqa_attention", wrap(segments_mod.sparse_mqa_attention, "attention"))
+    monkeypatch.setattr(segments_mod, "sparse_mqa_parts", wrap(segments_mod.sparse_mqa_parts, "attention"))
     monkeypatch.setattr(segments_mod, "merge_stacked", wrap(segments_mod.merge_stacked, "merge"))
     monkeypatch.setattr(segments_mod, "multi_segment_attention", wrap(segments_mod.multi_segment_attention, "fused"))
     return calls
