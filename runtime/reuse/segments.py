@@ -159,16 +159,24 @@ def _stacked_parts(attn, q_raw, qpos, host, segments, plan, o_buf, lse_buf, trig
         tab, keep = segment_table([SegmentKeys(segments[plan[p][0]].delta, segments[plan[p][0]].latent,
                                                segments[plan[p][0]].entries if plan[p][3] != "none" else None)
                                    for p in range(len(plan))], dev, q_raw.dtype, True)
-        pk = None
-        if mode == "picks":
-            parts = [plan[p][4] for p in want]
-            k = max(x.shape[1] for x in parts)
-            pk = torch.cat([x if x.shape[1] == k else torch.nn.functional.pad(x, (0, k - x.shape[1]), value=-1)
-                            for x in parts])
+        pk = _joined([plan[p][4] for p in want]) if mode == "picks" else None
         sparse_mqa_parts(q_raw, qpos, tab, prog, cos, sin, o_buf, lse_buf, attn.cfg.window_size, attn.ratio or 1, attn.scale,
                          mode, pk, rows if mode == "causal" else 1)
         del keep
     rope_(o_buf.view(-1, H, D), cos, sin, inverse=True, rows=out_rows)
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The parts' picks as one [rows, k] tensor: where they are consecutive row blocks of one tensor (own picks:
+    `_plan`'s one gather), that tensor's rows as they are; else concatenated, narrower ones padded with -1."""
+    first, k = parts[0], max(x.shape[1] for x in parts)
+    rows = sum(x.shape[0] for x in parts)
+    base = first.untyped_storage().data_ptr()
+    if all(x.shape[1] == k and x.is_contiguous() and x.untyped_storage().data_ptr() == base for x in parts) and \
+            all(b.data_ptr() == a.data_ptr() + a.numel() * a.element_size() for a, b in zip(parts, parts[1:])):
+        return first.as_strided((rows, k), (k, 1))
+    return torch.cat([x if x.shape[1] == k else torch.nn.functional.pad(x, (0, k - x.shape[1]), value=-1)
+                      for x in parts])
 
 
 def _pairs_host(attn, host: np.ndarray, segments: list[SegmentKeys], causal: bool, trig=None) -> int:

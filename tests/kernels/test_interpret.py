@@ -384,6 +384,19 @@ def test_stacked_parts_in_bounded_launches_equal_the_reference(kind, kernels_on,
     assert len(counts[4]) <= 3, counts         # window/causal parts, picks parts (csa), the rotation back
 
 
+def test_parts_picks_are_joined_without_a_copy_where_they_are_one_gather():
+    """The picks parts of one launch: consecutive row blocks of one tensor (own picks, `_plan`'s one gather) are
+    handed over as that tensor's rows (no copy); other parts are concatenated, narrower ones padded with -1."""
+    every = torch.arange(30).view(10, 3)
+    got = segments_mod._joined([every[0:4], every[4:5], every[5:10]])
+    assert got.data_ptr() == every.data_ptr() and torch.equal(got, every)
+    apart = [torch.ones(2, 3, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long)]
+    got = segments_mod._joined(apart)
+    assert torch.equal(got, torch.tensor([[1, 1, 1], [1, 1, 1], [0, 0, -1]]))
+    gap = segments_mod._joined([every[0:2], every[3:4]])                # not consecutive: a copy
+    assert gap.data_ptr() != every.data_ptr() and torch.equal(gap, every[[0, 1, 3]])
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("mode", ["none", "causal"])
 @pytest.mark.parametrize("H", [1, 3, 8])
