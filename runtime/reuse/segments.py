@@ -27,27 +27,16 @@ def _plan(attn, host, segments, picks, own_picks, trig=None):
     host): its window rows reach queries up to W-1 rows past its end; its entries every later query (HCA, or
     CSA picks over the union of segments); own picks only the segment's own rows. -> [(j, lo, hi, mode, picks)]
 
-    With own picks, every segment's picks (its own rows' picks, then -1 for the rows past its end) come out of one
-    gather from own_picks with a -1 row appended; the gather's row ids are built once per call's rows (`trig`)."""
-    T, W = host.shape[0], attn.cfg.window_size
-    plan, own = [], []
-    for j, seg in enumerate(segments):
-        n = seg.latent.shape[0]
-        lo = int(np.searchsorted(host, seg.delta))
-        win_hi = int(np.searchsorted(host, seg.delta + n + W - 1))
-        n_ent = 0 if seg.entries is None else seg.entries.shape[0]
-        mode, hi, pk = "none", win_hi, None
-        if attn.kind == HCA and n_ent:
-            mode, hi = "causal", T
-        elif attn.kind == CSA and n_ent and own_picks is not None:
-            own_hi = int(np.searchsorted(host, seg.delta + n))
-            if own_hi > lo:      # rows past the segment's end (the next one's first W-1) see its window only
-                own.append((len(plan), lo, own_hi, win_hi))
-                mode = "picks"
-        elif attn.kind == CSA and n_ent and picks is not None and picks[j] is not None:
-            mode, hi, pk = "picks", T, picks[j][lo:]
-        if hi > lo:
-            plan.append((j, lo, hi, mode, pk))
+    The ranges depend only on the rows and the segments' places and sizes, so they are found once per call's rows
+    (`trig`) for every layer of a kind. With own picks, every segment's picks (its own rows' picks, then -1 for
+    the rows past its end) come out of one gather from own_picks with a -1 row appended."""
+    by = "own" if own_picks is not None else "given" if picks is not None else None
+    shapes = tuple((s.delta, s.latent.shape[0], 0 if s.entries is None else s.entries.shape[0],
+                    by == "given" and picks[j] is not None) for j, s in enumerate(segments))
+    ranges, own = memo(trig, ("plan", attn.kind, attn.cfg.window_size, by, shapes),
+                       lambda: _ranges(attn.kind, attn.cfg.window_size, host, shapes, by))
+    plan = [(j, lo, hi, mode, picks[j][lo:] if mode == "picks" and by == "given" else None)
+            for j, lo, hi, mode in ranges]
     if own:
         rows = memo(trig, ("own_rows", tuple(own)), lambda: torch.tensor(
             [r for _, lo, own_hi, win_hi in own for r in [*range(lo, own_hi), *[len(own_picks)] * (win_hi - own_hi)]],
@@ -59,6 +48,29 @@ def _plan(attn, host, segments, picks, own_picks, trig=None):
             plan[p] = (j, lo, hi, mode, every[off:off + win_hi - lo])
             off += win_hi - lo
     return plan
+
+
+def _ranges(kind, W, host, shapes, by):
+    """`_plan`'s ranges [(j, lo, hi, mode)] and own-picks spans [(plan index, lo, own_hi, win_hi)] from the rows'
+    positions and each segment's (Delta, n, entries, picks given)."""
+    T = host.shape[0]
+    ranges, own = [], []
+    for j, (delta, n, n_ent, given) in enumerate(shapes):
+        lo = int(np.searchsorted(host, delta))
+        win_hi = int(np.searchsorted(host, delta + n + W - 1))
+        mode, hi = "none", win_hi
+        if kind == HCA and n_ent:
+            mode, hi = "causal", T
+        elif kind == CSA and n_ent and by == "own":
+            own_hi = int(np.searchsorted(host, delta + n))
+            if own_hi > lo:      # rows past the segment's end (the next one's first W-1) see its window only
+                own.append((len(ranges), lo, own_hi, win_hi))
+                mode = "picks"
+        elif kind == CSA and n_ent and given:
+            mode, hi = "picks", T
+        if hi > lo:
+            ranges.append((j, lo, hi, mode))
+    return ranges, own
 
 
 def fused_call(q_raw: torch.Tensor, picks, n_segments: int, policy: RuntimePolicy) -> bool:

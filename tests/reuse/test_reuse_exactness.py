@@ -285,7 +285,7 @@ def test_shared_angles_save_their_recomputation_and_change_nothing(model, reques
 
 def test_own_picks_of_every_segment_come_from_one_gather():
     """`_plan` with own picks: each segment's picks are its own rows' picks, then -1 for the rows past its end that
-    its window still reaches; the gather's row ids are built once per call's rows (`trig`)."""
+    its window still reaches; the ranges and the gather's row ids are found once per call's rows (`trig`)."""
     import types
     import numpy as np
     from runtime.reuse.segments import _plan
@@ -303,7 +303,8 @@ def test_own_picks_of_every_segment_come_from_one_gather():
         assert pk.shape == (hi - lo, 3) and pk.dtype == own.dtype
     rows = [v for k, v in trig.items() if k[0] == "own_rows"]
     assert len(rows) == 1
-    assert _plan(attn, host, segs, None, own + 1, trig)[1][4][0, 0] == own[6, 0] + 1 and len(trig) == 1
+    assert len([k for k in trig if k[0] == "plan"]) == 1
+    assert _plan(attn, host, segs, None, own + 1, trig)[1][4][0, 0] == own[6, 0] + 1 and len(trig) == 2
 
 
 def test_documents_in_one_buffer_take_one_view_overlays_and_gathers(model, request_tokens, monkeypatch):
