@@ -269,6 +269,20 @@ def default_config(H: int, D: int) -> dict:
     return dict(BLOCK_H=bh, BLOCK_N=64, num_warps=4, num_stages=2)
 
 
+def _rows_config(H: int, D: int, rows: int, mode: str, config: dict | None) -> dict:
+    """`_sparse_mqa_rows_kernel`'s launch configuration for `rows` query rows per program (a config's entries
+    override the defaults)."""
+    if mode == "picks" or rows & (rows - 1):
+        raise ValueError(f"ROWS={rows} needs mode none or causal and a power of two")
+    bh = triton.next_power_of_2(H)
+    cfg = dict(BLOCK_H=bh, BLOCK_N=64 if D >= 512 else 16, num_warps=8 if D >= 512 and rows * bh >= 64 else 4,
+               num_stages=2)
+    cfg.update({k: v for k, v in (config or {}).items() if k != "ROWS"})
+    if rows * cfg["BLOCK_H"] < 16:
+        raise ValueError(f"ROWS x BLOCK_H = {rows * cfg['BLOCK_H']}: a dot needs at least 16 matrix rows")
+    return cfg
+
+
 def sparse_mqa_attention(q: torch.Tensor, keys: torch.Tensor, cpos: torch.Tensor, window: int,
                          entries: torch.Tensor | None = None, mode: str = "none", ratio: int = 1,
                          picks: torch.Tensor | None = None, scale: float | None = None,
@@ -324,14 +338,7 @@ def sparse_mqa_attention(q: torch.Tensor, keys: torch.Tensor, cpos: torch.Tensor
     k_arg = keys if keys.shape[0] else q                                # n = 0: the window loop never runs
     rows = int((config or {}).get("ROWS", packed_rows(H, mode)))
     if rows > 1:                                # several query rows per program (few heads, shared keys)
-        if mode == "picks" or rows & (rows - 1):
-            raise ValueError(f"ROWS={rows} needs mode none or causal and a power of two")
-        bh = triton.next_power_of_2(H)
-        cfg = dict(BLOCK_H=bh, BLOCK_N=64 if D >= 512 else 16, num_warps=8 if D >= 512 and rows * bh >= 64 else 4,
-                   num_stages=2)
-        cfg.update({k: v for k, v in (config or {}).items() if k != "ROWS"})
-        if rows * cfg["BLOCK_H"] < 16:
-            raise ValueError(f"ROWS x BLOCK_H = {rows * cfg['BLOCK_H']}: a dot needs at least 16 matrix rows")
+        cfg = _rows_config(H, D, rows, mode, config)
         _sparse_mqa_rows_kernel[(triton.cdiv(T, rows), triton.cdiv(H, cfg["BLOCK_H"]))](
             q, k_arg, e, cpos, o, lse, T, H, keys.shape[0], n_entries, max(int(ratio), 1), int(window),
             scale * LOG2E, int(pos_shift), q.stride(0), q.stride(1), cpos, cpos, o, o, 0, 0, MODE=MODES[mode], D=D,
@@ -387,14 +394,7 @@ def sparse_mqa_parts(q: torch.Tensor, qpos: torch.Tensor, tab: torch.Tensor, pro
     qpos = qpos.to(device=q.device, dtype=torch.int64).contiguous()
     args = (tab, prog, cos, sin, o_buf.stride(0), lse_buf.stride(0))
     if rows > 1:
-        if mode == "picks" or rows & (rows - 1):
-            raise ValueError(f"ROWS={rows} needs mode causal and a power of two")
-        bh = triton.next_power_of_2(H)
-        cfg = dict(BLOCK_H=bh, BLOCK_N=64 if D >= 512 else 16, num_warps=8 if D >= 512 and rows * bh >= 64 else 4,
-                   num_stages=2)
-        cfg.update({k: v for k, v in (config or {}).items() if k != "ROWS"})
-        if rows * cfg["BLOCK_H"] < 16:
-            raise ValueError(f"ROWS x BLOCK_H = {rows * cfg['BLOCK_H']}: a dot needs at least 16 matrix rows")
+        cfg = _rows_config(H, D, rows, mode, config)
         _sparse_mqa_rows_kernel[(N, triton.cdiv(H, cfg["BLOCK_H"]))](
             q, q, q, qpos, o_buf, lse_buf, T, H, 0, 0, max(int(ratio), 1), int(window), scale * LOG2E, 0,
             q.stride(0), q.stride(1), *args, MODE=1, D=D, ROWS=rows, BLOCK_H=cfg["BLOCK_H"],
