@@ -158,9 +158,16 @@ def _stacked_parts(attn, q_raw, qpos, host, segments, plan, o_buf, lse_buf, trig
         progs = {}
         for mode, step in (("causal", rows), ("picks", 1)):
             want = [p for p, (_, _, _, m, _) in enumerate(plan) if (m == "picks") == (mode == "picks")]
-            prog = [(p, r, v0[p] + r - spans[p][0], spans[p][1]) for p in want
-                    for r in range(spans[p][0], spans[p][1], step)]
-            progs[mode] = (want, to_device_nowait(torch.tensor(prog, dtype=torch.int64).reshape(-1, 4), dev))
+            # per program: its part, first row, that row's angle row, the part's end
+            firsts = [np.arange(spans[p][0], spans[p][1], step, dtype=np.int64) for p in want]
+            prog = np.zeros((sum(f.size for f in firsts), 4), dtype=np.int64)
+            if want:
+                prog[:, 0] = np.repeat(want, [f.size for f in firsts])
+                prog[:, 1] = np.concatenate(firsts)
+                lo_of = np.array([spans[p][0] for p in want], dtype=np.int64)
+                prog[:, 2] = prog[:, 1] + np.repeat(v0[want] - lo_of, [f.size for f in firsts])
+                prog[:, 3] = np.repeat([spans[p][1] for p in want], [f.size for f in firsts])
+            progs[mode] = (want, to_device_nowait(torch.from_numpy(prog), dev))
         return cos, sin, out_rows, progs
     cos, sin, out_rows, progs = memo(trig, ("parts", attn.kind == WINDOW, T, rows, spans,
                                             tuple(m == "picks" for _, _, _, m, _ in plan)), tables)
