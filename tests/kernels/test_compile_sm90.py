@@ -1,5 +1,5 @@
-"""Every Triton kernel (fused multi-segment, one-row, key-frame and packed; the stacked per-segment part and its
-merge; the N-way merge, the indexer's scores, the three mHC kernels, the mixing one with both its dots, the post one
+"""Every Triton kernel (fused multi-segment, one-row, key-frame and packed; the stacked per-segment part, the
+stacked parts in one launch, and their merge; the N-way merge, the indexer's scores, the three mHC kernels, the mixing one with both its dots, the post one
 with and without row maps; the RoPE slice, also over listed rows; the RMS norm)
 compiles for the H200 (sm_90) on this CPU-only machine: tests/kernels/compile_sm90.py in its own process (no
 TRITON_INTERPRET). The interpreter tests check the kernels' logic; this checks what only the compiler sees, so a
