@@ -142,6 +142,8 @@ def _stacked_parts(attn, q_raw, qpos, host, segments, plan, o_buf, lse_buf, trig
     part's segment from a table and turns its query rows to t - Delta as it loads them), then one rotation that
     turns every part's served output rows back (`rope_` over listed rows). The tables that depend only on the rows
     and the segments' places (angles, programs, output rows) are made once per call's rows (`trig`)."""
+    if not plan:
+        return
     T, H, D = q_raw.shape
     dev = q_raw.device
     spans = tuple((lo, hi, segments[j].delta) for j, lo, hi, _, _ in plan)
@@ -149,8 +151,8 @@ def _stacked_parts(attn, q_raw, qpos, host, segments, plan, o_buf, lse_buf, trig
 
     def tables():
         n = np.array([hi - lo for lo, hi, _ in spans], dtype=np.int64)
-        v0 = np.concatenate([[0], np.cumsum(n)[:-1]]) if len(n) else n
-        t = np.concatenate([np.arange(lo, hi) for lo, hi, _ in spans]) if len(n) else n
+        v0 = np.concatenate([[0], np.cumsum(n)[:-1]])
+        t = np.concatenate([np.arange(lo, hi) for lo, hi, _ in spans])
         delta = np.repeat(np.array([d for _, _, d in spans], dtype=np.int64), n)
         part = np.repeat(np.arange(len(spans), dtype=np.int64), n)
         cos, sin = attn.rotary.cos_sin(to_device_nowait(torch.from_numpy(host[t] - delta), dev))
@@ -171,17 +173,17 @@ def _stacked_parts(attn, q_raw, qpos, host, segments, plan, o_buf, lse_buf, trig
         return cos, sin, out_rows, progs
     cos, sin, out_rows, progs = memo(trig, ("parts", attn.kind == WINDOW, T, rows, spans,
                                             tuple(m == "picks" for _, _, _, m, _ in plan)), tables)
+    # every part's segment as a table row; the window-only parts' entries left out
+    tab, keep = segment_table([SegmentKeys(segments[j].delta, segments[j].latent,
+                                           segments[j].entries if mode != "none" else None)
+                               for j, _, _, mode, _ in plan], dev, q_raw.dtype, True)
     for mode, (want, prog) in progs.items():
-        if not want:
-            continue
-        # every part's segment as a table row; the window-only parts' entries left out
-        tab, keep = segment_table([SegmentKeys(segments[plan[p][0]].delta, segments[plan[p][0]].latent,
-                                               segments[plan[p][0]].entries if plan[p][3] != "none" else None)
-                                   for p in range(len(plan))], dev, q_raw.dtype, True)
-        pk = _joined([plan[p][4] for p in want]) if mode == "picks" else None
-        sparse_mqa_parts(q_raw, qpos, tab, prog, cos, sin, o_buf, lse_buf, attn.cfg.window_size, attn.ratio or 1, attn.scale,
-                         mode, pk, rows if mode == "causal" else 1)
-        del keep
+        if want:
+            sparse_mqa_parts(q_raw, qpos, tab, prog, cos, sin, o_buf, lse_buf, attn.cfg.window_size,
+                             attn.ratio or 1, attn.scale, mode,
+                             _joined([plan[p][4] for p in want]) if mode == "picks" else None,
+                             rows if mode == "causal" else 1)
+    del keep
     rope_(o_buf.view(-1, H, D), cos, sin, inverse=True, rows=out_rows)
 
 
