@@ -149,10 +149,14 @@ def test_streams_send_their_first_chunk_before_the_answer_is_done(client, docs, 
                                                      **kw)
         text = lambda choice: choice.text                                                                   # noqa: E731
         whole_text = lambda out: out.choices[0].text                                                        # noqa: E731
-    t = time.perf_counter()
-    whole = ask()
-    # the same answer unstreamed: its time after the server's first token is the n - 1 decode steps (and the reply)
-    decode_s = time.perf_counter() - t - whole.model_extra["redknot"]["ttft_s"]
+    # the same answer unstreamed: its time after the server's first token is the n - 1 decode steps (and the reply);
+    # the shorter of two, since work still running in the worker (a shadow recompute of an earlier test's reuse
+    # request) or on the machine's other cores can only lengthen one
+    decode_s = float("inf")
+    for _ in range(2):
+        t = time.perf_counter()
+        whole = ask()
+        decode_s = min(decode_s, time.perf_counter() - t - whole.model_extra["redknot"]["ttft_s"])
     t0 = time.perf_counter()
     stream = ask(stream=True)
     first, parts, finish = None, [], None
