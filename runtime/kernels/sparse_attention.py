@@ -269,6 +269,16 @@ def default_config(H: int, D: int) -> dict:
     return dict(BLOCK_H=bh, BLOCK_N=64, num_warps=4, num_stages=2)
 
 
+def _row_config(H: int, D: int, config: dict | None) -> tuple[dict, int]:
+    """`_sparse_mqa_kernel`'s launch configuration (one query row per program; a config's entries override the
+    defaults) and DV, its output columns per program (DV < D recomputes S per slice)."""
+    cfg = dict(default_config(H, D), **({k: v for k, v in (config or {}).items() if k != "ROWS"}))
+    DV = min(int(cfg.get("DV", D)), D)
+    if D % DV or DV & (DV - 1):
+        raise ValueError(f"DV={DV} must be a power of two dividing D={D}")
+    return cfg, DV
+
+
 def _rows_config(H: int, D: int, rows: int, mode: str, config: dict | None) -> dict:
     """`_sparse_mqa_rows_kernel`'s launch configuration for `rows` query rows per program (a config's entries
     override the defaults)."""
@@ -345,10 +355,7 @@ def sparse_mqa_attention(q: torch.Tensor, keys: torch.Tensor, cpos: torch.Tensor
             ROWS=rows, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], PREC=dot_precision(q.dtype), PARTS=False,
             HALF=1, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         return o, lse
-    cfg = dict(default_config(H, D), **({k: v for k, v in (config or {}).items() if k != "ROWS"}))
-    DV = min(int(cfg.get("DV", D)), D)          # output columns per program (DV < D recomputes S per slice)
-    if D % DV or DV & (DV - 1):
-        raise ValueError(f"DV={DV} must be a power of two dividing D={D}")
+    cfg, DV = _row_config(H, D, config)
     grid = (T, triton.cdiv(H, cfg["BLOCK_H"]), D // DV)
     _sparse_mqa_kernel[grid](q, k_arg, e, cpos, p, o, lse,
                              H, keys.shape[0], n_entries, n_picks, max(int(ratio), 1), int(window),
@@ -407,10 +414,7 @@ def sparse_mqa_parts(q: torch.Tensor, qpos: torch.Tensor, tab: torch.Tensor, pro
         n_picks, stride_pt, p = picks.shape[1], picks.stride(0), (picks if picks.numel() else prog)
     else:
         n_picks, stride_pt, p = 0, 0, prog
-    cfg = dict(default_config(H, D), **({k: v for k, v in (config or {}).items() if k != "ROWS"}))
-    DV = min(int(cfg.get("DV", D)), D)
-    if D % DV or DV & (DV - 1):
-        raise ValueError(f"DV={DV} must be a power of two dividing D={D}")
+    cfg, DV = _row_config(H, D, config)
     _sparse_mqa_kernel[(N, triton.cdiv(H, cfg["BLOCK_H"]), D // DV)](
         q, q, q, qpos, p, o_buf, lse_buf, H, 0, 0, n_picks, max(int(ratio), 1), int(window), scale * LOG2E, 0,
         q.stride(0), q.stride(1), stride_pt, *args, MODE=MODES[mode], D=D, DV=DV, BLOCK_H=cfg["BLOCK_H"],
