@@ -9,10 +9,10 @@ Triton or without CUDA, `available()` is False and the reference path is what ca
 from __future__ import annotations
 
 from ._triton import HAVE_TRITON, available, enabled
-from .indexer import indexer_scores, indexer_topk
+from .indexer import indexer_scores, indexer_scores_parts, indexer_topk, parts_programs
 from .merge import merge_lse, merge_stacked
 from .rope import rope_
 from .sparse_attention import sparse_mqa_attention
 
 __all__ = ["HAVE_TRITON", "available", "enabled", "sparse_mqa_attention", "merge_lse", "merge_stacked", "rope_",
-           "indexer_scores", "indexer_topk"]
+           "indexer_scores", "indexer_scores_parts", "indexer_topk", "parts_programs"]

@@ -1,11 +1,15 @@
 """CSA picks over relocated segments: the native lightning indexer's top-k over the union of every segment's visible
-entries (the indexer query turned per segment), or each row's own document's offline picks, numbered as global
-entry ids (segment j's entry w is first[j] + w, `keys.offsets`) or split back per segment."""
+entries (the query roped once, each segment's keys turned to its place), or each row's own document's offline
+picks, numbered as global entry ids (segment j's entry w is first[j] + w, `keys.offsets`) or split back per
+segment."""
 from __future__ import annotations
 
 import torch
 
+import runtime.kernels as K
 from runtime.kernels import rope_
+from runtime.model.config import WINDOW
+from runtime.model.deepseek_v4 import Rotary
 from .keys import angles, memo, offsets, shifted
 
 
@@ -38,8 +42,9 @@ def split_picks(gp, first, total):
 
 
 def indexer_global_picks(attn, qpos, segments, idx_inputs, first, total, trig=None):
-    """Native lightning-indexer top-k over the union of every segment's visible entries (the indexer query rotated
-    per segment) as global ids (segment j's entry w = first[j] + w; `total` where a slot picked nothing)."""
+    """Native lightning-indexer top-k over the union of every segment's visible entries as global ids (segment j's
+    entry w = first[j] + w; `total` where a slot picked nothing). The query is roped once at t and each segment's
+    keys turned by +Delta_j (on the kernels as the one launch over every segment loads them)."""
     h, qr = idx_inputs
     keyed = [(j, seg) for j, seg in enumerate(segments) if seg.index_keys is not None and seg.index_keys.shape[0]]
     if not keyed:
@@ -53,17 +58,26 @@ def indexer_global_picks(attn, qpos, segments, idx_inputs, first, total, trig=No
         raise ValueError(f"total={total} must be the number of indexer keys ({col})")
     q, w_raw = attn.indexer.query(h, qr)
     w = attn.indexer.head_weights(q, w_raw)              # once for every segment
+    T = qpos.shape[0]
+    # the query is roped once, at t; each segment's keys are turned by +Delta instead (q(t - D) . k = q(t) . k(+D))
+    rope_(q, *angles(attn, qpos, 0, T, 0, trig))
+    deltas = tuple(seg.delta for _, seg in keyed)
+    cs = memo(trig, ("delta_angles", attn.kind == WINDOW, deltas),
+              lambda: torch.stack(attn.rotary.cos_sin(torch.tensor(deltas, device=qpos.device)), dim=1))
     # every segment's scores land in their columns of one [T, total] block (no concatenation); segment j's
     # columns are first[j].. (checked above), so a column's index IS the entry's global id
-    s = torch.empty((qpos.shape[0], total), dtype=torch.float32, device=h.device)
-    T = qpos.shape[0]
-    qs = q.clone() if keyed else None        # each segment's turned query, one after the other
-    for j, seg in keyed:
-        n = seg.index_keys.shape[0]
-        cos, sin = angles(attn, qpos, 0, T, seg.delta, trig)
-        rope_(qs, cos, sin, src=q)
-        attn.indexer.scores_roped(qs, None, shifted(qpos, 0, T, seg.delta, trig), seg.index_keys,
-                                  out=s[:, first[j]:first[j] + n], w=w)
+    s = torch.empty((T, total), dtype=torch.float32, device=h.device)
+    keys = [seg.index_keys for _, seg in keyed]
+    if K.enabled(q):
+        counts = tuple(k.shape[0] for k in keys)
+        programs = memo(trig, ("index_programs", counts), lambda: K.parts_programs(list(counts), q.device))
+        K.indexer_scores_parts(q, keys, list(deltas), cs, w, qpos, s, programs=programs)
+    else:
+        for (j, seg), c, sn in zip(keyed, cs[:, 0], cs[:, 1]):
+            n = seg.index_keys.shape[0]
+            turned = Rotary.apply(seg.index_keys, c.expand(n, -1), sn.expand(n, -1))
+            attn.indexer.scores_roped(q, None, shifted(qpos, 0, T, seg.delta, trig), turned,
+                                      out=s[:, first[j]:first[j] + n], w=w)
     top = s.topk(min(attn.indexer.topk, s.shape[1]), dim=-1)
     return torch.where(torch.isinf(top.values), total, top.indices)
 

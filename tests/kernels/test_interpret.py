@@ -398,6 +398,59 @@ def test_parts_picks_are_joined_without_a_copy_where_they_are_one_gather():
 
 
 @torch.no_grad()
+def test_indexer_over_every_segment_in_one_launch_equals_each_segments_frame(model, kernels_on, monkeypatch):
+    """The online indexer over relocated segments: the query roped once at t and every segment's keys turned by
+    +Delta_j as ONE kernel launch loads them (`indexer_scores_parts`) scores as the model's own indexer does in
+    each segment's frame (query roped at t - Delta_j, `Indexer.scores_from`, entries complete before t - Delta_j)
+    to 1e-5; the picks equal the reference path's; over 4 and over 12 uneven segments the launches are the same:
+    one parts launch, one RoPE (the query), no per-segment scoring."""
+    import runtime.kernels.indexer as ix
+    import runtime.kernels.rope as rope_mod
+    from runtime.reuse.keys import SegmentKeys, offsets
+    from runtime.reuse.picks import indexer_global_picks
+    launched = []
+    for mod, name in ((ix, "_indexer_parts_kernel"), (ix, "_indexer_scores_kernel"), (rope_mod, "_rope_kernel")):
+        kern = getattr(mod, name)
+        monkeypatch.setattr(mod, name, type("Spy", (), {"__getitem__": lambda self, grid, k=kern, n=name:
+                                                        launched.append(n) or k[grid]})())
+    attn = next(b.attn for b in model.layers if b.attn.indexer is not None)
+    ix_mod, ID = attn.indexer, attn.indexer.head_dim
+    g = torch.Generator().manual_seed(11)
+    counts = {}
+    for lens in ([24, 40, 35, 9], [24, 16, 41, 8, 32, 27, 16, 40, 8, 33, 24, 9]):
+        deltas = [sum(lens[:j]) for j in range(len(lens))]
+        segs = [SegmentKeys(d, torch.randn(n, CFG.head_dim, generator=g), None,
+                            torch.randn(n // 4, ID, generator=g)) for n, d in zip(lens, deltas)]
+        rows = torch.arange(1, sum(lens) + 6, 2)
+        T = rows.numel()
+        h, qr = torch.randn(T, CFG.dim, generator=g), torch.randn(T, CFG.q_lora_rank, generator=g)
+        first, total = offsets(segs, "index_keys")
+        # the model's own scores, segment by segment in its frame
+        q_raw, w_raw = ix_mod.query(h, qr)
+        want = torch.cat([ix_mod.scores_from(q_raw, w_raw, rows - s.delta, s.index_keys) for s in segs], dim=1)
+        monkeypatch.setenv("REDKNOT_KERNELS", "1")
+        q = q_raw.clone()
+        K.rope_(q, *attn.rotary.cos_sin(rows))
+        launched.clear()
+        got = torch.empty(T, total)
+        cs = torch.stack(attn.rotary.cos_sin(torch.tensor(deltas)), dim=1)
+        K.indexer_scores_parts(q, [s.index_keys for s in segs], deltas, cs,
+                               ix_mod.head_weights(q, w_raw), rows, got)
+        assert launched == ["_indexer_parts_kernel"]
+        assert torch.equal(torch.isinf(got), torch.isinf(want)) and torch.isinf(got).any() and (~torch.isinf(got)).any()
+        fin = ~torch.isinf(want)
+        assert rel_err(got[fin], want[fin]) <= TOL
+        launched.clear()
+        picks = indexer_global_picks(attn, rows, segs, (h, qr), first, total, trig={})
+        counts[len(lens)] = sorted(launched)
+        monkeypatch.setenv("REDKNOT_KERNELS", "0")
+        ref = indexer_global_picks(attn, rows, segs, (h, qr), first, total)
+        assert torch.equal(picks.sort(dim=1).values, ref.sort(dim=1).values)
+        assert (picks < total).any()
+    assert counts[4] == counts[12] == ["_indexer_parts_kernel", "_rope_kernel"], counts
+
+
+@torch.no_grad()
 @pytest.mark.parametrize("mode", ["none", "causal"])
 @pytest.mark.parametrize("H", [1, 3, 8])
 def test_sparse_packed_rows_equal_the_reference(mode, H, monkeypatch):

@@ -255,6 +255,36 @@ def test_indexer_scores(T, N, IH, ID):
     assert rel_err(s[fin], ref[fin]) < TOL
 
 
+@pytest.mark.parametrize("P", [1, 8, 33])
+def test_indexer_scores_parts_equal_each_segments_frame(P):
+    """Flash's indexer (64 heads x 128, 64 rope channels, YaRN) over P uneven segments in one launch, the query
+    roped at t and the keys turned by +Delta_j in the kernel, against the float32 reference in each segment's
+    frame (query roped at t - Delta_j, entries complete before t - Delta_j), rows up to 128K."""
+    from runtime.kernels import indexer_scores_parts
+    from runtime.kernels.rope import rope_reference_
+    from runtime.model.deepseek_v4 import Rotary, yarn_inv_freq
+    g = torch.Generator(device="cpu").manual_seed(P)
+    raw = torch.randint(256, 8192, (P,), generator=g).float()
+    lens = (raw * 131072 / raw.sum()).long().tolist()                   # uneven, 128K in all
+    deltas = [sum(lens[:j]) for j in range(P)]
+    rot = Rotary(yarn_inv_freq(64, 160000.0, 16.0, 65536, 32.0, 1.0))
+    keys = [torch.randn(n // 4, 128, generator=g).to(DEV, DT) for n in lens]
+    T = 1500
+    rows = torch.sort(torch.randint(0, sum(lens) + 64, (T,), generator=g)).values.to(DEV)
+    q_raw = torch.randn(T, 64, 128, generator=g).to(DEV, DT)
+    w = (torch.randn(T, 64, generator=g) * 64 ** -0.5).to(DEV)
+    q = rope_reference_(q_raw.clone(), *rot.cos_sin(rows))
+    cs = torch.stack(rot.cos_sin(torch.tensor(deltas, device=DEV)), dim=1)
+    poison()
+    got = torch.empty(T, sum(k.shape[0] for k in keys), device=DEV)
+    indexer_scores_parts(q, keys, deltas, cs, w, rows, got)
+    want = torch.cat([indexer_scores_reference(rope_reference_(q_raw.float(), *rot.cos_sin(rows - d)), k.float(), w,
+                                               rows - d) for k, d in zip(keys, deltas)], dim=1)
+    assert torch.equal(torch.isinf(got), torch.isinf(want)) and not torch.isnan(got).any()
+    fin = torch.isfinite(want)
+    assert rel_err(got[fin], want[fin]) < TOL
+
+
 @pytest.mark.parametrize("T,N,k,offset", [(4096, 1024, 512, 0), (8192, 4096, 512, None), (1000, 300, 512, 0)])
 def test_indexer_topk(T, N, k, offset):
     q, keys, w, cpos = _indexer_inputs(T, N, seed=k + T, offset=offset)
