@@ -193,7 +193,8 @@ def indexer_scores_parts(q: torch.Tensor, keys: list, deltas: list[int], cos_sin
         return out
     keep, rows, first = [], [], 0
     for k, d, n in zip(keys, deltas, counts):
-        k = k.to(q.dtype).contiguous()
+        if k.dtype != q.dtype or not k.is_contiguous():
+            k = k.to(q.dtype).contiguous()
         keep.append(k)
         rows.append([k.data_ptr() if n else 0, n, int(d), first])
         first += n

@@ -86,10 +86,11 @@ if HAVE_TRITON:
     @triton.jit
     def _part_segment(tab_ptr, part, dt: tl.constexpr):
         """A part's segment (multiseg.segment_table's row: latent address, n, Delta, entries address, entry
-        count): its latent and entries as pointers, their counts and its Delta."""
+        count, first global pick id): its latent and entries as pointers, their counts, its Delta and the global
+        id of its first entry."""
         row = tab_ptr + part * 6
         return (tl.load(row).to(tl.pointer_type(dt)), tl.load(row + 1), tl.load(row + 3).to(tl.pointer_type(dt)),
-                tl.load(row + 4), tl.load(row + 2))
+                tl.load(row + 4), tl.load(row + 2), tl.load(row + 5))
 
     @triton.jit
     def _turned(q, base, qmask, cos_ptr, sin_ptr, v, offs_d, D: tl.constexpr, HALF: tl.constexpr):
@@ -116,8 +117,9 @@ if HAVE_TRITON:
                            BLOCK_N: tl.constexpr, PREC: tl.constexpr, PARTS: tl.constexpr, HALF: tl.constexpr):
         """PARTS: one launch over many segments' parts (`sparse_mqa_parts`): program i is the query row that
         prog_ptr's row i names in its part, whose segment row in tab_ptr gives the keys, entries and Delta; its
-        query is turned to t - Delta on load (cos/sin of the part's row), its picks are row i of picks_ptr, its
-        output and LSE go to the part's slice of the stacked buffers (o_ptr + part x stride_op)."""
+        query is turned to t - Delta on load (cos/sin of the part's row), its picks are row t of picks_ptr as
+        global entry ids (the segment's own: first .. first + n_entries - 1, the others skipped), its output and
+        LSE go to the part's slice of the stacked buffers (o_ptr + part x stride_op)."""
         hb = tl.program_id(1)
         offs_v = tl.program_id(2) * DV + tl.arange(0, DV)                 # this program's output columns
         offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -127,15 +129,15 @@ if HAVE_TRITON:
         if PARTS:
             i = tl.program_id(0).to(tl.int64)
             part, t, arow, _ = _part_row(prog_ptr, i)
-            k_ptr, n_keys, e_ptr, n_entries, delta = _part_segment(tab_ptr, part, q_ptr.dtype.element_ty)
+            k_ptr, n_keys, e_ptr, n_entries, delta, pick_first = _part_segment(tab_ptr, part,
+                                                                                q_ptr.dtype.element_ty)
             cp = (tl.load(cpos_ptr + t) - delta).to(tl.int32)          # cpos_ptr: the request positions
             o_ptr += part * stride_op
             lse_ptr += part * stride_lp
-            pick_row = i
         else:
             t = tl.program_id(0).to(tl.int64)
             cp = tl.load(cpos_ptr + t).to(tl.int32)
-            pick_row = t
+            pick_first = 0
         q = tl.load(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
                     mask=hmask[:, None], other=0.0)
         if PARTS:
@@ -166,7 +168,7 @@ if HAVE_TRITON:
         elif MODE == 2:
             for start in range(0, n_picks, BLOCK_N):
                 j = start + offs_n
-                idx = tl.load(picks_ptr + pick_row * stride_pt + j, mask=j < n_picks, other=-1)
+                idx = tl.load(picks_ptr + t * stride_pt + j, mask=j < n_picks, other=-1) - pick_first
                 valid = (idx >= 0) & (idx < n_entries)
                 k, v = _tile(e_ptr, idx, valid, offs_d, offs_v, D, DV)
                 m_i, l_i, acc = _online_block(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale, PREC)
@@ -199,7 +201,7 @@ if HAVE_TRITON:
         offs_n = tl.arange(0, BLOCK_N)
         if PARTS:
             part, t0, v0, end = _part_row(prog_ptr, tl.program_id(0).to(tl.int64))
-            k_ptr, n_keys, e_ptr, n_entries, delta = _part_segment(tab_ptr, part, q_ptr.dtype.element_ty)
+            k_ptr, n_keys, e_ptr, n_entries, delta, _ = _part_segment(tab_ptr, part, q_ptr.dtype.element_ty)
             t = t0 + offs_m // BLOCK_H
             tmask = t < end
         else:
@@ -381,7 +383,8 @@ def sparse_mqa_parts(q: torch.Tensor, qpos: torch.Tensor, tab: torch.Tensor, pro
     [V, HALF] float32 the angles of every (part, row) at t - Delta; o_buf [P,T,H,D], lse_buf [P,T,H] float32:
     each part's rows written in its slice, the output's rope channels NOT yet turned back. mode "causal" (entries
     complete before the row: (t - Delta + 1) // ratio; a part whose table row has no entries: the window only) or
-    "picks" (picks [N, k] int32: program i's row i, -1 = none)."""
+    "picks" (picks [T, k] int: each query row's picks as global entry ids over every segment, the table's
+    first-pick column numbering each segment's; ids outside a part's segment are skipped by its programs)."""
     check_runnable(q)
     T, H, D = q.shape
     P = o_buf.shape[0]
@@ -409,7 +412,7 @@ def sparse_mqa_parts(q: torch.Tensor, qpos: torch.Tensor, tab: torch.Tensor, pro
             num_stages=cfg["num_stages"])
         return
     if mode == "picks":
-        assert picks is not None and picks.shape[0] == N, (None if picks is None else picks.shape, N)
+        assert picks is not None and picks.shape[0] == T, (None if picks is None else picks.shape, T)
         picks = picks.to(device=q.device, dtype=torch.int32).contiguous()
         n_picks, stride_pt, p = picks.shape[1], picks.stride(0), (picks if picks.numel() else prog)
     else:

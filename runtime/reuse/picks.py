@@ -35,10 +35,27 @@ def pick_runs(gp, first, total, trig=None):
     return gp, torch.searchsorted(gp, edges)
 
 
+def local_picks(gp: torch.Tensor, f: int, n: int) -> torch.Tensor:
+    """Global picks [T, k] -> one segment's local entry ids (its entries are f..f+n-1; -1 for every other slot),
+    in the slots' order. What the reference path's per-segment parts take."""
+    return torch.where((gp >= f) & (gp < f + n), gp - f, -1)
+
+
 def split_picks(gp, first, total):
-    """Global picks [T, k] -> per segment its local entry ids [T, k] (-1 where the slot is another segment's or
-    empty), in the slots' order. What the stacked path's per-segment parts take."""
-    return [torch.where((gp >= f) & (gp < e), gp - f, -1) for f, e in zip(first, first[1:] + [total])]
+    """Global picks [T, k] -> `local_picks` of every segment."""
+    return [local_picks(gp, f, e - f) for f, e in zip(first, first[1:] + [total])]
+
+
+def global_from_split(picks: list, first: list[int], total: int, segments) -> torch.Tensor:
+    """A caller's per-segment picks (local entry ids [T, k_j], -1 = none; None = none; at least one given) ->
+    [T, sum k_j] global ids
+    numbered by `first` (`total` for an empty slot or an id past its segment's entries)."""
+    parts = []
+    for pk, f, s in zip(picks, first, segments):
+        if pk is not None:
+            n = 0 if s.entries is None else s.entries.shape[0]
+            parts.append(torch.where((pk >= 0) & (pk < n), pk.long() + f, total))
+    return torch.cat(parts, dim=1)
 
 
 def indexer_global_picks(attn, qpos, segments, idx_inputs, first, total, trig=None):
@@ -80,15 +97,3 @@ def indexer_global_picks(attn, qpos, segments, idx_inputs, first, total, trig=No
                                       out=s[:, first[j]:first[j] + n], w=w)
     top = s.topk(min(attn.indexer.topk, s.shape[1]), dim=-1)
     return torch.where(torch.isinf(top.values), total, top.indices)
-
-
-
-def indexer_picks(attn, qpos, segments, idx_inputs, trig=None):
-    """`indexer_global_picks` split per segment: the picked local entry ids [T, k] (-1 = none) of each segment, in
-    the top-k order (None for every segment when no segment has indexer keys), and the number of picks made."""
-    first, total = offsets(segments, "index_keys")
-    if total == 0:
-        return [None] * len(segments), 0
-    gp = indexer_global_picks(attn, qpos, segments, idx_inputs, first, total, trig)
-    return split_picks(gp, first, total), (gp < total).sum()
-

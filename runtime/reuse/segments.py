@@ -19,58 +19,39 @@ from runtime.kernels.multiseg import multi_segment_attention, segment_table
 from runtime.kernels.reference import sparse_mqa_reference
 from runtime.kernels.sparse_attention import packed_rows, sparse_mqa_parts
 from .keys import SegmentKeys, angles, memo, offsets, shifted
-from .picks import indexer_global_picks, indexer_picks, own_global_picks, pick_runs
+from .picks import global_from_split, indexer_global_picks, local_picks, own_global_picks, pick_runs
 
 
-def _plan(attn, host, segments, picks, own_picks, trig=None):
+def _plan(attn, host, segments, by, trig=None):
     """Which rows each segment serves (rows come in increasing position, so a contiguous range found on the
     host): its window rows reach queries up to W-1 rows past its end; its entries every later query (HCA, or
-    CSA picks over the union of segments); own picks only the segment's own rows. -> [(j, lo, hi, mode, picks)]
-
-    The ranges depend only on the rows and the segments' places and sizes, so they are found once per call's rows
-    (`trig`) for every layer of a kind. With own picks, every segment's picks (its own rows' picks, then -1 for
-    the rows past its end) come out of one gather from own_picks with a -1 row appended."""
-    by = "own" if own_picks is not None else "given" if picks is not None else None
-    shapes = tuple((s.delta, s.latent.shape[0], 0 if s.entries is None else s.entries.shape[0],
-                    by == "given" and picks[j] is not None) for j, s in enumerate(segments))
-    ranges, own = memo(trig, ("plan", attn.kind, attn.cfg.window_size, by, shapes),
-                       lambda: _ranges(attn.kind, attn.cfg.window_size, host, shapes, by))
-    plan = [(j, lo, hi, mode, picks[j][lo:] if mode == "picks" and by == "given" else None)
-            for j, lo, hi, mode in ranges]
-    if own:
-        rows = memo(trig, ("own_rows", tuple(own)), lambda: torch.tensor(
-            [r for _, lo, own_hi, win_hi in own for r in [*range(lo, own_hi), *[len(own_picks)] * (win_hi - own_hi)]],
-            dtype=torch.long, device=own_picks.device))
-        every = torch.cat([own_picks, own_picks.new_full((1, own_picks.shape[1]), -1)]).index_select(0, rows)
-        off = 0
-        for p, lo, _, win_hi in own:
-            j, _, hi, mode, _ = plan[p]
-            plan[p] = (j, lo, hi, mode, every[off:off + win_hi - lo])
-            off += win_hi - lo
-    return plan
+    CSA picks over the union of segments, `by` "union"); own picks (`by` "own") only the segment's own rows (the
+    rows past its end that its window still reaches attend its window only: their picks lie in their own
+    segment). -> [(j, lo, hi, mode)]. The ranges depend only on the rows and the segments' places and sizes, so
+    they are found once per call's rows (`trig`) for every layer of a kind."""
+    shapes = tuple((s.delta, s.latent.shape[0], 0 if s.entries is None else s.entries.shape[0]) for s in segments)
+    return memo(trig, ("plan", attn.kind, attn.cfg.window_size, by, shapes),
+                lambda: _ranges(attn.kind, attn.cfg.window_size, host, shapes, by))
 
 
 def _ranges(kind, W, host, shapes, by):
-    """`_plan`'s ranges [(j, lo, hi, mode)] and own-picks spans [(plan index, lo, own_hi, win_hi)] from the rows'
-    positions and each segment's (Delta, n, entries, picks given)."""
+    """`_plan`'s ranges [(j, lo, hi, mode)] from the rows' positions and each segment's (Delta, n, entries)."""
     T = host.shape[0]
-    ranges, own = [], []
-    for j, (delta, n, n_ent, given) in enumerate(shapes):
+    ranges = []
+    for j, (delta, n, n_ent) in enumerate(shapes):
         lo = int(np.searchsorted(host, delta))
         win_hi = int(np.searchsorted(host, delta + n + W - 1))
         mode, hi = "none", win_hi
         if kind == HCA and n_ent:
             mode, hi = "causal", T
         elif kind == CSA and n_ent and by == "own":
-            own_hi = int(np.searchsorted(host, delta + n))
-            if own_hi > lo:      # rows past the segment's end (the next one's first W-1) see its window only
-                own.append((len(ranges), lo, own_hi, win_hi))
+            if int(np.searchsorted(host, delta + n)) > lo:
                 mode = "picks"
-        elif kind == CSA and n_ent and given:
+        elif kind == CSA and n_ent and by == "union":
             mode, hi = "picks", T
         if hi > lo:
             ranges.append((j, lo, hi, mode))
-    return ranges, own
+    return ranges
 
 
 def fused_call(q_raw: torch.Tensor, picks, n_segments: int, policy: RuntimePolicy) -> bool:
@@ -107,46 +88,59 @@ def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: l
     if fused_call(q_raw, picks, len(segments), policy):
         return _fused_segment_attention(attn, q_raw, qpos, segments, sink, idx_inputs, host, own_picks, trig, out,
                                         policy)
-    n_picks = None                       # the number of picks attended, where the indexer counted it
-    if attn.kind == CSA and picks is None and own_picks is None:
-        picks, n_picks = indexer_picks(attn, qpos, segments, idx_inputs, trig)
-    plan = _plan(attn, host, segments, picks, own_picks, trig)
+    # CSA picks as one [T, k] tensor of global entry ids (segment j's entry w = first[j] + w, `total` = none):
+    # each row's own document's, the native indexer's over the union, or a caller's per-segment lists joined
+    gp, by = None, None
+    if attn.kind == CSA:
+        if own_picks is not None:
+            first, total = offsets(segments, "entries")
+            by, gp = "own", own_global_picks(segments, qpos, own_picks, first, total, trig)
+        elif picks is not None:
+            first, total = offsets(segments, "entries")
+            if any(pk is not None for pk in picks):
+                by, gp = "union", global_from_split(picks, first, total, segments)
+        else:
+            first, total = offsets(segments, "index_keys")
+            if total:
+                by, gp = "union", indexer_global_picks(attn, qpos, segments, idx_inputs, first, total, trig)
+    plan = _plan(attn, host, segments, by, trig)
     o_buf = torch.empty((len(plan), T, H, D), dtype=torch.float32, device=q_raw.device)
     lse_buf = torch.full((len(plan), T, H), NEG_INF, dtype=torch.float32, device=q_raw.device)
     if enabled(q_raw):
-        _stacked_parts(attn, q_raw, qpos, host, segments, plan, o_buf, lse_buf, trig)
+        _stacked_parts(attn, q_raw, qpos, host, segments, plan, o_buf, lse_buf, trig,
+                       gp, first if gp is not None else None)
     else:
-        for p, (j, lo, hi, mode, pk) in enumerate(plan):
+        for p, (j, lo, hi, mode) in enumerate(plan):
             seg = segments[j]
             cos, sin = angles(attn, qpos, lo, hi, seg.delta, trig)
             qs = rope_(q_raw[lo:hi].clone(), cos, sin)
+            pk = local_picks(gp[lo:hi], first[j], seg.entries.shape[0]) if mode == "picks" else None
             ro, rl = sparse_mqa_reference(qs, seg.latent, shifted(qpos, lo, hi, seg.delta, trig), W,
                                           seg.entries if mode != "none" else None, mode, attn.ratio or 1, pk,
                                           attn.scale)
             o_buf[p, lo:hi] = rope_(ro, cos, sin, inverse=True)
             lse_buf[p, lo:hi] = rl
-    out = merge_stacked(o_buf, lse_buf, sink, q_raw.dtype, [(lo, hi) for _, lo, hi, _, _ in plan], out=out)
+    out = merge_stacked(o_buf, lse_buf, sink, q_raw.dtype, [(lo, hi) for _, lo, hi, _ in plan], out=out)
     # pairs the kernel attends: clipped window rows plus visible entries (on the host), plus picks (on the device)
     pairs = _pairs_host(attn, host, segments, attn.kind == HCA, trig)
-    if any(m == "picks" for _, _, _, m, _ in plan):
-        if n_picks is None:              # own picks: one count; picks handed in by a caller: what each part attends
-            n_picks = (own_picks >= 0).sum() if own_picks is not None else \
-                sum((pk >= 0).sum() for _, _, _, m, pk in plan if m == "picks")
-        pairs = n_picks + pairs
+    if any(m == "picks" for _, _, _, m in plan):
+        pairs = (gp < total).sum() + pairs
     return out, pairs
 
 
-def _stacked_parts(attn, q_raw, qpos, host, segments, plan, o_buf, lse_buf, trig):
+def _stacked_parts(attn, q_raw, qpos, host, segments, plan, o_buf, lse_buf, trig, gp=None, first=None):
     """The stacked parts on CUDA in a bounded number of launches whatever the segments: one launch of the sparse
     kernel over every window/causal part and one over every picks part (`sparse_mqa_parts`: each program reads its
     part's segment from a table and turns its query rows to t - Delta as it loads them), then one rotation that
     turns every part's served output rows back (`rope_` over listed rows). The tables that depend only on the rows
-    and the segments' places (angles, programs, output rows) are made once per call's rows (`trig`)."""
+    and the segments' places (angles, programs, output rows) are made once per call's rows (`trig`). gp [T, k]:
+    the rows' picks as global entry ids numbered by `first` (every picks part reads its rows' lists in place and
+    takes its own segment's ids)."""
     if not plan:
         return
     T, H, D = q_raw.shape
     dev = q_raw.device
-    spans = tuple((lo, hi, segments[j].delta) for j, lo, hi, _, _ in plan)
+    spans = tuple((lo, hi, segments[j].delta) for j, lo, hi, _ in plan)
     rows = packed_rows(H, "causal")
 
     def tables():
@@ -159,7 +153,7 @@ def _stacked_parts(attn, q_raw, qpos, host, segments, plan, o_buf, lse_buf, trig
         out_rows = to_device_nowait(torch.from_numpy(part * T + t), dev)
         progs = {}
         for mode, step in (("causal", rows), ("picks", 1)):
-            want = [p for p, (_, _, _, m, _) in enumerate(plan) if (m == "picks") == (mode == "picks")]
+            want = [p for p, (_, _, _, m) in enumerate(plan) if (m == "picks") == (mode == "picks")]
             # per program: its part, first row, that row's angle row, the part's end
             firsts = [np.arange(spans[p][0], spans[p][1], step, dtype=np.int64) for p in want]
             prog = np.zeros((sum(f.size for f in firsts), 4), dtype=np.int64)
@@ -172,32 +166,19 @@ def _stacked_parts(attn, q_raw, qpos, host, segments, plan, o_buf, lse_buf, trig
             progs[mode] = (want, to_device_nowait(torch.from_numpy(prog), dev))
         return cos, sin, out_rows, progs
     cos, sin, out_rows, progs = memo(trig, ("parts", attn.kind == WINDOW, T, rows, spans,
-                                            tuple(m == "picks" for _, _, _, m, _ in plan)), tables)
+                                            tuple(m == "picks" for _, _, _, m in plan)), tables)
     # every part's segment as a table row; the window-only parts' entries left out
     tab, keep = segment_table([SegmentKeys(segments[j].delta, segments[j].latent,
                                            segments[j].entries if mode != "none" else None)
-                               for j, _, _, mode, _ in plan], dev, q_raw.dtype, True)
+                               for j, _, _, mode in plan], dev, q_raw.dtype, True,
+                              [first[j] if first is not None else 0 for j, _, _, _ in plan])
     for mode, (want, prog) in progs.items():
         if want:
             sparse_mqa_parts(q_raw, qpos, tab, prog, cos, sin, o_buf, lse_buf, attn.cfg.window_size,
-                             attn.ratio or 1, attn.scale, mode,
-                             _joined([plan[p][4] for p in want]) if mode == "picks" else None,
+                             attn.ratio or 1, attn.scale, mode, gp if mode == "picks" else None,
                              rows if mode == "causal" else 1)
     del keep
     rope_(o_buf.view(-1, H, D), cos, sin, inverse=True, rows=out_rows)
-
-
-def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
-    """The parts' picks as one [rows, k] tensor: where they are consecutive row blocks of one tensor (own picks:
-    `_plan`'s one gather), that tensor's rows as they are; else concatenated, narrower ones padded with -1."""
-    first, k = parts[0], max(x.shape[1] for x in parts)
-    rows = sum(x.shape[0] for x in parts)
-    base = first.untyped_storage().data_ptr()
-    if all(x.shape[1] == k and x.is_contiguous() and x.untyped_storage().data_ptr() == base for x in parts) and \
-            all(b.data_ptr() == a.data_ptr() + a.numel() * a.element_size() for a, b in zip(parts, parts[1:])):
-        return first.as_strided((rows, k), (k, 1))
-    return torch.cat([x if x.shape[1] == k else torch.nn.functional.pad(x, (0, k - x.shape[1]), value=-1)
-                      for x in parts])
 
 
 def _pairs_host(attn, host: np.ndarray, segments: list[SegmentKeys], causal: bool, trig=None) -> int:

@@ -8,6 +8,7 @@ from dataclasses import fields as dataclass_fields
 
 import torch
 
+from runtime.kernels._host import to_device_nowait
 from runtime.model.deepseek_v4 import CompressorState
 from .artifact import Owner
 from .keys import SegmentKeys, memo
@@ -35,8 +36,11 @@ def rows_view(ts: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]] | None:
 def view_rows(sp, what, firsts: list[int], parts) -> torch.Tensor:
     """The rows in a `rows_view` of `parts` [(ids of a document's rows, ...)] one after the other, given each
     document's first row: built once per request and layout (every layer of a kind has the same)."""
-    return memo(sp.view_rows, (what, tuple(firsts)),
-                 lambda: torch.cat([ids + f for (ids, *_), f in zip(parts, firsts)]))
+    def rows():
+        ids = [p[0] for p in parts]
+        shift = torch.tensor(firsts).repeat_interleave(torch.tensor([t.numel() for t in ids]))  # on the host
+        return torch.cat(ids).add_(to_device_nowait(shift, ids[0].device))     # a fixed number of launches
+    return memo(sp.view_rows, (what, tuple(firsts)), rows)
 
 
 def in_larger(t) -> bool:

@@ -283,28 +283,30 @@ def test_shared_angles_save_their_recomputation_and_change_nothing(model, reques
     assert shared < 0.75 * len(calls), (shared, len(calls))
 
 
-def test_own_picks_of_every_segment_come_from_one_gather():
-    """`_plan` with own picks: each segment's picks are its own rows' picks, then -1 for the rows past its end that
-    its window still reaches; the ranges and the gather's row ids are found once per call's rows (`trig`)."""
+def test_own_picks_plan_and_their_global_ids():
+    """`_plan` with own picks: each segment's part covers its own rows and the rows past its end that its window
+    still reaches, found once per call's rows (`trig`); the rows' own picks go to every part as one tensor of
+    global ids (`own_global_picks`), and each part takes back exactly its own rows' picks (`local_picks`): -1 for
+    the rows past its end, whose picks are their own segment's."""
     import types
     import numpy as np
+    from runtime.reuse.keys import offsets
+    from runtime.reuse.picks import local_picks, own_global_picks
     from runtime.reuse.segments import _plan
     attn = types.SimpleNamespace(kind="csa", cfg=types.SimpleNamespace(window_size=4))
     segs = [SegmentKeys(d, torch.zeros(n, 2), torch.zeros(n // 4, 2)) for d, n in ((0, 8), (8, 12), (20, 8))]
     host = np.arange(2, 28)                                  # rows at positions 2..27
-    own = torch.arange(26 * 3, dtype=torch.int32).view(26, 3)
+    own = torch.randint(-1, 2, (26, 3), generator=torch.Generator().manual_seed(0)).int()   # each < 2 entries
     trig = {}
-    plan = _plan(attn, host, segs, None, own, trig)
-    assert [(j, lo, hi, m) for j, lo, hi, m, _ in plan] == [(0, 0, 9, "picks"), (1, 6, 21, "picks"),
-                                                            (2, 18, 26, "picks")]
-    for j, lo, hi, _, pk in plan:
+    plan = _plan(attn, host, segs, "own", trig)
+    assert plan == [(0, 0, 9, "picks"), (1, 6, 21, "picks"), (2, 18, 26, "picks")]
+    first, total = offsets(segs, "entries")
+    gp = own_global_picks(segs, torch.from_numpy(host), own, first, total, trig)
+    for j, lo, hi, _ in plan:
         own_hi = int(np.searchsorted(host, segs[j].delta + segs[j].latent.shape[0]))
-        assert torch.equal(pk[:own_hi - lo], own[lo:own_hi]) and (pk[own_hi - lo:] == -1).all()
-        assert pk.shape == (hi - lo, 3) and pk.dtype == own.dtype
-    rows = [v for k, v in trig.items() if k[0] == "own_rows"]
-    assert len(rows) == 1
-    assert len([k for k in trig if k[0] == "plan"]) == 1
-    assert _plan(attn, host, segs, None, own + 1, trig)[1][4][0, 0] == own[6, 0] + 1 and len(trig) == 2
+        pk = local_picks(gp[lo:hi], first[j], segs[j].entries.shape[0])
+        assert torch.equal(pk[:own_hi - lo], own[lo:own_hi].long()) and (pk[own_hi - lo:] == -1).all()
+    assert _plan(attn, host, segs, "own", trig) is plan and len([k for k in trig if k[0] == "plan"]) == 1
 
 
 def test_documents_in_one_buffer_take_one_view_overlays_and_gathers(model, request_tokens, monkeypatch):
