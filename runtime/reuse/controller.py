@@ -5,8 +5,10 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+import numpy as np
 import torch
 
+from runtime.kernels._host import to_device_nowait
 from .profile import ReuseProfile
 
 
@@ -49,18 +51,17 @@ def mixed_order(prof: ReuseProfile, deviation: torch.Tensor, idx_score: torch.Te
     order: list[torch.Tensor] = [sink_mask(prof, seg_lens, deviation.device).nonzero().flatten()] \
         if prof.sink_rows else []
     order.append(torch.argsort(deviation, descending=True, stable=True)[: (budget + 1) // 2])
-    dist = torch.full((n,), 1 << 30, device=deviation.device)
-    a = 0
-    for ln in seg_lens:
-        r = torch.arange(ln, device=dist.device)
-        to_join = torch.minimum(r, ln - 1 - r)
-        dist[a:a + ln] = torch.where(to_join < prof.join_rows, to_join, dist[a:a + ln])
-        a += ln
+    # each row's distance to its segment's nearer end, and its request position: on the host (numpy over every
+    # segment at once), one copy each
+    r, ln = in_segment(seg_lens)
+    to_join = np.minimum(r, ln - 1 - r)
+    dist = to_device_nowait(torch.from_numpy(np.where(to_join < prof.join_rows, to_join, 1 << 30)), deviation.device)
     joins = torch.argsort(dist, stable=True)
     order.append(joins[dist[joins] < (1 << 30)])
     picked = torch.argsort(idx_score, descending=True, stable=True)
     order.append(picked[idx_score[picked] > 0])
-    req_pos = torch.cat([torch.arange(dl, dl + ln, device=dist.device) for ln, dl in zip(seg_lens, deltas)])
+    req_pos = to_device_nowait(torch.from_numpy(np.repeat(np.asarray(deltas, dtype=np.int64), seg_lens) + r),
+                               deviation.device)
     recent = torch.argsort(req_pos, descending=True, stable=True)
     order.append(recent[req_pos[recent] >= q_start + n_q - prof.recent_rows])
     order.append(torch.argsort(deviation, descending=True, stable=True))
@@ -75,9 +76,15 @@ def mixed_order(prof: ReuseProfile, deviation: torch.Tensor, idx_score: torch.Te
 def sink_mask(prof: ReuseProfile, seg_lens: list[int], device) -> torch.Tensor:
     """The first `prof.sink_rows` rows of every relocated segment (its own attention sink when it was computed
     alone), over the relocated rows."""
-    pos = torch.cat([torch.arange(ln, device=device) for ln in seg_lens]) if seg_lens else \
-        torch.zeros(0, dtype=torch.long, device=device)
-    return pos < prof.sink_rows
+    return to_device_nowait(torch.from_numpy(in_segment(seg_lens)[0] < prof.sink_rows), device)
+
+
+def in_segment(seg_lens: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Per relocated row (host int64 arrays): its row within its segment, and its segment's length."""
+    lens = np.asarray(seg_lens, dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+    ln = np.repeat(lens, lens)
+    return np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(starts, lens), ln
 
 
 def choose_top(prof: ReuseProfile, score: torch.Tensor) -> torch.Tensor:

@@ -75,6 +75,13 @@ class BlockPlan:
 
 
 
+def to_device_all(host: list[torch.Tensor], dev) -> list[torch.Tensor]:
+    """Host int64 tensors on `dev` through one copy that does not wait for the stream: views of one device
+    tensor, in order."""
+    flat = to_device_nowait(torch.cat([t.reshape(-1) for t in host]), dev)
+    return list(flat.split([t.numel() for t in host]))
+
+
 def split_rows(active, positions, reloc, n_q, geometries) -> Split:
     """Every per-request index the reusable layers use, built once on the host from one read of the active
     mask (the only host sync of the reuse layers' indices) and copied without waiting (`to_device_nowait`).
@@ -99,20 +106,25 @@ def split_rows(active, positions, reloc, n_q, geometries) -> Split:
         split_pos[rest_h] = torch.arange(act_h.numel(), row_active.shape[0])
         sp.split_pos = to_device_nowait(split_pos, dev)
     a = n_act = n_rest = 0
+    act_local, rest_local = [], []
     for j, d in enumerate(reloc, start=1):
         mine = ra_host[a:a + d.n]
         ai, ri = torch.nonzero(mine).flatten(), torch.nonzero(~mine).flatten()
         if ai.numel():
-            sp.act_local.append((j, to_device_nowait(ai, dev), n_act))
+            act_local.append((j, ai, n_act))
         if ri.numel():
-            sp.rest_local.append((j, to_device_nowait(ri, dev), n_rest))
+            rest_local.append((j, ri, n_rest))
         sp.seg_ranges.append((a, d.n))
         n_act, n_rest, a = n_act + ai.numel(), n_rest + ri.numel(), a + d.n
     ar = act_h[act_h < n_reloc]
-    sp.act_reloc = to_device_nowait(ar, dev)
     starts = torch.tensor([st for st, _ in sp.seg_ranges], dtype=torch.long)
     owner = torch.searchsorted(starts, ar, right=True) - 1
-    sp.act_cpos = share_positions(to_device_nowait(ar - starts[owner] if ar.numel() else ar, dev))
+    cpos = ar - starts[owner] if ar.numel() else ar
+    # every document's row ids go to the device in ONE copy (views of it), not one copy per document
+    *local, sp.act_reloc, act_cpos = to_device_all([t for _, t, _ in act_local + rest_local] + [ar, cpos], dev)
+    sp.act_local = [(j, t, off) for (j, _, off), t in zip(act_local, local)]
+    sp.rest_local = [(j, t, off) for (j, _, off), t in zip(rest_local, local[len(act_local):])]
+    sp.act_cpos = share_positions(act_cpos)
     sp.ra_host = ra_host
     for r, overlap in geometries:
         block_plan(sp, r, overlap)
@@ -149,11 +161,11 @@ def block_plan(sp: Split, r: int, overlap: bool) -> BlockPlan:
             carry = int(where[nb - 1])
             last_of_prev = carry + 1
         n_need += ids.numel()
-    dev = sp.act_reloc.device
-    cat = (lambda xs: to_device_nowait(torch.cat(xs), dev) if xs else torch.zeros(0, dtype=torch.long, device=dev))
-    plan = BlockPlan(cat(need_rows), n_need, cat(dirty_src), share_positions(cat(dirty_pos)),
-                      cat(prev_src) if overlap else None,
-                      [(j, to_device_nowait(B, dev), off) for j, B, off in per_doc], carry)
+    cat = (lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.long))
+    need, src, pos, prev, *Bs = to_device_all([cat(need_rows), cat(dirty_src), cat(dirty_pos), cat(prev_src)]
+                                              + [B for _, B, _ in per_doc], sp.act_reloc.device)
+    plan = BlockPlan(need, n_need, src, share_positions(pos), prev if overlap else None,
+                     [(j, B, off) for (j, _, off), B in zip(per_doc, Bs)], carry)
     sp.blocks[(r, overlap)] = plan
     return plan
 

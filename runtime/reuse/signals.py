@@ -3,22 +3,23 @@ latent, on DeepSeek) moved in the request's context in the first fences, which r
 the question, and how much attention the question gives each row in a draft pass (`attention_mass`)."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from runtime.kernels._host import to_device_nowait
 from runtime.model.deepseek_v4 import Rotary
 
 
 def deviation(block, latent_req, reloc, deltas, layer) -> torch.Tensor:
     """CacheBlend's signal for free: the request-context latent of the first fences against the artifact's
     latent of the same layer (moved to the request frame), relative per row."""
-    outs = []
-    a = 0
-    for d, delta in zip(reloc, deltas):
-        art = d.layers[layer].latent
-        moved = Rotary.apply(art, *block.attn.rotary.cos_sin(torch.full((d.n,), delta, device=art.device)))
-        outs.append(rel_deviation(latent_req[a:a + d.n], moved))
-        a += d.n
-    return torch.cat(outs)
+    if not reloc:
+        return latent_req.new_zeros(0, dtype=torch.float32)
+    arts = [d.layers[layer].latent for d in reloc]
+    art = torch.cat(arts) if len(arts) > 1 else arts[0]             # every document at once: no launch per one
+    at = torch.from_numpy(np.repeat(np.asarray(deltas, dtype=np.int64), [a.shape[0] for a in arts]))
+    moved = Rotary.apply(art, *block.attn.rotary.cos_sin(to_device_nowait(at, art.device)))
+    return rel_deviation(latent_req[:art.shape[0]], moved)
 
 
 def rel_deviation(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
