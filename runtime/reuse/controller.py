@@ -82,7 +82,7 @@ def sink_mask(prof: ReuseProfile, seg_lens: list[int], device) -> torch.Tensor:
 def in_segment(seg_lens: list[int]) -> tuple[np.ndarray, np.ndarray]:
     """Per relocated row (host int64 arrays): its row within its segment, and its segment's length."""
     lens = np.asarray(seg_lens, dtype=np.int64)
-    starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+    starts = np.cumsum(lens) - lens
     ln = np.repeat(lens, lens)
     return np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(starts, lens), ln
 

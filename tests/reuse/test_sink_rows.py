@@ -37,6 +37,9 @@ def test_every_rule_takes_the_sink_rows_first_within_the_budget(select):
         assert score[rest].min() >= score[others & ~rest].max()
     # more sink rows than the budget: the budget is all sinks, never more
     assert int(choose(base.replace(sink_rows=20), dev, None, lambda: draft, SEGS, [10, 50, 75], 135, 5).sum()) == 25
+    # no relocated document (the prefix alone): no candidate, no sink row
+    none = choose(base.replace(sink_rows=3), torch.zeros(0), None, lambda: torch.zeros(0), [], [], 40, 5)
+    assert none.numel() == 0 and sink_mask(base.replace(sink_rows=3), [], "cpu").numel() == 0
 
 
 def test_the_engines_of_both_families_recompute_the_sink_rows():

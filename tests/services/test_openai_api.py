@@ -173,8 +173,10 @@ def test_streams_send_their_first_chunk_before_the_answer_is_done(client, docs, 
     # the first chunk leaves with the first token: well before the remaining n - 1 decode steps are done. Measured
     # against those steps' own time (the unstreamed answer's), not the whole stream's: the streamed request's first
     # token may wait behind other work in the worker (this stack shadows reuse requests), which says nothing of
-    # when its chunks leave
-    assert (done - first) > 0.3 * decode_s, (done - first, decode_s)
+    # when its chunks leave. A stream sent only when the answer is done has its chunks a transport time apart (about
+    # a millisecond here); a tenth of the steps' time still tells that apart while the other test process makes the
+    # unstreamed steps up to four times slower than the streamed ones (a CI run: 0.44 s streamed against 1.78 s)
+    assert (done - first) > 0.1 * decode_s, (done - first, decode_s)
 
 
 def test_sampling_is_seeded_and_temperature_0_is_greedy(client, docs):
