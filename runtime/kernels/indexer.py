@@ -108,6 +108,17 @@ def default_config(IH: int, ID: int) -> dict:
     return dict(BLOCK_T=64, BLOCK_N=128, num_warps=4, num_stages=3)
 
 
+def _launch_inputs(q: torch.Tensor, weights: torch.Tensor, cpos: torch.Tensor):
+    """The scoring kernels' query (unit channel stride), head weights (float32, unit head stride) and positions
+    (contiguous, on q's device)."""
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    weights = weights.float()
+    if weights.stride(-1) != 1:
+        weights = weights.contiguous()
+    return q, weights, cpos.to(device=q.device).contiguous()
+
+
 def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, cpos: torch.Tensor, ratio: int = 4,
                    out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """q [T,IH,ID] roped, keys [N,ID], weights [T,IH] float32 (already scaled), cpos [T] -> scores [T,N] float32
@@ -118,13 +129,8 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, c
     N = keys.shape[0]
     if ID & (ID - 1) or ID < 16:
         raise ValueError(f"index head dim {ID} must be a power of two >= 16")
-    if q.stride(-1) != 1:
-        q = q.contiguous()
+    q, weights, cpos = _launch_inputs(q, weights, cpos)
     keys = keys.to(q.dtype).contiguous()
-    weights = weights.float()
-    if weights.stride(-1) != 1:
-        weights = weights.contiguous()
-    cpos = cpos.to(device=q.device).contiguous()
     if out is None:
         out = torch.empty((T, N), dtype=torch.float32, device=q.device)
     elif out.shape != (T, N) or out.dtype != torch.float32 or (N > 1 and out.stride(1) != 1):
@@ -182,12 +188,7 @@ def indexer_scores_parts(q: torch.Tensor, keys: list, deltas: list[int], cos_sin
         raise ValueError(f"cos_sin {tuple(cos_sin.shape)} and deltas must have one row per segment ({len(keys)})")
     if out.shape != (T, sum(counts)) or out.dtype != torch.float32 or (out.shape[1] > 1 and out.stride(1) != 1):
         raise ValueError("out must be a float32 [T, sum of the segments' keys] view with unit column stride")
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    weights = weights.float()
-    if weights.stride(-1) != 1:
-        weights = weights.contiguous()
-    cpos = cpos.to(device=q.device).contiguous()
+    q, weights, cpos = _launch_inputs(q, weights, cpos)
     cfg = dict(default_config(IH, ID), **(config or {}))
     if T == 0 or not any(counts):
         return out

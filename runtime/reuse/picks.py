@@ -48,8 +48,7 @@ def split_picks(gp, first, total):
 
 def global_from_split(picks: list, first: list[int], total: int, segments) -> torch.Tensor:
     """A caller's per-segment picks (local entry ids [T, k_j], -1 = none; None = none; at least one given) ->
-    [T, sum k_j] global ids
-    numbered by `first` (`total` for an empty slot or an id past its segment's entries)."""
+    [T, sum k_j] global ids numbered by `first` (`total` for an empty slot or an id past its segment's entries)."""
     parts = []
     for pk, f, s in zip(picks, first, segments):
         if pk is not None:

@@ -90,7 +90,7 @@ def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: l
                                         policy)
     # CSA picks as one [T, k] tensor of global entry ids (segment j's entry w = first[j] + w, `total` = none):
     # each row's own document's, the native indexer's over the union, or a caller's per-segment lists joined
-    gp, by = None, None
+    gp = by = first = total = None
     if attn.kind == CSA:
         if own_picks is not None:
             first, total = offsets(segments, "entries")
@@ -107,8 +107,7 @@ def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: l
     o_buf = torch.empty((len(plan), T, H, D), dtype=torch.float32, device=q_raw.device)
     lse_buf = torch.full((len(plan), T, H), NEG_INF, dtype=torch.float32, device=q_raw.device)
     if enabled(q_raw):
-        _stacked_parts(attn, q_raw, qpos, host, segments, plan, o_buf, lse_buf, trig,
-                       gp, first if gp is not None else None)
+        _stacked_parts(attn, q_raw, qpos, host, segments, plan, o_buf, lse_buf, trig, gp, first)
     else:
         for p, (j, lo, hi, mode) in enumerate(plan):
             seg = segments[j]

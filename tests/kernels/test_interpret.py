@@ -95,8 +95,7 @@ class DeviceOps:
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
                 name = func.overloadpacket.__name__
-                if not outer.skip() and name not in outer.FREE and not (name in ("to", "_to_copy", "contiguous", "clone_if_needed")
-                                                   and args and out is args[0]):
+                if not outer.skip() and name not in outer.FREE and not (name == "to" and args and out is args[0]):
                     outer.counts[name] += 1
                 return out
         self._mode = Mode()
