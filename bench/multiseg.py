@@ -114,6 +114,8 @@ def case(args, kind, which, lens, deltas, lat, rows_all, dev, g):
     host = rows.cpu().numpy()
     step = max(1, args.q_chunk * 64 // H)
     chunks = [slice(a, a + step) for a in range(0, rows.numel(), step)]
+    # per chunk the consumer's per-request cache (`Rows.trig`): tables made once per rows, reused by every layer
+    trigs = [{} for _ in chunks]
     online = kind == "csa" and which == "active"
     own = own_picks(rows, deltas, lens, dev, g) if kind == "csa" and which == "global" else None
     mode, gp, first, total = {"window": "none", "hca": "causal"}.get(kind, "picks"), None, None, None
@@ -127,17 +129,17 @@ def case(args, kind, which, lens, deltas, lat, rows_all, dev, g):
         return torch.cat([C.segment_attention(attn, q[c], rows[c], segs, sink, qpos_host=host[c],
                                               own_picks=None if own is None else own[c],
                                               picks=[p[c] for p in per_seg] if online else None,
-                                              policy=STACKED)[0]
-                          for c in chunks])
+                                              trig=tr, policy=STACKED)[0]
+                          for c, tr in zip(chunks, trigs)])
 
     def fused(config=None):
         """The consumer's fused call per chunk (segments.fused_attention), own picks turned global inside it."""
         outs = []
-        for c in chunks:
+        for c, tr in zip(chunks, trigs):
             gpc = gp[c] if online else None if own is None else C.own_global_picks(segs, rows[c], own[c], first,
                                                                                      total)
             outs.append(C.fused_attention(attn, q[c], rows[c], segs, sink, host[c], mode, gpc, first, total,
-                                          config)[0])
+                                          config, trig=tr)[0])
         return torch.cat(outs)
 
     a, b = stacked(), fused()
