@@ -85,87 +85,91 @@ def to_device_all(host: list[torch.Tensor], dev) -> list[torch.Tensor]:
 def split_rows(active, positions, reloc, n_q, geometries) -> Split:
     """Every per-request index the reusable layers use, built once on the host from one read of the active
     mask (the only host sync of the reuse layers' indices) and copied without waiting (`to_device_nowait`).
-    `geometries`: every compressor's (ratio, overlap) in the reusable layers, planned before the first layer."""
+    `geometries`: every compressor's (ratio, overlap) in the reusable layers, planned before the first layer.
+    The host work is numpy over every relocated document at once (no step per document), so its cost follows the
+    rows, not the number of documents."""
     dev = positions.device
     n_reloc = active.shape[0]
     row_active = torch.cat([active, torch.ones(n_q, dtype=torch.bool, device=dev)])
     ra_host, pos_host = row_active.cpu(), positions.cpu()
-    act_h, rest_h = torch.nonzero(ra_host).flatten(), torch.nonzero(~ra_host).flatten()
+    ra = ra_host.numpy()
+    act_h, rest_h = np.flatnonzero(ra), np.flatnonzero(~ra)
 
     def rows(ids):
-        if ids.numel() == 0:
+        if ids.size == 0:
             return None
-        if ids.numel() == row_active.shape[0]:
+        if ids.size == ra.shape[0]:
             return Rows(None, positions, pos_host.numpy())
-        d = to_device_nowait(ids, dev)
-        return Rows(d, positions.index_select(0, d), pos_host[ids].numpy())
+        d = to_device_nowait(torch.from_numpy(ids), dev)
+        return Rows(d, positions.index_select(0, d), pos_host.numpy()[ids])
     sp = Split(rows(act_h), rows(rest_h))
     if sp.act is not None and sp.rest is not None:
-        split_pos = torch.empty(row_active.shape[0], dtype=torch.long)
-        split_pos[act_h] = torch.arange(act_h.numel())
-        split_pos[rest_h] = torch.arange(act_h.numel(), row_active.shape[0])
-        sp.split_pos = to_device_nowait(split_pos, dev)
-    a = n_act = n_rest = 0
-    act_local, rest_local = [], []
-    for j, d in enumerate(reloc, start=1):
-        mine = ra_host[a:a + d.n]
-        ai, ri = torch.nonzero(mine).flatten(), torch.nonzero(~mine).flatten()
-        if ai.numel():
-            act_local.append((j, ai, n_act))
-        if ri.numel():
-            rest_local.append((j, ri, n_rest))
-        sp.seg_ranges.append((a, d.n))
-        n_act, n_rest, a = n_act + ai.numel(), n_rest + ri.numel(), a + d.n
-    ar = act_h[act_h < n_reloc]
-    starts = torch.tensor([st for st, _ in sp.seg_ranges], dtype=torch.long)
-    owner = torch.searchsorted(starts, ar, right=True) - 1
-    cpos = ar - starts[owner] if ar.numel() else ar
+        split_pos = np.empty(ra.shape[0], dtype=np.int64)
+        split_pos[act_h] = np.arange(act_h.size)
+        split_pos[rest_h] = np.arange(act_h.size, ra.shape[0])
+        sp.split_pos = to_device_nowait(torch.from_numpy(split_pos), dev)
+    lens = np.array([d.n for d in reloc], dtype=np.int64)
+    starts = np.cumsum(lens) - lens
+    sp.seg_ranges = list(zip(starts.tolist(), lens.tolist()))
+    # each relocated row's local id in its document: the active ones, then the others, document after document
+    ar, rr = act_h[act_h < n_reloc], rest_h[rest_h < n_reloc]
+    a_doc = np.searchsorted(starts, ar, side="right") - 1
+    r_doc = np.searchsorted(starts, rr, side="right") - 1
+    cpos, rest_ids = ar - starts[a_doc], rr - starts[r_doc]
     # every document's row ids go to the device in ONE copy (views of it), not one copy per document
-    *local, sp.act_reloc, act_cpos = to_device_all([t for _, t, _ in act_local + rest_local] + [ar, cpos], dev)
-    sp.act_local = [(j, t, off) for (j, _, off), t in zip(act_local, local)]
-    sp.rest_local = [(j, t, off) for (j, _, off), t in zip(rest_local, local[len(act_local):])]
-    sp.act_cpos = share_positions(act_cpos)
+    # (an active row's local id IS its canonical position in its document: act_cpos)
+    act_ids, rest_dev, sp.act_reloc = to_device_all([torch.from_numpy(t) for t in (cpos, rest_ids, ar)], dev)
+    sp.act_local = _per_doc(act_ids, np.bincount(a_doc, minlength=len(reloc)))
+    sp.rest_local = _per_doc(rest_dev, np.bincount(r_doc, minlength=len(reloc)))
+    sp.act_cpos = share_positions(act_ids)
     sp.ra_host = ra_host
     for r, overlap in geometries:
         block_plan(sp, r, overlap)
     return sp
 
+
+def _per_doc(ids: torch.Tensor, counts: np.ndarray) -> list:
+    """Per relocated document j (from 1) that has any: (j, its slice of `ids` (documents one after the other,
+    `counts` each), the slice's offset)."""
+    offs = np.cumsum(counts) - counts
+    return [(j + 1, ids[o:o + c], o) for j, (c, o) in enumerate(zip(counts.tolist(), offs.tolist())) if c]
+
+
 def block_plan(sp: Split, r: int, overlap: bool) -> BlockPlan:
-    """`sp`'s plan of the blocks to re-pool for compressors of ratio `r` (and `overlap`), made once."""
+    """`sp`'s plan of the blocks to re-pool for compressors of ratio `r` (and `overlap`), made once: numpy over
+    every document's blocks at once (a document's trailing rows short of a block belong to none)."""
     if (r, overlap) in sp.blocks:
         return sp.blocks[(r, overlap)]
-    ra = sp.ra_host
-    need_rows, dirty_src, dirty_pos, prev_src, per_doc = [], [], [], [], []
-    n_need, carry = 0, -1
-    last_of_prev = 0                                  # predecessor of a document's first block: 0 = prefix
-    for j, (a, n) in enumerate(sp.seg_ranges, start=1):
-        nb = n // r
-        blk = ra[a:a + nb * r].view(nb, r).any(dim=1)
-        needed = blk.clone()
-        if overlap:
-            needed[:-1] |= blk[1:]
-            needed[-1] = True
-        ids = torch.nonzero(needed).flatten()
-        where = torch.full((nb,), -1, dtype=torch.long)
-        where[ids] = torch.arange(n_need, n_need + ids.numel())
-        need_rows.append((a + ids[:, None] * r + torch.arange(r)).flatten())
-        B = torch.nonzero(blk).flatten()
-        if B.numel():
-            per_doc.append((j, B, sum(x.numel() for x in dirty_src)))
-            dirty_src.append(where[B])
-            dirty_pos.append(B * r)
-            if overlap:
-                prev = torch.where(B > 0, where[(B - 1).clamp(min=0)] + 1, torch.full_like(B, last_of_prev))
-                prev_src.append(prev)
-        if overlap:
-            carry = int(where[nb - 1])
-            last_of_prev = carry + 1
-        n_need += ids.numel()
-    cat = (lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.long))
-    need, src, pos, prev, *Bs = to_device_all([cat(need_rows), cat(dirty_src), cat(dirty_pos), cat(prev_src)]
-                                              + [B for _, B, _ in per_doc], sp.act_reloc.device)
-    plan = BlockPlan(need, n_need, src, share_positions(pos), prev if overlap else None,
-                     [(j, B, off) for (j, _, off), B in zip(per_doc, Bs)], carry)
+    ra = sp.ra_host.numpy()
+    a = np.array([a for a, _ in sp.seg_ranges], dtype=np.int64)
+    nb = np.array([n // r for _, n in sp.seg_ranges], dtype=np.int64)
+    doc = np.repeat(np.arange(nb.size), nb)                     # every block's document (index into seg_ranges)
+    first_blk = np.cumsum(nb) - nb                              # each document's first block among all
+    b = np.arange(doc.size) - first_blk[doc]                    # the block's id in its document
+    start = a[doc] + b * r                                      # its first call row
+    blk = ra[start[:, None] + np.arange(r)].any(axis=1) if doc.size else np.zeros(0, dtype=bool)
+    needed = blk.copy()
+    has = nb > 0
+    last = (first_blk + nb - 1)[has]                            # each document's last block
+    if overlap:
+        needed[:-1] |= blk[1:] & (doc[:-1] == doc[1:])          # a dirty block's predecessor in its document
+        needed[last] = True                                     # its Ca half carries into the next segment
+    where = np.cumsum(needed) - 1                               # a needed block's index among the needed
+    ids = np.flatnonzero(needed)
+    need_rows = (start[ids][:, None] + np.arange(r)).reshape(-1)
+    B = np.flatnonzero(blk)
+    dirty_src, dirty_pos = where[B], b[B] * r
+    prev_src = np.zeros(0, dtype=np.int64)
+    carry = -1
+    if overlap:
+        # the predecessor of a document's first block: the previous document's last block (0 = the prefix's state)
+        prev_last = np.zeros(nb.size, dtype=np.int64)
+        prev_last[np.flatnonzero(has)[1:]] = where[last[:-1]] + 1
+        prev_src = np.where(b[B] > 0, where[np.maximum(B - 1, 0)] + 1, prev_last[doc[B]])
+        carry = int(where[last[-1]]) if last.size else -1
+    need, src, pos, prev, Bs = to_device_all([torch.from_numpy(t) for t in (need_rows, dirty_src, dirty_pos,
+                                                                             prev_src, b[B])], sp.act_reloc.device)
+    plan = BlockPlan(need, int(ids.size), src, share_positions(pos), prev if overlap else None,
+                     _per_doc(Bs, np.bincount(doc[B], minlength=nb.size)), carry)
     sp.blocks[(r, overlap)] = plan
     return plan
-
