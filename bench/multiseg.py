@@ -6,7 +6,8 @@ A request of --length tokens as --docs documents (the first is the prefix) plus 
 dimensions (D = 512, 64 rope channels, window 128, bf16). Two row sets, as runtime/reuse/engine.py forms them:
 - "active": --budget of the relocated rows plus the question rows, all 64 heads; CSA picks are the online
   indexer's top-512 over the union of every segment's visible entries (random ids here, drawn from the same range);
-- "global": the other relocated rows, the 8 Global heads; CSA picks are each row's own document's 512 (artifact).
+- "global": the other relocated rows, the 8 Global heads; CSA picks are each row's own document's 512 (artifact),
+  or with `--global-picks online` (the flash preset's) the indexer's top-512 over every segment, as for "active".
 Per row set and layer kind (window, HCA ratio 128, CSA ratio 4): the stacked path (one sparse-attention launch per
 segment part into a float32 [parts, rows, heads, D] buffer, then the N-way merge: a policy whose fused_min_heads
 no call reaches) and the fused multi-segment kernel (runtime/kernels/multiseg.py through segments.fused_attention,
@@ -116,8 +117,8 @@ def case(args, kind, which, lens, deltas, lat, rows_all, dev, g):
     chunks = [slice(a, a + step) for a in range(0, rows.numel(), step)]
     # per chunk the consumer's per-request cache (`Rows.trig`): tables made once per rows, reused by every layer
     trigs = [{} for _ in chunks]
-    online = kind == "csa" and which == "active"
-    own = own_picks(rows, deltas, lens, dev, g) if kind == "csa" and which == "global" else None
+    online = kind == "csa" and (which == "active" or args.global_picks == "online")
+    own = own_picks(rows, deltas, lens, dev, g) if kind == "csa" and not online else None
     mode, gp, first, total = {"window": "none", "hca": "causal"}.get(kind, "picks"), None, None, None
     if online:
         gp, first, total = online_picks(rows, deltas, lens, dev, g)
@@ -183,6 +184,9 @@ def main() -> int:
                     help='--sweep values per key, e.g. "ROWS=1,2,4;BLOCK_N=32,64;num_warps=4" (keys BLOCK_H or ROWS, '
                          'BLOCK_N, num_warps, num_stages; the others keep their default lists)')
     ap.add_argument("--fp32", action="store_true")
+    ap.add_argument("--global-picks", default="artifact", choices=["artifact", "online"],
+                    help="the Global rows' CSA picks: each row's own document's (artifact) or the indexer's over "
+                         "every segment (online, the flash preset's)")
     ap.add_argument("--json")
     args = ap.parse_args()
     sweep_grid(args.grid, 8)                              # a bad --grid fails before any work

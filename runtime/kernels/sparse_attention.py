@@ -112,14 +112,18 @@ if HAVE_TRITON:
     def _sparse_mqa_kernel(q_ptr, k_ptr, e_ptr, cpos_ptr, picks_ptr, o_ptr, lse_ptr,
                            H, n_keys, n_entries, n_picks, ratio, window, qk_scale, pos_shift,
                            stride_qt, stride_qh, stride_pt,
-                           tab_ptr, prog_ptr, cos_ptr, sin_ptr, stride_op, stride_lp,
+                           tab_ptr, prog_ptr, cos_ptr, sin_ptr, stride_op, stride_lp, runs_ptr, stride_rt,
+                           n_parts,
                            MODE: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_H: tl.constexpr,
-                           BLOCK_N: tl.constexpr, PREC: tl.constexpr, PARTS: tl.constexpr, HALF: tl.constexpr):
+                           BLOCK_N: tl.constexpr, PREC: tl.constexpr, PARTS: tl.constexpr, HALF: tl.constexpr,
+                           RUNS: tl.constexpr):
         """PARTS: one launch over many segments' parts (`sparse_mqa_parts`): program i is the query row that
         prog_ptr's row i names in its part, whose segment row in tab_ptr gives the keys, entries and Delta; its
         query is turned to t - Delta on load (cos/sin of the part's row), its picks are row t of picks_ptr as
         global entry ids (the segment's own: first .. first + n_entries - 1, the others skipped), its output and
-        LSE go to the part's slice of the stacked buffers (o_ptr + part x stride_op)."""
+        LSE go to the part's slice of the stacked buffers (o_ptr + part x stride_op). RUNS: row t's picks are
+        sorted ascending and runs_ptr [T, 2 x n_parts] holds where each part's segment's run starts and ends in
+        it (columns part and n_parts + part): the program reads that run only, not every slot of the row."""
         hb = tl.program_id(1)
         offs_v = tl.program_id(2) * DV + tl.arange(0, DV)                 # this program's output columns
         offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -166,9 +170,14 @@ if HAVE_TRITON:
                 k, v = _tile(e_ptr, rows, valid, offs_d, offs_v, D, DV)
                 m_i, l_i, acc = _online_block(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale, PREC)
         elif MODE == 2:
-            for start in range(0, n_picks, BLOCK_N):
+            k_lo = 0
+            k_hi = n_picks
+            if RUNS:
+                k_lo = tl.load(runs_ptr + t * stride_rt + part).to(tl.int32)
+                k_hi = tl.load(runs_ptr + t * stride_rt + n_parts + part).to(tl.int32)
+            for start in range(k_lo, k_hi, BLOCK_N):
                 j = start + offs_n
-                idx = tl.load(picks_ptr + t * stride_pt + j, mask=j < n_picks, other=-1) - pick_first
+                idx = tl.load(picks_ptr + t * stride_pt + j, mask=j < k_hi, other=-1) - pick_first
                 valid = (idx >= 0) & (idx < n_entries)
                 k, v = _tile(e_ptr, idx, valid, offs_d, offs_v, D, DV)
                 m_i, l_i, acc = _online_block(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale, PREC)
@@ -362,9 +371,9 @@ def sparse_mqa_attention(q: torch.Tensor, keys: torch.Tensor, cpos: torch.Tensor
     _sparse_mqa_kernel[grid](q, k_arg, e, cpos, p, o, lse,
                              H, keys.shape[0], n_entries, n_picks, max(int(ratio), 1), int(window),
                              scale * LOG2E, int(pos_shift), q.stride(0), q.stride(1), stride_pt,
-                             cpos, cpos, o, o, 0, 0,
+                             cpos, cpos, o, o, 0, 0, cpos, 0, 0,
                              MODE=MODES[mode], D=D, DV=DV, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
-                             PREC=dot_precision(q.dtype), PARTS=False, HALF=1,
+                             PREC=dot_precision(q.dtype), PARTS=False, HALF=1, RUNS=False,
                              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return o, lse
 
@@ -372,7 +381,7 @@ def sparse_mqa_attention(q: torch.Tensor, keys: torch.Tensor, cpos: torch.Tensor
 def sparse_mqa_parts(q: torch.Tensor, qpos: torch.Tensor, tab: torch.Tensor, prog: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor, o_buf: torch.Tensor, lse_buf: torch.Tensor, window: int, ratio: int,
                      scale: float, mode: str, picks: torch.Tensor | None = None, rows: int = 1,
-                     config: dict | None = None) -> None:
+                     config: dict | None = None, runs: torch.Tensor | None = None) -> None:
     """Many segments' parts of one call in one launch (runtime/reuse/segments.py's stacked path), whatever their
     number: part p attends segment p of `tab` (multiseg.segment_table's rows: latent, n, Delta, entries and their
     count, 0 where the part attends none) from some of the query rows, with the query's rope channels turned to
@@ -384,7 +393,9 @@ def sparse_mqa_parts(q: torch.Tensor, qpos: torch.Tensor, tab: torch.Tensor, pro
     each part's rows written in its slice, the output's rope channels NOT yet turned back. mode "causal" (entries
     complete before the row: (t - Delta + 1) // ratio; a part whose table row has no entries: the window only) or
     "picks" (picks [T, k] int: each query row's picks as global entry ids over every segment, the table's
-    first-pick column numbering each segment's; ids outside a part's segment are skipped by its programs)."""
+    first-pick column numbering each segment's; ids outside a part's segment are skipped by its programs).
+    `runs` (int64 [T, 2P], "picks" only): picks sorted ascending per row, and per row where each part's segment's
+    ids start (column p) and end (column P + p) in it, so a part's programs read their run alone (`part_runs`)."""
     check_runnable(q)
     T, H, D = q.shape
     P = o_buf.shape[0]
@@ -417,9 +428,12 @@ def sparse_mqa_parts(q: torch.Tensor, qpos: torch.Tensor, tab: torch.Tensor, pro
         n_picks, stride_pt, p = picks.shape[1], picks.stride(0), (picks if picks.numel() else prog)
     else:
         n_picks, stride_pt, p = 0, 0, prog
+    if runs is not None:
+        assert mode == "picks" and runs.shape == (T, 2 * P) and runs.is_contiguous(), (runs.shape, T, P)
     cfg, DV = _row_config(H, D, config)
     _sparse_mqa_kernel[(N, triton.cdiv(H, cfg["BLOCK_H"]), D // DV)](
         q, q, q, qpos, p, o_buf, lse_buf, H, 0, 0, n_picks, max(int(ratio), 1), int(window), scale * LOG2E, 0,
-        q.stride(0), q.stride(1), stride_pt, *args, MODE=MODES[mode], D=D, DV=DV, BLOCK_H=cfg["BLOCK_H"],
-        BLOCK_N=cfg["BLOCK_N"], PREC=dot_precision(q.dtype), PARTS=True, HALF=half, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+        q.stride(0), q.stride(1), stride_pt, *args, prog if runs is None else runs,
+        0 if runs is None else runs.stride(0), P, MODE=MODES[mode], D=D, DV=DV, BLOCK_H=cfg["BLOCK_H"],
+        BLOCK_N=cfg["BLOCK_N"], PREC=dot_precision(q.dtype), PARTS=True, HALF=half, RUNS=runs is not None,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])

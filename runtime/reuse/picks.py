@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 import runtime.kernels as K
+from runtime.kernels._host import to_device_nowait
 from runtime.kernels import rope_
 from runtime.model.config import WINDOW
 from runtime.model.deepseek_v4 import Rotary
@@ -27,12 +28,24 @@ def own_global_picks(segments, qpos, own_picks, first, total, trig=None):
 
 def pick_runs(gp, first, total, trig=None):
     """Global picks [T, k] -> (the same sorted ascending per row, bounds [T, P+1]: where each segment's run starts
-    in the row's list; bounds[:, P] is the row's count of real picks). What the fused kernel walks. The segments'
-    edges are copied to the device once per call's rows and layout (`trig`): the copy waits for the stream."""
+    in the row's list; bounds[:, P] is the row's count of real picks). What the fused kernel walks."""
+    return _sorted_runs(gp, first + [total], trig)
+
+
+def part_runs(gp, spans, trig=None):
+    """Global picks [T, k] -> (the same sorted ascending per row, runs [T, 2P]: per part p with segment ids
+    spans[p] = (first, count), where its ids start (column p) and end (column P + p) in the row's sorted list). What
+    the stacked picks parts read: each part its own run, not every slot."""
+    return _sorted_runs(gp, [f for f, _ in spans] + [f + n for f, n in spans], trig)
+
+
+def _sorted_runs(gp, edges: list[int], trig=None):
+    """gp sorted ascending per row, and where each of `edges` (global ids) falls in each row. The edges go to the
+    device once per call's rows and edges (`trig`), without waiting for the stream."""
     gp = gp.sort(dim=1).values.contiguous()
-    edges = memo(trig, ("edges", tuple(first), total, gp.shape[0]), lambda: torch.tensor(
-        first + [total], device=gp.device).expand(gp.shape[0], -1).contiguous())
-    return gp, torch.searchsorted(gp, edges)
+    at = memo(trig, ("edges", tuple(edges), gp.shape[0]), lambda: to_device_nowait(
+        torch.tensor(edges, dtype=torch.long), gp.device).expand(gp.shape[0], -1).contiguous())
+    return gp, torch.searchsorted(gp, at)
 
 
 def local_picks(gp: torch.Tensor, f: int, n: int) -> torch.Tensor:

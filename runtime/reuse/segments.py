@@ -19,7 +19,7 @@ from runtime.kernels.multiseg import multi_segment_attention, segment_table
 from runtime.kernels.reference import sparse_mqa_reference
 from runtime.kernels.sparse_attention import packed_rows, sparse_mqa_parts
 from .keys import SegmentKeys, angles, memo, offsets, shifted
-from .picks import global_from_split, indexer_global_picks, local_picks, own_global_picks, pick_runs
+from .picks import global_from_split, indexer_global_picks, local_picks, own_global_picks, part_runs, pick_runs
 
 
 def _plan(attn, host, segments, by, trig=None):
@@ -107,7 +107,7 @@ def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: l
     o_buf = torch.empty((len(plan), T, H, D), dtype=torch.float32, device=q_raw.device)
     lse_buf = torch.full((len(plan), T, H), NEG_INF, dtype=torch.float32, device=q_raw.device)
     if enabled(q_raw):
-        _stacked_parts(attn, q_raw, qpos, host, segments, plan, o_buf, lse_buf, trig, gp, first)
+        _stacked_parts(attn, q_raw, qpos, host, segments, plan, o_buf, lse_buf, trig, gp, first, by == "union")
     else:
         for p, (j, lo, hi, mode) in enumerate(plan):
             seg = segments[j]
@@ -127,14 +127,17 @@ def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: l
     return out, pairs
 
 
-def _stacked_parts(attn, q_raw, qpos, host, segments, plan, o_buf, lse_buf, trig, gp=None, first=None):
+def _stacked_parts(attn, q_raw, qpos, host, segments, plan, o_buf, lse_buf, trig, gp=None, first=None,
+                   union=False):
     """The stacked parts on CUDA in a bounded number of launches whatever the segments: one launch of the sparse
     kernel over every window/causal part and one over every picks part (`sparse_mqa_parts`: each program reads its
     part's segment from a table and turns its query rows to t - Delta as it loads them), then one rotation that
     turns every part's served output rows back (`rope_` over listed rows). The tables that depend only on the rows
     and the segments' places (angles, programs, output rows) are made once per call's rows (`trig`). gp [T, k]:
     the rows' picks as global entry ids numbered by `first` (every picks part reads its rows' lists in place and
-    takes its own segment's ids)."""
+    takes its own segment's ids). `union`: a row's picks spread over every segment, so with more than one picks
+    part the rows are sorted once and each part reads only its segment's run (`part_runs`), not all k slots;
+    own picks (one segment's ids a row) are read as they are."""
     if not plan:
         return
     T, H, D = q_raw.shape
@@ -171,11 +174,15 @@ def _stacked_parts(attn, q_raw, qpos, host, segments, plan, o_buf, lse_buf, trig
                                            segments[j].entries if mode != "none" else None)
                                for j, _, _, mode in plan], dev, q_raw.dtype, True,
                               [first[j] if first is not None else 0 for j, _, _, _ in plan])
+    runs = None
+    if union and len(progs["picks"][0]) > 1:
+        gp, runs = part_runs(gp, [(first[j], segments[j].entries.shape[0]) if m == "picks" else (0, 0)
+                                  for j, _, _, m in plan], trig)
     for mode, (want, prog) in progs.items():
         if want:
             sparse_mqa_parts(q_raw, qpos, tab, prog, cos, sin, o_buf, lse_buf, attn.cfg.window_size,
                              attn.ratio or 1, attn.scale, mode, gp if mode == "picks" else None,
-                             rows if mode == "causal" else 1)
+                             rows if mode == "causal" else 1, runs=runs if mode == "picks" else None)
     del keep
     rope_(o_buf.view(-1, H, D), cos, sin, inverse=True, rows=out_rows)
 

@@ -19,7 +19,7 @@ FUSED = dict(q_ptr="*bf16", qpos_ptr="*i64", tab_ptr="*i64", picks_ptr="*i32", b
              sink_ptr="*fp32", o_ptr="*bf16", qk_scale="fp32", sink_scale="fp32")
 STACKED = dict(q_ptr="*bf16", k_ptr="*bf16", e_ptr="*bf16", cpos_ptr="*i64", picks_ptr="*i32", o_ptr="*fp32",
                lse_ptr="*fp32", qk_scale="fp32", tab_ptr="*i64", prog_ptr="*i64", cos_ptr="*fp32", sin_ptr="*fp32",
-               stride_op="i64", stride_lp="i64")
+               stride_op="i64", stride_lp="i64", runs_ptr="*i64", stride_rt="i64")
 MERGE = dict(o_ptr="*fp32", lse_ptr="*fp32", sink_ptr="*fp32", out_ptr="*bf16")
 MERGE_N = dict(o_tab="*i64", lse_tab="*i64", sink_ptr="*fp32", out_ptr="*bf16", lse_out_ptr="*fp32")
 INDEXER = dict(q_ptr="*bf16", k_ptr="*bf16", w_ptr="*fp32", cpos_ptr="*i64", o_ptr="*fp32", scale="fp32")
@@ -43,13 +43,15 @@ KERNELS = [
     ("fused packed, 8 heads x 2 rows", multiseg._multiseg_packed_kernel, FUSED,
      dict(FUSED_C, ROWS=2, BLOCK_H=8, BLOCK_N=32), 4, True),
     ("stacked part, 64 heads", sparse_attention._sparse_mqa_kernel, STACKED,
-     dict(D=512, DV=512, BLOCK_H=64, BLOCK_N=64, PREC="tf32", PARTS=False, HALF=1), 8, True),
+     dict(D=512, DV=512, BLOCK_H=64, BLOCK_N=64, PREC="tf32", PARTS=False, HALF=1, RUNS=False), 8, True),
     ("stacked part, 8 heads", sparse_attention._sparse_mqa_kernel, STACKED,
-     dict(D=512, DV=512, BLOCK_H=16, BLOCK_N=64, PREC="tf32", PARTS=False, HALF=1), 4, True),
+     dict(D=512, DV=512, BLOCK_H=16, BLOCK_N=64, PREC="tf32", PARTS=False, HALF=1, RUNS=False), 4, True),
     ("stacked part, 8 heads x 8 rows", sparse_attention._sparse_mqa_rows_kernel, STACKED,
      dict(D=512, ROWS=8, BLOCK_H=8, BLOCK_N=64, PREC="tf32", PARTS=False, HALF=1), 8, True),
     ("stacked parts in one launch, 8 heads", sparse_attention._sparse_mqa_kernel, STACKED,
-     dict(D=512, DV=512, BLOCK_H=16, BLOCK_N=64, PREC="tf32", PARTS=True, HALF=32), 4, True),
+     dict(D=512, DV=512, BLOCK_H=16, BLOCK_N=64, PREC="tf32", PARTS=True, HALF=32, RUNS=False), 4, True),
+    ("stacked parts in one launch, 8 heads, each part's run of sorted picks", sparse_attention._sparse_mqa_kernel,
+     STACKED, dict(D=512, DV=512, BLOCK_H=16, BLOCK_N=64, PREC="tf32", PARTS=True, HALF=32, RUNS=True), 4, True),
     ("stacked parts in one launch, 8 heads x 8 rows", sparse_attention._sparse_mqa_rows_kernel, STACKED,
      dict(D=512, ROWS=8, BLOCK_H=8, BLOCK_N=64, PREC="tf32", PARTS=True, HALF=32), 8, True),
     ("stacked merge", merge._merge_stacked_kernel, MERGE, dict(D=512, BLOCK_R=8, BLOCK_D=512), 4, False),

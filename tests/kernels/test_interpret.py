@@ -365,13 +365,15 @@ def test_fused_kernel_rows_per_program_equal_the_reference(kind, H, rows_per_pro
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("kind", ["window", "hca", "csa-own"])
+@pytest.mark.parametrize("kind", ["window", "hca", "csa-own", "csa-union"])
 def test_stacked_parts_in_bounded_launches_equal_the_reference(kind, kernels_on, monkeypatch):
     """segment_attention's stacked path on the kernels (every part's query turned as the kernel loads it, one
     launch per kind of part, one rotation back over every part's served rows, the merge) equals the torch
     reference path (per part: rotation, attention, de-rotation) to 1e-5, over 4 and over 12 segments with rows
     crossing the joins; the Triton launches and the torch operations that would launch on a GPU are the same at
-    12 segments as at 4 (own picks go to the picks parts as one tensor of global ids, not split per segment)."""
+    12 segments as at 4 (own picks go to the picks parts as one tensor of global ids, not split per segment).
+    csa-union: picks over every segment (a caller's per segment); each picks part reads only its segment's run of
+    the row's sorted ids (`part_runs`), so the picks attended are counted by the kernel's own loop bounds too."""
     import types
     import runtime.kernels.rope as rope_mod
     import runtime.kernels.sparse_attention as sa
@@ -382,11 +384,14 @@ def test_stacked_parts_in_bounded_launches_equal_the_reference(kind, kernels_on,
         kern = getattr(mod, name)
         monkeypatch.setattr(mod, name, type("Spy", (), {"__getitem__": lambda self, grid, k=kern, n=name:
                                                         launched.append(n) or k[grid]})())
+    ran_runs, join = [], segments_mod.global_from_split
+    monkeypatch.setattr(segments_mod, "part_runs", lambda *a, f=segments_mod.part_runs: ran_runs.append(1) or f(*a))
     g = torch.Generator().manual_seed(5)
     D, W, H = 32, 8, 4
-    ratio = {"window": 0, "hca": 8, "csa-own": 4}[kind]
+    ratio = {"window": 0, "hca": 8, "csa-own": 4, "csa-union": 4}[kind]
     rot = Rotary(1.0 / (10000.0 ** (torch.arange(0, 8, 2).float() / 8)))
-    attn = types.SimpleNamespace(kind={"window": WINDOW, "hca": HCA, "csa-own": CSA}[kind], ratio=ratio,
+    attn = types.SimpleNamespace(kind={"window": WINDOW, "hca": HCA, "csa-own": CSA, "csa-union": CSA}[kind],
+                                 ratio=ratio,
                                  scale=D ** -0.5, rotary=rot, indexer=None, cfg=types.SimpleNamespace(window_size=W))
     counts = {}
     for lens in ([24, 40, 32, 9], [24, 16, 40, 8, 32, 24, 16, 40, 8, 32, 24, 9]):
@@ -397,25 +402,37 @@ def test_stacked_parts_in_bounded_launches_equal_the_reference(kind, kernels_on,
         rows = torch.arange(2, sum(lens), 3)
         q = torch.randn(rows.numel(), H, D, generator=g)
         sink = torch.randn(H, generator=g)
-        own = None
+        own = per_seg = None
+        if kind == "csa-union":       # per segment 3 picks a row among its entries complete before the row, or -1
+            per_seg = []
+            for d, seg in zip(deltas, segs):
+                vis = ((rows - d + 1).clamp(min=0) // 4).clamp(max=seg.entries.shape[0])
+                pk = (torch.rand(rows.numel(), 3, generator=g) * vis[:, None]).long()
+                per_seg.append(torch.where(vis[:, None] > 0, pk, -1))
         if kind == "csa-own":
             seg_of = torch.searchsorted(torch.tensor(deltas), rows, right=True) - 1
             vis = (rows - torch.tensor(deltas)[seg_of] + 1) // 4
             own = torch.where(vis[:, None] > 0, (torch.rand(rows.numel(), 5, generator=g) * vis[:, None]).long(), -1)
         monkeypatch.setenv("REDKNOT_KERNELS", "0")
+        monkeypatch.setattr(segments_mod, "global_from_split", join)
         ref, ref_pairs = segments_mod.segment_attention(attn, q, rows, segs, sink, qpos_host=rows.numpy(),
-                                                        own_picks=own)
+                                                        own_picks=own, picks=per_seg)
         assert not launched
         monkeypatch.setenv("REDKNOT_KERNELS", "1")
+        if per_seg is not None:       # a caller's lists are joined per segment (its input is per segment): done
+            first, total = segments_mod.offsets(segs, "entries")      # here, outside the counted operations
+            joined = join(per_seg, first, total, segs)
+            monkeypatch.setattr(segments_mod, "global_from_split", lambda *a, j=joined: j)
         before = kernels_on["sparse"]
         with DeviceOps() as ops:
             got, pairs = segments_mod.segment_attention(attn, q, rows, segs, sink, qpos_host=rows.numpy(),
-                                                        own_picks=own, trig={})
+                                                        own_picks=own, picks=per_seg, trig={})
         assert kernels_on["sparse"] > before and kernels_on["fused"] == 0    # the stacked path ran, on the kernels
         assert rel_err(got, ref) <= TOL and int(pairs) == int(ref_pairs)
         counts[len(lens)] = (sorted(launched), ops.counts)
         launched.clear()
     assert counts[4] == counts[12] and counts[4][0].count("_rope_kernel") == 1, counts
+    assert len(ran_runs) == (2 if kind == "csa-union" else 0)      # the union's parts read their runs, once a call
     assert len(counts[4][0]) <= 3, counts      # window/causal parts, picks parts (csa), the rotation back
 
 

@@ -423,24 +423,28 @@ def test_mhc_kernels_equal_model_hc(T, D, dtype):
     assert torch.equal(got[others], keep[others])
 
 
-@pytest.mark.parametrize("path", ["fused", "stacked"])
-@pytest.mark.parametrize("kind,H", [("window", 64), ("hca", 64), ("hca", 8), ("csa-own", 64), ("csa-own", 8)])
+SHAPES = [("window", 64), ("hca", 64), ("hca", 8), ("csa-own", 64), ("csa-own", 8)]
+
+
+@pytest.mark.parametrize("kind,H,path", [(k, h, p) for k, h in SHAPES for p in ("fused", "stacked")]
+                         + [("csa-union", 8, "stacked"), ("csa-union", 64, "stacked")])
 def test_fused_multi_segment_equals_reference(kind, H, path, monkeypatch):
     """runtime/kernels/multiseg.py (`path` "fused"), or the stacked parts in one launch per kind of part
     (`sparse_mqa_parts`, "stacked"), through runtime/reuse/segments.py `segment_attention` at real dims (D = 512,
     64 rope channels, window 128; 64 heads, or the 8 Global heads), five segments at their offsets (a prefix, three
     relocated documents, new rows), bf16, against the reference path (per-segment torch attention, query rotation,
-    de-rotation, stacked merge with the sink) on the float32 upcast inputs."""
+    de-rotation, stacked merge with the sink) on the float32 upcast inputs. csa-union: a caller's picks over every
+    segment (the stacked path; each picks part reads its segment's run of the row's sorted ids)."""
     import types
     import runtime.reuse.segments as C
     from runtime.model.config import CSA, HCA, WINDOW
     from runtime.model.deepseek_v4 import Rotary
     g = torch.Generator(device=DEV).manual_seed(H + len(kind))
-    D, W, ratio = 512, 128, {"window": 1, "hca": 128, "csa-own": 4}[kind]
+    D, W, ratio = 512, 128, {"window": 1, "hca": 128, "csa-own": 4, "csa-union": 4}[kind]
     lens = [256, 384, 512, 256, 40]
     deltas = [sum(lens[:j]) for j in range(len(lens))]
     rot = Rotary(1.0 / (10000.0 ** (torch.arange(0, 64, 2, device=DEV).float() / 64)))
-    attn = types.SimpleNamespace(kind={"window": WINDOW, "hca": HCA, "csa-own": CSA}[kind],
+    attn = types.SimpleNamespace(kind={"window": WINDOW, "hca": HCA, "csa-own": CSA, "csa-union": CSA}[kind],
                                  ratio=ratio if kind != "window" else 0, scale=D ** -0.5, rotary=rot, indexer=None,
                                  cfg=types.SimpleNamespace(window_size=W))
     segs = []
@@ -457,6 +461,13 @@ def test_fused_multi_segment_equals_reference(kind, H, path, monkeypatch):
         n_ent = torch.tensor([n // 4 for n in lens], device=DEV)[seg_of]
         own = (torch.rand(rows.numel(), 64, device=DEV, generator=g) * n_ent[:, None]).long()
         own = torch.where(torch.rand(own.shape, device=DEV, generator=g) < 0.2, -1, own)
+    per_seg = None
+    if kind == "csa-union":                     # per segment 64 picks a row among its entries before the row
+        per_seg = []
+        for d, seg in zip(deltas, segs):
+            vis = ((rows - d + 1).clamp(min=0) // 4).clamp(max=seg.entries.shape[0])
+            pk = (torch.rand(rows.numel(), 64, device=DEV, generator=g) * vis[:, None]).long()
+            per_seg.append(torch.where(vis[:, None] > 0, pk, -1))
     hostpos = rows.cpu().numpy()
     counted = {"fused": 0, "stacked": 0}
     for name, key in (("multi_segment_attention", "fused"), ("sparse_mqa_parts", "stacked")):
@@ -467,14 +478,16 @@ def test_fused_multi_segment_equals_reference(kind, H, path, monkeypatch):
     poison()
     policy = RuntimePolicy(fused_min_heads=1) if path == "fused" else \
         RuntimePolicy(fused_min_heads=1 << 30, fused_min_segments=1 << 30)
-    out, pairs = C.segment_attention(attn, q, rows, segs, sink, qpos_host=hostpos, own_picks=own, policy=policy)
+    out, pairs = C.segment_attention(attn, q, rows, segs, sink, qpos_host=hostpos, own_picks=own, picks=per_seg,
+                                     policy=policy)
     # one fused launch, or at most two parts launches (window/causal parts, picks parts) for the five segments
     assert (counted["fused"], min(counted["stacked"], 1)) == ((1, 0) if path == "fused" else (0, 1))
     assert counted["stacked"] <= 2 and out.dtype == DT
     monkeypatch.setenv("REDKNOT_KERNELS", "0")
     up = [C.SegmentKeys(s.delta, s.latent.float(), None if s.entries is None else s.entries.float()) for s in segs]
     before = dict(counted)
-    ref, ref_pairs = C.segment_attention(attn, q.float(), rows, up, sink, qpos_host=hostpos, own_picks=own)
+    ref, ref_pairs = C.segment_attention(attn, q.float(), rows, up, sink, qpos_host=hostpos, own_picks=own,
+                                         picks=per_seg)
     assert counted == before
     assert int(pairs) == int(ref_pairs)
     assert rel_err(out.float(), ref) < TOL
