@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ._host import to_device_nowait
+from ._host import aligned, to_device_nowait
 from ._triton import HAVE_TRITON, check_runnable, dot_precision, tl, triton
 
 if HAVE_TRITON:
@@ -74,7 +74,7 @@ if HAVE_TRITON:
         j = tl.load(prog_ptr + 2 * pid_n)
         n0 = tl.load(prog_ptr + 2 * pid_n + 1).to(tl.int32)
         row = seg_ptr + 4 * j
-        k_ptr = tl.load(row).to(tl.pointer_type(q_ptr.dtype.element_ty))
+        k_ptr = tl.multiple_of(tl.load(row).to(tl.pointer_type(q_ptr.dtype.element_ty)), 16)   # `aligned`
         N = tl.load(row + 1).to(tl.int32)
         delta = tl.load(row + 2).to(tl.int32)
         first = tl.load(row + 3)
@@ -194,8 +194,7 @@ def indexer_scores_parts(q: torch.Tensor, keys: list, deltas: list[int], cos_sin
         return out
     keep, rows, first = [], [], 0
     for k, d, n in zip(keys, deltas, counts):
-        if k.dtype != q.dtype or not k.is_contiguous():
-            k = k.to(q.dtype).contiguous()
+        k = aligned(k.to(q.dtype))
         keep.append(k)
         rows.append([k.data_ptr() if n else 0, n, int(d), first])
         first += n

@@ -54,7 +54,7 @@ import math
 
 import torch
 
-from ._host import to_device_nowait
+from ._host import aligned, to_device_nowait
 from ._triton import HAVE_TRITON, check_runnable, dot_precision, tl, triton
 
 MODES = {"none": 0, "causal": 1, "picks": 2}
@@ -106,8 +106,9 @@ if HAVE_TRITON:
     def _segment(tab_ptr, j, COLS: tl.constexpr, dt: tl.constexpr):
         """Segment j's table row: its latent (pointer), length, Delta, entries (pointer) and entry count."""
         row = tab_ptr + j * COLS
-        return (tl.load(row).to(tl.pointer_type(dt)), tl.load(row + 1), tl.load(row + 2),
-                tl.load(row + 3).to(tl.pointer_type(dt)), tl.load(row + 4))
+        # the addresses are 16-byte aligned (segment_table's `aligned`): told, so tiles load as vectors
+        return (tl.multiple_of(tl.load(row).to(tl.pointer_type(dt)), 16), tl.load(row + 1), tl.load(row + 2),
+                tl.multiple_of(tl.load(row + 3).to(tl.pointer_type(dt)), 16), tl.load(row + 4))
 
     @triton.jit
     def _turn_query(qrow, c, freq, qm, offs_r, NOPE: tl.constexpr, dt: tl.constexpr):
@@ -323,7 +324,7 @@ if HAVE_TRITON:
         segment's address, its rope pairs turned by +Delta of that segment in registers (into the request frame,
         where the query is turned once), scored and summed with one online softmax. K = V: the turned rope pairs
         also feed the request-frame rope value sums ar_*; the non-rope value sum is acc's. ok [N]: keys to use."""
-        ptr = tl.where(ok, addr, 0).to(tl.pointer_type(dt)) + tl.where(ok, local, 0) * D
+        ptr = tl.multiple_of(tl.where(ok, addr, 0).to(tl.pointer_type(dt)), 16) + tl.where(ok, local, 0) * D
         k = tl.load(ptr[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)
         rp = ptr[:, None] + NOPE + 2 * offs_r[None, :]
         rm = ok[:, None] & rmask[None, :]
@@ -422,12 +423,11 @@ def segment_table(segments, device, dtype, with_entries: bool, pick_first: list[
     The table travels from pinned memory without a stall."""
     keep, rows, n_before = [], [], 0
     for j, seg in enumerate(segments):
-        lat = seg.latent if seg.latent.dtype == dtype else seg.latent.to(dtype)
-        lat = lat.contiguous()
+        lat = aligned(seg.latent if seg.latent.dtype == dtype else seg.latent.to(dtype))
         keep.append(lat)
         ent = seg.entries if with_entries else None
         if ent is not None:
-            ent = (ent if ent.dtype == dtype else ent.to(dtype)).contiguous()
+            ent = aligned(ent if ent.dtype == dtype else ent.to(dtype))
             keep.append(ent)
         n_ent = 0 if ent is None else ent.shape[0]
         rows.append([lat.data_ptr() if lat.shape[0] else 0, lat.shape[0], int(seg.delta),

@@ -89,8 +89,10 @@ if HAVE_TRITON:
         count, first global pick id): its latent and entries as pointers, their counts, its Delta and the global
         id of its first entry."""
         row = tab_ptr + part * 6
-        return (tl.load(row).to(tl.pointer_type(dt)), tl.load(row + 1), tl.load(row + 3).to(tl.pointer_type(dt)),
-                tl.load(row + 4), tl.load(row + 2), tl.load(row + 5))
+        # the addresses are 16-byte aligned (segment_table's `aligned`): told, so tiles load as vectors
+        return (tl.multiple_of(tl.load(row).to(tl.pointer_type(dt)), 16), tl.load(row + 1),
+                tl.multiple_of(tl.load(row + 3).to(tl.pointer_type(dt)), 16), tl.load(row + 4), tl.load(row + 2),
+                tl.load(row + 5))
 
     @triton.jit
     def _turned(q, base, qmask, cos_ptr, sin_ptr, v, offs_d, D: tl.constexpr, HALF: tl.constexpr):

@@ -4,6 +4,7 @@ sees (types, layouts, shared memory) shows here rather than on the device. Run b
 process without TRITON_INTERPRET (under the interpreter @triton.jit gives no compilable function). Prints one line
 per kernel and mode and exits 1 on any failure."""
 import os
+import re
 import sys
 
 os.environ.pop("TRITON_INTERPRET", None)
@@ -80,18 +81,35 @@ KERNELS = [
 ]
 
 
+# kernels that read their keys at addresses loaded from a table (a segment table): Triton knows nothing of such an
+# address's alignment unless the kernel says so (tl.multiple_of), and without it every key tile is read two bytes
+# at a time with no asynchronous copy (the stacked parts ran at half a launch per part's speed on an H100)
+TABLE_READS = ("fused", "stacked parts in one launch", "indexer scores over every segment")
+# 16-byte global reads in PTX: an asynchronous copy to shared memory of 16 bytes, or a 4 x 32-bit vector load
+WIDE = re.compile(r"cp\.async\.c[ag]\.shared\.global(?:\.L2::\w+)? \[[^\]]+\], \[[^\]]+\], (?:16|0x10)\b"
+                  r"|ld\.global(?:\.nc)?(?:\.L1::\w+)?(?:\.L2::\w+)?\.v4\.(?:b32|f32|u32)")
+
+
 def main() -> int:
     failed = 0
     for name, kern, types, consts, warps, modal in KERNELS:
         for mode, code in (multiseg.MODES.items() if modal else [("-", None)]):
             const = dict(consts, **({"MODE": code} if modal else {}))
             sig = {a: "constexpr" if a in const else types.get(a, "i32") for a in kern.arg_names}
-            src = ASTSource(fn=kern, signature=sig,
+            # as at a launch: Triton specialises every pointer argument on its 16-byte alignment (torch's
+            # allocations have it)
+            attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(kern.arg_names) if sig[a].startswith("*")}
+            src = ASTSource(fn=kern, signature=sig, attrs=attrs,
                             constexprs={(kern.arg_names.index(k),): v for k, v in const.items()})
             try:
                 out = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                      options=dict(num_warps=warps, num_stages=2))
-                print(f"{name}, {mode}: cubin {len(out.asm['cubin'])} bytes, shared memory {out.metadata.shared}")
+                wide = len(WIDE.findall(out.asm["ptx"]))
+                print(f"{name}, {mode}: cubin {len(out.asm['cubin'])} bytes, shared memory {out.metadata.shared}, "
+                      f"16-byte reads {wide}")
+                if name.startswith(TABLE_READS) and wide == 0:
+                    failed += 1
+                    print(f"{name}, {mode}: FAILED: no 16-byte read (the table's addresses not known aligned?)")
             except Exception as e:  # noqa: BLE001 - every failure is reported, then the exit code says it
                 failed += 1
                 print(f"{name}, {mode}: FAILED {type(e).__name__}: {e}")

@@ -436,6 +436,28 @@ def test_stacked_parts_in_bounded_launches_equal_the_reference(kind, kernels_on,
     assert len(counts[4][0]) <= 3, counts      # window/causal parts, picks parts (csa), the rotation back
 
 
+def test_table_addresses_keep_the_kernels_alignment_promise():
+    """The kernels that read keys at a segment table's addresses are told those are 16-byte aligned
+    (tl.multiple_of: without it Triton reads every key tile two bytes at a time; compile_sm90.py checks the PTX's
+    16-byte reads). `segment_table` keeps the promise for a view that starts mid-row by pointing at an aligned
+    copy of it, and points at an aligned tensor in place (no copy on the served path)."""
+    import types
+    from runtime.kernels.multiseg import segment_table
+    flat = torch.randn(1 + 2 * 24 * 8)
+    odd = flat[1:1 + 24 * 8].view(24, 8)                       # 4 bytes past an allocation's start
+    even = torch.randn(24, 8)
+    assert odd.data_ptr() % 16 and even.data_ptr() % 16 == 0
+    segs = [types.SimpleNamespace(delta=0, latent=odd, entries=odd[:6]),
+            types.SimpleNamespace(delta=24, latent=even, entries=even[:6])]
+    tab, keep = segment_table(segs, "cpu", torch.float32, with_entries=True)
+    assert (tab[:, 0] % 16 == 0).all() and (tab[:, 3] % 16 == 0).all()
+    def held(addr, want):                                      # a kept tensor at that address holds `want`
+        return any(t.data_ptr() == addr and t.shape == want.shape and torch.equal(t, want) for t in keep)
+    for j, s in enumerate(segs):
+        assert held(int(tab[j, 0]), s.latent) and held(int(tab[j, 3]), s.entries)
+    assert int(tab[1, 0]) == even.data_ptr() and int(tab[1, 3]) == even.data_ptr()
+
+
 @torch.no_grad()
 def test_indexer_over_every_segment_in_one_launch_equals_each_segments_frame(model, kernels_on, monkeypatch):
     """The online indexer over relocated segments: the query roped once at t and every segment's keys turned by
