@@ -25,6 +25,14 @@ class RuntimePolicy:
     # launches grow with the segments (about five per segment and query chunk) and outgrow the fused kernel's idle
     # tile half (32K, 10% budget, one H100: stacked 1.707 vs fused 1.734 s at 32 documents, 2.388 vs 2.127 s at 64)
     fused_min_segments: int = 48
+    # ... and an HCA call (causal over the compressed entries) from this many. Since the fused kernels read their key
+    # tiles 16 bytes at a time (they read them two bytes at a time before 1cae5b5, when run 19 refuted them for the
+    # Global heads), bench/multiseg.py on one H100 at 32K times the 8 Global heads' HCA calls faster fused (4.19 vs
+    # 4.47 ms stacked at 8 documents, 8.55 vs 13.96 at 32) while window and CSA own-picks calls stay faster stacked
+    # (1.71 vs 2.17 and 5.46 vs 9.15 ms at 8). Not yet timed end to end, nor at 64K-128K (where run 19's unaligned
+    # fused kernel was 2.2x slower): the default keeps fused_min_segments' rule until `bench/ttft.py --policy
+    # fused_min_segments_hca=8` has been timed beside it
+    fused_min_segments_hca: int = 48
     # a fused call in "picks" mode (CSA) of at least this many heads turns the keys to the query's frame, one loop
     # over the row's picks across segments; other calls turn the query per segment (faster for HCA's long causal
     # runs)

@@ -26,13 +26,15 @@ part per segment and merges them in a second pass.
 
 Where it is used (RuntimePolicy.fused_min_heads): calls of at least 16 heads, i.e. the active rows' 64, where it is
 faster than the stacked path; the 8 Global heads' calls keep the stacked path (half of each 16-row tile idle, and
-this kernel's extra rope dots and loads per tile).
+this kernel's extra rope dots and loads per tile) below RuntimePolicy.fused_min_segments (HCA calls:
+fused_min_segments_hca).
 
 Calls of fewer than 16 heads (the 8 Global heads) go to `_multiseg_packed_kernel`: ROWS consecutive query rows
 per program (ROWS x heads = 16 by default), so that the MMA tile's rows are filled and neighbouring rows share their
 window and entry tiles. It serves models whose calls have fewer heads than the tile (the tests' tiny configs under
-a lowered fused_min_heads); on Flash's 8 Global heads it is slower than the stacked path up to about 32 documents
-and faster from 64 (RuntimePolicy.fused_min_segments).
+a lowered fused_min_heads); on Flash's 8 Global heads at 32K (one H100, bench/multiseg.py, since the key tiles are
+read 16 bytes at a time) it is faster than the stacked path in HCA layers (1.07x at 8 documents, 1.63x at 32) and
+slower in window and CSA own-picks layers up to about 32 documents.
 
 `_multiseg_keyframe_kernel` (`key_frame=True`: the "picks" calls of RuntimePolicy.key_frame_min_heads heads or
 more; one row per program): the same scores with the turn

@@ -410,7 +410,7 @@ class DeepSeekAdapter:
         indexer, or `own_picks` in its place)."""
         T, pairs, policy = q_raw.shape[0], 0, self.model.policy
         step = max(1, self.model.q_chunk * attn.n_heads // q_raw.shape[1])
-        if not fused_call(q_raw, None, len(segs), policy) and len(segs) > policy.stacked_parts > 0:
+        if not fused_call(q_raw, None, len(segs), policy, attn.kind) and len(segs) > policy.stacked_parts > 0:
             step = max(1, step * policy.stacked_parts // len(segs))
         res = q_raw.new_empty(q_raw.shape) if T > step or T == 0 else None
         for a in range(0, T, step):

@@ -54,12 +54,12 @@ def _ranges(kind, W, host, shapes, by):
     return ranges
 
 
-def fused_call(q_raw: torch.Tensor, picks, n_segments: int, policy: RuntimePolicy) -> bool:
+def fused_call(q_raw: torch.Tensor, picks, n_segments: int, policy: RuntimePolicy, kind=None) -> bool:
     """A call `segment_attention` makes in one launch of the fused multi-segment kernel (CUDA, no caller's picks,
-    at least `policy.fused_min_heads` heads or `policy.fused_min_segments` segments); the others hold one stacked
-    part per segment."""
-    return enabled(q_raw) and picks is None and (q_raw.shape[1] >= policy.fused_min_heads
-                                                 or n_segments >= policy.fused_min_segments)
+    at least `policy.fused_min_heads` heads, or `policy.fused_min_segments` segments, or for an HCA layer (`kind`)
+    `policy.fused_min_segments_hca`); the others hold one stacked part per segment."""
+    least = policy.fused_min_segments_hca if kind == HCA else policy.fused_min_segments
+    return enabled(q_raw) and picks is None and (q_raw.shape[1] >= policy.fused_min_heads or n_segments >= least)
 
 
 def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: list[SegmentKeys], sink: torch.Tensor,
@@ -78,14 +78,14 @@ def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: l
     reference call per part. One pass then merges every row's parts with the sink once. `own_picks` [T, k]: each row's entry
     picks in its own segment (the artifact's, global_picks="artifact"); else CSA picks are the native indexer's
     top-k over the union of all segments' visible entries. On CUDA, a call of at least `policy.fused_min_heads`
-    heads or `policy.fused_min_segments` segments does all of this in one launch of the fused multi-segment kernel
+    heads or `policy.fused_min_segments` segments (HCA: `fused_min_segments_hca`) does all of this in one launch of the fused multi-segment kernel
     instead (`_fused_segment_attention`).
     `out`: a contiguous [T,H,D] tensor of q_raw's dtype the merged output is written into (a caller's row slice),
     else a new one."""
     T, H, D = q_raw.shape
     W = attn.cfg.window_size
     host = qpos.cpu().numpy() if qpos_host is None else qpos_host      # host arithmetic: numpy, never a launch
-    if fused_call(q_raw, picks, len(segments), policy):
+    if fused_call(q_raw, picks, len(segments), policy, attn.kind):
         return _fused_segment_attention(attn, q_raw, qpos, segments, sink, idx_inputs, host, own_picks, trig, out,
                                         policy)
     # CSA picks as one [T, k] tensor of global entry ids (segment j's entry w = first[j] + w, `total` = none):

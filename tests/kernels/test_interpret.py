@@ -11,7 +11,7 @@ import torch
 import runtime.kernels as K
 import runtime.kernels._triton as T
 import runtime.reuse.segments as segments_mod
-from runtime.model.config import tiny_reuse
+from runtime.model.config import CSA, HCA, WINDOW, tiny_reuse
 from runtime.model.deepseek_v4 import Block, hc_mix_weights
 from runtime.policy import RuntimePolicy
 from runtime.reuse.engine import ReuseEngine
@@ -121,7 +121,8 @@ NEVER = 1 << 30
 
 def case_policy(fused: str, frame: str) -> RuntimePolicy:
     return RuntimePolicy(fused_min_heads={"every": 1, "none": NEVER, "auto": CFG.n_heads}[fused],
-                         key_frame_min_heads=1 if frame == "key" else NEVER)
+                         key_frame_min_heads=1 if frame == "key" else NEVER,
+                         **({"fused_min_segments_hca": NEVER} if fused == "none" else {}))
 
 
 def reuse_profile(picks: str) -> ReuseProfile:
@@ -393,7 +394,7 @@ def test_stacked_parts_in_bounded_launches_equal_the_reference(kind, kernels_on,
     attn = types.SimpleNamespace(kind={"window": WINDOW, "hca": HCA, "csa-own": CSA, "csa-union": CSA}[kind],
                                  ratio=ratio,
                                  scale=D ** -0.5, rotary=rot, indexer=None, cfg=types.SimpleNamespace(window_size=W))
-    counts = {}
+    counts, stacked = {}, RuntimePolicy(fused_min_segments_hca=NEVER)      # HCA too, whatever the default
     for lens in ([24, 40, 32, 9], [24, 16, 40, 8, 32, 24, 16, 40, 8, 32, 24, 9]):
         deltas = [sum(lens[:j]) for j in range(len(lens))]
         segs = [segments_mod.SegmentKeys(d, torch.randn(n, D, generator=g),
@@ -416,7 +417,7 @@ def test_stacked_parts_in_bounded_launches_equal_the_reference(kind, kernels_on,
         monkeypatch.setenv("REDKNOT_KERNELS", "0")
         monkeypatch.setattr(segments_mod, "global_from_split", join)
         ref, ref_pairs = segments_mod.segment_attention(attn, q, rows, segs, sink, qpos_host=rows.numpy(),
-                                                        own_picks=own, picks=per_seg)
+                                                        own_picks=own, picks=per_seg, policy=stacked)
         assert not launched
         monkeypatch.setenv("REDKNOT_KERNELS", "1")
         if per_seg is not None:       # a caller's lists are joined per segment (its input is per segment): done
@@ -426,7 +427,7 @@ def test_stacked_parts_in_bounded_launches_equal_the_reference(kind, kernels_on,
         before = kernels_on["sparse"]
         with DeviceOps() as ops:
             got, pairs = segments_mod.segment_attention(attn, q, rows, segs, sink, qpos_host=rows.numpy(),
-                                                        own_picks=own, picks=per_seg, trig={})
+                                                        own_picks=own, picks=per_seg, trig={}, policy=stacked)
         assert kernels_on["sparse"] > before and kernels_on["fused"] == 0    # the stacked path ran, on the kernels
         assert rel_err(got, ref) <= TOL and int(pairs) == int(ref_pairs)
         counts[len(lens)] = (sorted(launched), ops.counts)
@@ -434,6 +435,21 @@ def test_stacked_parts_in_bounded_launches_equal_the_reference(kind, kernels_on,
     assert counts[4] == counts[12] and counts[4][0].count("_rope_kernel") == 1, counts
     assert len(ran_runs) == (2 if kind == "csa-union" else 0)      # the union's parts read their runs, once a call
     assert len(counts[4][0]) <= 3, counts      # window/causal parts, picks parts (csa), the rotation back
+
+
+def test_hca_calls_of_few_heads_take_the_fused_kernel_from_their_own_segment_count(kernels_on):
+    """RuntimePolicy.fused_min_segments_hca: a call of fewer heads than fused_min_heads (Flash's 8 Global heads)
+    takes the fused kernel in an HCA layer from that many segments (8 here; the kernel bench finds HCA fused faster
+    at 8-32 documents on an H100), in window and CSA layers from fused_min_segments; a caller's picks always take
+    the stacked parts. The default keeps one rule for every kind until the end-to-end timing decides."""
+    assert RuntimePolicy().fused_min_segments_hca == RuntimePolicy().fused_min_segments
+    p = RuntimePolicy(fused_min_segments_hca=8)
+    q = torch.zeros(4, 2, 16)
+    took = {k: [segments_mod.fused_call(q, None, n, p, k) for n in (7, 8, 47, 48)] for k in (HCA, CSA, WINDOW)}
+    assert took == {HCA: [False, True, True, True], CSA: [False, False, False, True],
+                    WINDOW: [False, False, False, True]}
+    assert not segments_mod.fused_call(q, [None], 48, p, HCA)
+    assert segments_mod.fused_call(torch.zeros(4, p.fused_min_heads, 16), None, 1, p, CSA)
 
 
 def test_table_addresses_keep_the_kernels_alignment_promise():
