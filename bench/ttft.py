@@ -106,7 +106,9 @@ def add_model_args(ap: argparse.ArgumentParser, lengths: str, many_docs: bool = 
                          "log-uniform distribution on [LO, HI] tokens and scaled together to fill the length")
     ap.add_argument("--question", type=int, default=64)
     ap.add_argument("--budget", type=float, default=0.25)
-    ap.add_argument("--global-picks", default="artifact", choices=["online", "artifact"])
+    ap.add_argument("--global-picks", default=None, choices=["online", "artifact"],
+                    help="the Global rows' CSA picks: the indexer's over every segment (online) or each row's own "
+                         "document's, stored (artifact) (default: the Flash preset's, online: what is served)")
     ap.add_argument("--local-format", default=None, choices=["native", "fp8"],
                     help="the stored Local contribution: the model's dtype, or e4m3 with row-block scales "
                          "(default: the Flash preset's, fp8)")
@@ -126,7 +128,7 @@ def model_config(args):
     if args.small:
         cfg = cfg.replace(dim=256, n_heads=16, head_dim=128, rope_head_dim=32, q_lora_rank=128, o_lora_rank=128,
                           index_n_heads=8, index_head_dim=32, index_topk=64, moe_inter_dim=128, vocab_size=1024)
-    return cfg, FLASH_PROFILE.replace(budget=args.budget, global_picks=args.global_picks,
+    return cfg, FLASH_PROFILE.replace(budget=args.budget, global_picks=args.global_picks or FLASH_PROFILE.global_picks,
                                       local_format=args.local_format or FLASH_PROFILE.local_format)
 
 

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from runtime.reuse.profile import FLASH_PROFILE
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -21,6 +23,8 @@ def test_ttft_cpu_smoke_run_with_a_second_budget_and_the_cold_arm(tmp_path):
     assert "Ordered by: internal time" in prof and "Ordered by: cumulative time" in prof
     assert "runtime/reuse/deepseek.py" in prof and "(_reusable_layer)" in prof
     assert run["device"] == "cpu"             # the arms timed beside the run's own do not rename the device
+    # with no --global-picks the run times what the flash preset serves (its Global rows' picks, online)
+    assert run["profile"]["global_picks"] == FLASH_PROFILE.global_picks == "online"
     assert run["args"]["prefill_chunk"] == 256                  # the recompute arm as a chunked prefill
     (row,) = run["rows"]
     assert row["budget"] == 0.25 and row["cold_s"] > 0 and row["recompute_s"] > 0
