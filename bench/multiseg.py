@@ -134,14 +134,14 @@ def case(args, kind, which, lens, deltas, lat, rows_all, dev, g):
                                               trig=tr, policy=STACKED)[0]
                           for c, tr in zip(chunks, trigs)])
 
-    def fused(config=None):
+    def fused(config=None, policy=C.DEFAULT_POLICY):
         """The consumer's fused call per chunk (segments.fused_attention), own picks turned global inside it."""
         outs = []
         for c, tr in zip(chunks, trigs):
             gpc = gp[c] if online else None if own is None else C.own_global_picks(segs, rows[c], own[c], first,
                                                                                      total)
             outs.append(C.fused_attention(attn, q[c], rows[c], segs, sink, host[c], mode, gpc, first, total,
-                                          config, trig=tr)[0])
+                                          config, trig=tr, policy=policy)[0])
         return torch.cat(outs)
 
     a, b = stacked(), fused()
@@ -149,6 +149,9 @@ def case(args, kind, which, lens, deltas, lat, rows_all, dev, g):
     res = dict(kind=kind, rows=which, heads=H, n_rows=rows.numel(), picks="online" if online else
                ("own" if own is not None else None), stacked_s=median_time(stacked, args.reps),
                fused_s=median_time(fused, args.reps), rel_diff=err)
+    if args.fused_policy is not None:      # the fused arm again under the --policy items, beside the default
+        pol = args.fused_policy
+        res["policy"], res["policy_s"] = pol.diff(), median_time(lambda: fused(policy=pol), args.reps)
     if args.sweep:
         res["sweep"] = []
         # 64 heads: heads per program; 8 heads: rows per program (ROWS = 1: one row, its heads padded to 16)
@@ -167,6 +170,7 @@ def case(args, kind, which, lens, deltas, lat, rows_all, dev, g):
     print(f"{kind:6s} {which:6s} H={H:2d} rows={rows.numel():6d} picks={res['picks']}: stacked "
           f"{res['stacked_s'] * 1e3:8.2f} ms  fused {res['fused_s'] * 1e3:8.2f} ms  "
           f"(x{res['stacked_s'] / res['fused_s']:.2f})  diff {err:.1e}"
+          + (f"  fused under --policy {res['policy_s'] * 1e3:8.2f} ms" if args.policy else "")
           + (f"  best {res['best']}" if args.sweep else ""), flush=True)
     return res
 
@@ -188,9 +192,16 @@ def main() -> int:
     ap.add_argument("--global-picks", default="artifact", choices=["artifact", "online"],
                     help="the Global rows' CSA picks: each row's own document's (artifact) or the indexer's over "
                          "every segment (online, the flash preset's)")
+    ap.add_argument("--policy", action="append", default=[], metavar="KEY=VALUE",
+                    help="also time the fused arm under the default policy with these fields changed (repeatable: "
+                         "runtime/policy.py names them, e.g. key_frame_min_segments_hca=2)")
     ap.add_argument("--json")
     args = ap.parse_args()
     sweep_grid(args.grid, 8)                              # a bad --grid fails before any work
+    try:                                                  # ... and a bad --policy
+        args.fused_policy = RuntimePolicy.parse(args.policy) if args.policy else None
+    except ValueError as e:
+        raise SystemExit(f"--policy: {e}") from None
     global DT
     DT = torch.float32 if args.fp32 else torch.bfloat16
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":

@@ -37,6 +37,12 @@ class RuntimePolicy:
     # over the row's picks across segments; other calls turn the query per segment (faster for HCA's long causal
     # runs)
     key_frame_min_heads: int = 16
+    # ... and a fused HCA call ("causal") over at least this many segments, too (0: never). With many short documents
+    # each segment's few compressed entries (8 for a document of 1024 tokens at ratio 128) fill an eighth of a
+    # 64-entry tile in the per-segment loop, where the key frame's one loop runs across segments; the rule above was
+    # measured when the fused kernels read their key tiles two bytes at a time (before 1cae5b5). Not yet timed:
+    # `bench/multiseg.py --kinds hca --docs 32 --policy key_frame_min_segments_hca=2` times it beside the default
+    key_frame_min_segments_hca: int = 0
     # the stacked path holds one float32 [rows, heads, head_dim] part per segment a call reaches: its query chunk
     # (q_chunk x n_heads (row, head) pairs) is sized for this many parts, and a call over more segments takes
     # proportionally fewer rows per chunk, so its parts stay within the same memory whatever the document count

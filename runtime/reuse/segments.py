@@ -230,7 +230,8 @@ def fused_attention(attn, q_raw, qpos, segments, sink, host, mode: str, gp=None,
                     policy: RuntimePolicy = DEFAULT_POLICY):
     """One launch of the fused multi-segment kernel in `mode` ("none", "causal", or "picks" with gp [T, k] global
     entry ids, `total` for an empty slot, numbered by `first` as `offsets` does), and the (query, key) pairs it
-    attends; "picks" calls of at least `policy.key_frame_min_heads` heads in the key frame. `config`: the kernel's
+    attends; "picks" calls of at least `policy.key_frame_min_heads` heads in the key frame, and "causal" ones over at
+    least `policy.key_frame_min_segments_hca` segments (when set). `config`: the kernel's
     block sizes (bench/multiseg.py sweeps them); `out`: where the output goes."""
     bounds, pairs = None, 0
     if mode == "picks" and gp.shape[1] == 0:     # no slot to pick from: the windows only
@@ -238,7 +239,8 @@ def fused_attention(attn, q_raw, qpos, segments, sink, host, mode: str, gp=None,
     if mode == "picks":
         gp, bounds = pick_runs(gp, first, total, trig)
         pairs = bounds[:, -1].sum()
-    key_frame = mode == "picks" and q_raw.shape[1] >= policy.key_frame_min_heads
+    key_frame = (mode == "picks" and q_raw.shape[1] >= policy.key_frame_min_heads) or \
+        (mode == "causal" and 0 < policy.key_frame_min_segments_hca <= len(segments))
     out = multi_segment_attention(q_raw, qpos, segments, sink, attn.cfg.window_size, mode, attn.ratio or 1,
                                   attn.scale, attn.rotary.inv_freq, gp, first, bounds, config=config, out=out,
                                   key_frame=key_frame)

@@ -452,6 +452,36 @@ def test_hca_calls_of_few_heads_take_the_fused_kernel_from_their_own_segment_cou
     assert segments_mod.fused_call(torch.zeros(4, p.fused_min_heads, 16), None, 1, p, CSA)
 
 
+@torch.no_grad()
+def test_hca_calls_over_many_segments_can_take_the_key_frame(kernels_on, monkeypatch):
+    """RuntimePolicy.key_frame_min_segments_hca: a fused HCA call over at least that many segments runs in the key
+    frame (one loop over the compressed entries across segments, each key tile turned by its segment's Delta) and
+    equals the torch reference path; below it, or unset (the default), the query is turned per segment."""
+    import types
+    from runtime.model.deepseek_v4 import Rotary
+    launched = fused_launches(monkeypatch)
+    g = torch.Generator().manual_seed(11)
+    D, W, H, lens = 64, 8, 16, [24, 40, 32, 9]
+    deltas = [sum(lens[:j]) for j in range(len(lens))]
+    rot = Rotary(1.0 / (10000.0 ** (torch.arange(0, 16, 2).float() / 16)))
+    attn = types.SimpleNamespace(kind=HCA, ratio=8, scale=D ** -0.5, rotary=rot, indexer=None,
+                                 cfg=types.SimpleNamespace(window_size=W))
+    segs = [segments_mod.SegmentKeys(d, torch.randn(n, D, generator=g), torch.randn(n // 8, D, generator=g))
+            for n, d in zip(lens, deltas)]
+    rows = torch.arange(1, sum(lens), 2)
+    q, sink = torch.randn(rows.numel(), H, D, generator=g), torch.randn(H, generator=g)
+    monkeypatch.setenv("REDKNOT_KERNELS", "0")
+    ref, ref_pairs = segments_mod.segment_attention(attn, q, rows, segs, sink, qpos_host=rows.numpy())
+    monkeypatch.setenv("REDKNOT_KERNELS", "1")
+    assert RuntimePolicy().key_frame_min_segments_hca == 0
+    for least, kernel in ((0, "_multiseg_kernel"), (5, "_multiseg_kernel"), (4, "_multiseg_keyframe_kernel")):
+        got, pairs = segments_mod.segment_attention(attn, q, rows, segs, sink, qpos_host=rows.numpy(), trig={},
+                                                    policy=RuntimePolicy(key_frame_min_segments_hca=least))
+        assert launched == [kernel], (least, launched)
+        assert rel_err(got, ref) <= TOL and int(pairs) == int(ref_pairs)
+        launched.clear()
+
+
 def test_table_addresses_keep_the_kernels_alignment_promise():
     """The kernels that read keys at a segment table's addresses are told those are 16-byte aligned
     (tl.multiple_of: without it Triton reads every key tile two bytes at a time; compile_sm90.py checks the PTX's

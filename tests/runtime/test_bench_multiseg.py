@@ -1,5 +1,5 @@
-"""bench/multiseg.py's --grid (the sweep's values per key): parsed for both call kinds, and a bad grid refused with
-its message before any work (the benchmark itself needs a GPU)."""
+"""bench/multiseg.py's --grid (the sweep's values per key): parsed for both call kinds, and a bad grid or --policy
+refused with its message before any work (the benchmark itself needs a GPU)."""
 import subprocess
 import sys
 from pathlib import Path
@@ -20,8 +20,10 @@ def test_grid_replaces_only_the_keys_it_names():
 
 
 @pytest.mark.parametrize("grid,message", [("FOO=1", "unknown key 'FOO'"), ("ROWS=a", "is not KEY=int"),
-                                          ("ROWS=", "needs positive values"), ("BLOCK_N=0", "needs positive values")])
-def test_bad_grid_is_refused_before_any_work(grid, message):
-    r = subprocess.run([sys.executable, "bench/multiseg.py", "--grid", grid], cwd=ROOT, capture_output=True,
+                                          ("ROWS=", "needs positive values"), ("BLOCK_N=0", "needs positive values"),
+                                          (None, "--policy: ")])
+def test_bad_grid_or_policy_is_refused_before_any_work(grid, message):
+    flags = ["--grid", grid] if grid else ["--policy", "key_frame_min_segments=2"]      # not a field
+    r = subprocess.run([sys.executable, "bench/multiseg.py", *flags], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 1 and message in r.stderr, r.stderr[-500:]
