@@ -170,7 +170,7 @@ def case(args, kind, which, lens, deltas, lat, rows_all, dev, g):
     print(f"{kind:6s} {which:6s} H={H:2d} rows={rows.numel():6d} picks={res['picks']}: stacked "
           f"{res['stacked_s'] * 1e3:8.2f} ms  fused {res['fused_s'] * 1e3:8.2f} ms  "
           f"(x{res['stacked_s'] / res['fused_s']:.2f})  diff {err:.1e}"
-          + (f"  fused under --policy {res['policy_s'] * 1e3:8.2f} ms" if args.policy else "")
+          + (f"  fused under --policy {res['policy_s'] * 1e3:8.2f} ms" if "policy_s" in res else "")
           + (f"  best {res['best']}" if args.sweep else ""), flush=True)
     return res
 

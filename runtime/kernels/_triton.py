@@ -51,6 +51,15 @@ if HAVE_TRITON and INTERPRET:  # pragma: no cover - depends on the Triton and nu
     except (ImportError, AttributeError):   # another Triton: its interpreter as it is
         pass
 
+if HAVE_TRITON:
+    @triton.jit
+    def table_ptr(addr, dt: tl.constexpr):
+        """An address read from a kernel's table (an int64, or a tensor of them) as a pointer to `dt`, told 16-byte
+        aligned (`_host.ALIGN`: the tables point only at `_host.aligned` tensors). Triton knows the alignment of a
+        pointer argument, not of a loaded address: untold, a key tile is read two bytes at a time with no
+        asynchronous copy (tests/kernels/compile_sm90.py fails a table reader without 16-byte reads)."""
+        return tl.multiple_of(addr.to(tl.pointer_type(dt)), 16)
+
 
 @functools.cache
 def available() -> bool:

@@ -18,6 +18,9 @@ from ._host import aligned, to_device_nowait
 from ._triton import HAVE_TRITON, check_runnable, dot_precision, tl, triton
 
 if HAVE_TRITON:
+    from ._triton import table_ptr
+
+if HAVE_TRITON:
 
     @triton.jit
     def _score_tile(q_ptr, w_ptr, kt, offs_t, tmask, offs_d, offs_n, ready, scale, stride_qt, stride_qh, stride_wt,
@@ -74,7 +77,7 @@ if HAVE_TRITON:
         j = tl.load(prog_ptr + 2 * pid_n)
         n0 = tl.load(prog_ptr + 2 * pid_n + 1).to(tl.int32)
         row = seg_ptr + 4 * j
-        k_ptr = tl.multiple_of(tl.load(row).to(tl.pointer_type(q_ptr.dtype.element_ty)), 16)   # `aligned`
+        k_ptr = table_ptr(tl.load(row), q_ptr.dtype.element_ty)
         N = tl.load(row + 1).to(tl.int32)
         delta = tl.load(row + 2).to(tl.int32)
         first = tl.load(row + 3)

@@ -59,6 +59,9 @@ import torch
 from ._host import aligned, to_device_nowait
 from ._triton import HAVE_TRITON, check_runnable, dot_precision, tl, triton
 
+if HAVE_TRITON:
+    from ._triton import table_ptr
+
 MODES = {"none": 0, "causal": 1, "picks": 2}
 LOG2E = 1.0 / math.log(2.0)
 COLS = 6          # segment table: latent ptr, n, delta, entries ptr, n_entries, first global pick id
@@ -108,9 +111,8 @@ if HAVE_TRITON:
     def _segment(tab_ptr, j, COLS: tl.constexpr, dt: tl.constexpr):
         """Segment j's table row: its latent (pointer), length, Delta, entries (pointer) and entry count."""
         row = tab_ptr + j * COLS
-        # the addresses are 16-byte aligned (segment_table's `aligned`): told, so tiles load as vectors
-        return (tl.multiple_of(tl.load(row).to(tl.pointer_type(dt)), 16), tl.load(row + 1), tl.load(row + 2),
-                tl.multiple_of(tl.load(row + 3).to(tl.pointer_type(dt)), 16), tl.load(row + 4))
+        return (table_ptr(tl.load(row), dt), tl.load(row + 1), tl.load(row + 2), table_ptr(tl.load(row + 3), dt),
+                tl.load(row + 4))
 
     @triton.jit
     def _turn_query(qrow, c, freq, qm, offs_r, NOPE: tl.constexpr, dt: tl.constexpr):
@@ -326,7 +328,7 @@ if HAVE_TRITON:
         segment's address, its rope pairs turned by +Delta of that segment in registers (into the request frame,
         where the query is turned once), scored and summed with one online softmax. K = V: the turned rope pairs
         also feed the request-frame rope value sums ar_*; the non-rope value sum is acc's. ok [N]: keys to use."""
-        ptr = tl.multiple_of(tl.where(ok, addr, 0).to(tl.pointer_type(dt)), 16) + tl.where(ok, local, 0) * D
+        ptr = table_ptr(tl.where(ok, addr, 0), dt) + tl.where(ok, local, 0) * D
         k = tl.load(ptr[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)
         rp = ptr[:, None] + NOPE + 2 * offs_r[None, :]
         rm = ok[:, None] & rmask[None, :]

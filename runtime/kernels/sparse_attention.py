@@ -35,6 +35,9 @@ import torch
 
 from ._triton import HAVE_TRITON, check_runnable, dot_precision, tl, triton
 
+if HAVE_TRITON:
+    from ._triton import table_ptr
+
 MODES = {"none": 0, "causal": 1, "picks": 2}
 LN2 = math.log(2.0)
 LOG2E = 1.0 / LN2
@@ -89,10 +92,8 @@ if HAVE_TRITON:
         count, first global pick id): its latent and entries as pointers, their counts, its Delta and the global
         id of its first entry."""
         row = tab_ptr + part * 6
-        # the addresses are 16-byte aligned (segment_table's `aligned`): told, so tiles load as vectors
-        return (tl.multiple_of(tl.load(row).to(tl.pointer_type(dt)), 16), tl.load(row + 1),
-                tl.multiple_of(tl.load(row + 3).to(tl.pointer_type(dt)), 16), tl.load(row + 4), tl.load(row + 2),
-                tl.load(row + 5))
+        return (table_ptr(tl.load(row), dt), tl.load(row + 1), table_ptr(tl.load(row + 3), dt), tl.load(row + 4),
+                tl.load(row + 2), tl.load(row + 5))
 
     @triton.jit
     def _turned(q, base, qmask, cos_ptr, sin_ptr, v, offs_d, D: tl.constexpr, HALF: tl.constexpr):

@@ -78,8 +78,8 @@ def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: l
     reference call per part. One pass then merges every row's parts with the sink once. `own_picks` [T, k]: each row's entry
     picks in its own segment (the artifact's, global_picks="artifact"); else CSA picks are the native indexer's
     top-k over the union of all segments' visible entries. On CUDA, a call of at least `policy.fused_min_heads`
-    heads or `policy.fused_min_segments` segments (HCA: `fused_min_segments_hca`) does all of this in one launch of the fused multi-segment kernel
-    instead (`_fused_segment_attention`).
+    heads or `policy.fused_min_segments` segments (HCA: `fused_min_segments_hca`) does all of this in one launch of
+    the fused multi-segment kernel instead (`_fused_segment_attention`).
     `out`: a contiguous [T,H,D] tensor of q_raw's dtype the merged output is written into (a caller's row slice),
     else a new one."""
     T, H, D = q_raw.shape
