@@ -13,8 +13,9 @@ segment part into a float32 [parts, rows, heads, D] buffer, then the N-way merge
 no call reaches) and the fused multi-segment kernel (runtime/kernels/multiseg.py through segments.fused_attention,
 the default policy's frame), each timed with CUDA events (median
 of --reps after a warm-up) on rows in chunks of --q-chunk x 64 / heads (as the consumer's `_attend`), plus the
-relative difference of their outputs. `--sweep` also times the fused path under a grid of block sizes (for
-8 heads: query rows per program, the packed kernel; ROWS = 1 is the one-row kernel).
+relative difference of their outputs. `--sweep` also times the fused path (under --policy when given) over a grid
+of block sizes (for 8 heads: query rows per program, the packed kernel or in the key frame the key-frame kernel's
+rows; ROWS = 1 is the one-row kernel).
 Not a test: run it through the device tool.
 """
 from __future__ import annotations
@@ -160,7 +161,7 @@ def case(args, kind, which, lens, deltas, lat, rows_all, dev, g):
             cfg = dict(BLOCK_H=b, BLOCK_N=bn, num_warps=nw, num_stages=ns) if H >= 16 else \
                 dict(ROWS=b, BLOCK_N=bn, num_warps=nw, num_stages=ns)
             try:
-                t = median_time(lambda: fused(cfg), 2)
+                t = median_time(lambda: fused(cfg, args.fused_policy or C.DEFAULT_POLICY), 2)
             except Exception as e:                          # out of shared memory / registers: reported, skipped
                 res["sweep"].append(dict(cfg, error=type(e).__name__))
                 continue

@@ -26,8 +26,8 @@ part per segment and merges them in a second pass.
 
 Where it is used (RuntimePolicy.fused_min_heads): calls of at least 16 heads, i.e. the active rows' 64, where it is
 faster than the stacked path; the 8 Global heads' calls keep the stacked path (half of each 16-row tile idle, and
-this kernel's extra rope dots and loads per tile) below RuntimePolicy.fused_min_segments (HCA calls:
-fused_min_segments_hca).
+this kernel's extra rope dots and loads per tile) below RuntimePolicy.fused_min_segments, except HCA calls, fused
+from fused_min_segments_hca (8) segments.
 
 Calls of fewer than 16 heads (the 8 Global heads) go to `_multiseg_packed_kernel`: ROWS consecutive query rows
 per program (ROWS x heads = 16 by default), so that the MMA tile's rows are filled and neighbouring rows share their
@@ -37,14 +37,15 @@ read 16 bytes at a time) it is faster than the stacked path in HCA layers (1.07x
 slower in window and CSA own-picks layers up to about 32 documents.
 
 `_multiseg_keyframe_kernel` (`key_frame=True`: the "picks" calls of RuntimePolicy.key_frame_min_heads heads or
-more; one row per program): the same scores with the turn
-on the keys, q(t - Delta_j) . k = q(t) . k(+Delta_j). The query is turned once to t; each key tile's rope pairs are
+more, one row per program; HCA calls over RuntimePolicy.key_frame_min_segments_hca segments or more, with few heads
+KEY_ROWS // heads rows per program sharing each entry tile): the same scores with the turn on the keys, q(t - Delta_j) . k = q(t) . k(+Delta_j). The query is turned once to t; each key tile's rope pairs are
 turned in registers by +Delta of the segment each key lies in (the stored rows are read in place, never
 rewritten); the rope value sums are then in the request frame and turned back once at t. A row's keys become three
 loops whatever the segments (window positions, visible entries by global id, or picks), each key tile free to span
 segments, where `_multiseg_kernel` runs one short loop per segment (about one tile of a row's 512 picks split over
-9 segments, so nothing pipelines): faster for CSA's picks, slower for HCA's long causal runs, hence the key frame
-for picks only. It equals the reference under the interpreter and compiles for sm_90.
+9 segments, so nothing pipelines): faster for CSA's picks, and for HCA where many short documents leave each
+segment's entries a fraction of a tile; slower for HCA's long causal runs of few segments. It equals the reference
+under the interpreter and compiles for sm_90.
 
 Segments come as a table (one int64 row each: latent address, n, Delta, entries address, entries count, first
 global pick id); picks as one list per row of global entry ids (segment j's entry w is `first_j + w`) sorted
@@ -64,6 +65,7 @@ if HAVE_TRITON:
 
 MODES = {"none": 0, "causal": 1, "picks": 2}
 LOG2E = 1.0 / math.log(2.0)
+KEY_ROWS = 64     # the key-frame kernel's (query row, head) pairs per program in an HCA call of few heads
 COLS = 6          # segment table: latent ptr, n, delta, entries ptr, n_entries, first global pick id
 
 if HAVE_TRITON:
@@ -322,12 +324,13 @@ if HAVE_TRITON:
         return addr, key - first, bound, dlt
 
     @triton.jit
-    def _key_tile(qn, qre, qro, addr, local, dlt, ok, freq, offs_d, offs_r, rmask, m_i, l_i, acc, ar_e, ar_o, qk_scale,
-                  D: tl.constexpr, NOPE: tl.constexpr, PREC: tl.constexpr, dt: tl.constexpr):
+    def _key_tile(qn, qre, qro, addr, local, dlt, ok, svalid, freq, offs_d, offs_r, rmask, m_i, l_i, acc, ar_e, ar_o,
+                  qk_scale, D: tl.constexpr, NOPE: tl.constexpr, PREC: tl.constexpr, dt: tl.constexpr):
         """One tile of keys from any segments (the key-frame kernel): each key row read in place at its own
         segment's address, its rope pairs turned by +Delta of that segment in registers (into the request frame,
         where the query is turned once), scored and summed with one online softmax. K = V: the turned rope pairs
-        also feed the request-frame rope value sums ar_*; the non-rope value sum is acc's. ok [N]: keys to use."""
+        also feed the request-frame rope value sums ar_*; the non-rope value sum is acc's. ok [N]: keys to read;
+        svalid [M, N] (or [1, N]): which query row attends which of them."""
         ptr = table_ptr(tl.where(ok, addr, 0), dt) + tl.where(ok, local, 0) * D
         k = tl.load(ptr[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)
         rp = ptr[:, None] + NOPE + 2 * offs_r[None, :]
@@ -342,7 +345,7 @@ if HAVE_TRITON:
         s = tl.dot(qn, tl.trans(k), input_precision=PREC)
         s = tl.dot(qre, tl.trans(kre), s, input_precision=PREC)
         s = tl.dot(qro, tl.trans(kro), s, input_precision=PREC) * qk_scale
-        s = tl.where(ok[None, :], s, float("-inf"))
+        s = tl.where(svalid, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
@@ -356,10 +359,10 @@ if HAVE_TRITON:
 
     @triton.jit
     def _multiseg_keyframe_kernel(q_ptr, qpos_ptr, tab_ptr, picks_ptr, bounds_ptr, freq_ptr, sink_ptr, o_ptr,
-                                  H, P, window, ratio, n_picks, qk_scale, sink_scale, stride_qt, stride_qh,
+                                  T, H, P, window, ratio, n_picks, qk_scale, sink_scale, stride_qt, stride_qh,
                                   MODE: tl.constexpr, D: tl.constexpr, HALF_R: tl.constexpr, RP: tl.constexpr,
-                                  COLS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                                  PREC: tl.constexpr):
+                                  COLS: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+                                  BLOCK_N: tl.constexpr, PREC: tl.constexpr):
         """`_multiseg_kernel`'s result with the relocation turned onto the keys: the query's rope pairs are turned
         once to t (the request frame) and every key tile's rope pairs by +Delta of the key's segment, in registers
         (the same scores: q(t - Delta) . k = q(t) . k(+Delta)); the rope value sums are then in the request frame
@@ -367,56 +370,85 @@ if HAVE_TRITON:
         t-W+1..t, the visible entries by global id, or the row's picks), each key tile able to span segments, so
         the tile loads pipeline; `_multiseg_kernel` runs one short loop per segment (about one tile of a row's
         picks). The stored latent and entries are read in place, never rewritten. Segments must come in
-        increasing position, each segment's entries numbered from its table row's first id (col 5)."""
+        increasing position, each segment's entries numbered from its table row's first id (col 5).
+        A program holds ROWS consecutive query rows x BLOCK_H heads (matrix row m = row m // BLOCK_H, head
+        m % BLOCK_H), as `_multiseg_packed_kernel` does: with ROWS > 1 (calls of few heads) the rows share their
+        window tiles (over the union of their windows) and entry tiles (up to the furthest row's visible entries),
+        each score masked to the rows that see it; picks are walked row by row."""
         NOPE: tl.constexpr = D - 2 * HALF_R
-        t = tl.program_id(0).to(tl.int64)
-        offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-        hmask = offs_h < H
+        M: tl.constexpr = ROWS * BLOCK_H
+        offs_m = tl.arange(0, M)
+        rid = offs_m // BLOCK_H                            # the row within this program
+        t0 = tl.program_id(0).to(tl.int64) * ROWS
+        t_raw = t0 + rid
+        hh = tl.program_id(1) * BLOCK_H + offs_m % BLOCK_H
+        mmask = (t_raw < T) & (hh < H)
+        t = tl.minimum(t_raw, T - 1)                       # rows past the end: read row T-1, never attend
         offs_d = tl.arange(0, D)
         offs_r = tl.arange(0, RP)
         rmask = offs_r < HALF_R
         offs_n = tl.arange(0, BLOCK_N)
         dt = q_ptr.dtype.element_ty
-        qrow = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh
-        qn = tl.load(qrow + offs_d[None, :], mask=hmask[:, None] & (offs_d[None, :] < NOPE), other=0.0)
+        qrow = q_ptr + t[:, None] * stride_qt + hh[:, None] * stride_qh
+        qn = tl.load(qrow + offs_d[None, :], mask=mmask[:, None] & (offs_d[None, :] < NOPE), other=0.0)
         freq = tl.load(freq_ptr + offs_r, mask=rmask, other=0.0)[None, :]
-        pos = tl.load(qpos_ptr + t)
-        qre, qro, cs, sn = _turn_query(qrow, pos.to(tl.float32), freq, hmask[:, None] & rmask[None, :], offs_r, NOPE,
-                                       dt)
-        m_i, l_i, acc, ar_e, ar_o = _start(BLOCK_H, D, RP)
-        for start in range(tl.maximum(pos - window + 1, 0), pos + 1, BLOCK_N):      # window: request positions
+        pos = tl.load(qpos_ptr + t)                        # [M]
+        qre, qro, cs, sn = _turn_query(qrow, pos.to(tl.float32)[:, None], freq, mmask[:, None] & rmask[None, :],
+                                       offs_r, NOPE, dt)
+        m_i, l_i, acc, ar_e, ar_o = _start(M, D, RP)
+        pos_lo = tl.min(tl.where(mmask, pos, pos + window), 0)
+        pos_hi = tl.max(tl.where(mmask, pos, -1), 0)
+        for start in range(tl.maximum(pos_lo - window + 1, 0), pos_hi + 1, BLOCK_N):   # window: request positions
             s = start + offs_n
-            addr, local, bound, dlt = _locate(tab_ptr, P, s, False, COLS)
-            ok = (s <= pos) & (local >= 0) & (local < bound)
-            m_i, l_i, acc, ar_e, ar_o = _key_tile(qn, qre, qro, addr, local, dlt, ok, freq, offs_d, offs_r, rmask,
-                                                  m_i, l_i, acc, ar_e, ar_o, qk_scale, D, NOPE, PREC, dt)
+            if ROWS == 1:                                  # one row: every tile of its window is its own
+                addr, local, bound, dlt = _locate(tab_ptr, P, s, False, COLS)
+                ok = (s <= pos_hi) & (local >= 0) & (local < bound)
+                m_i, l_i, acc, ar_e, ar_o = _key_tile(qn, qre, qro, addr, local, dlt, ok, ok[None, :], freq, offs_d,
+                                                      offs_r, rmask, m_i, l_i, acc, ar_e, ar_o, qk_scale, D, NOPE,
+                                                      PREC, dt)
+            else:
+                sv = mmask[:, None] & (s[None, :] <= pos[:, None]) & (s[None, :] > pos[:, None] - window)
+                if tl.max(sv.to(tl.int32)) > 0:            # windows far apart: tiles between them are skipped
+                    addr, local, bound, dlt = _locate(tab_ptr, P, s, False, COLS)
+                    ok = (s <= pos_hi) & (local >= 0) & (local < bound)
+                    m_i, l_i, acc, ar_e, ar_o = _key_tile(qn, qre, qro, addr, local, dlt, ok, sv & ok[None, :], freq,
+                                                          offs_d, offs_r, rmask, m_i, l_i, acc, ar_e, ar_o, qk_scale,
+                                                          D, NOPE, PREC, dt)
         if MODE == 1:          # each segment's entries complete before t - Delta, numbered globally
-            g_end = pos * 0
+            g_end = pos_hi * 0
             for j in range(P):
                 row = tab_ptr + j * COLS
-                nv = tl.minimum(tl.maximum(pos - tl.load(row + 2) + 1, 0) // ratio, tl.load(row + 4))
+                nv = tl.minimum(tl.maximum(pos_hi - tl.load(row + 2) + 1, 0) // ratio, tl.load(row + 4))
                 g_end = tl.where(nv > 0, tl.load(row + 5) + nv, g_end)
             for start in range(0, g_end, BLOCK_N):
                 gid = start + offs_n
                 addr, local, bound, dlt = _locate(tab_ptr, P, gid, True, COLS)
-                nvis = tl.minimum(tl.maximum(pos - dlt + 1, 0) // ratio, bound)
-                ok = (gid < g_end) & (local >= 0) & (local < nvis)
-                m_i, l_i, acc, ar_e, ar_o = _key_tile(qn, qre, qro, addr, local, dlt, ok, freq, offs_d, offs_r, rmask,
-                                                      m_i, l_i, acc, ar_e, ar_o, qk_scale, D, NOPE, PREC, dt)
-        if MODE == 2:          # the row's picks: global entry ids, sorted, bounds[t, P] of them real
-            cnt = tl.load(bounds_ptr + t * (P + 1) + P).to(tl.int64)
-            for start in range(0, cnt, BLOCK_N):
-                k = start + offs_n
-                gid = tl.load(picks_ptr + t * n_picks + k, mask=k < cnt, other=0).to(tl.int64)
-                addr, local, bound, dlt = _locate(tab_ptr, P, gid, True, COLS)
-                ok = (k < cnt) & (local >= 0) & (local < bound)
-                m_i, l_i, acc, ar_e, ar_o = _key_tile(qn, qre, qro, addr, local, dlt, ok, freq, offs_d, offs_r, rmask,
-                                                      m_i, l_i, acc, ar_e, ar_o, qk_scale, D, NOPE, PREC, dt)
+                ok = (gid < g_end) & (local >= 0) & (local < bound)
+                # entry w of a segment at Delta is complete from request position Delta + (w + 1) ratio - 1 on
+                done = dlt + (local + 1) * ratio - 1
+                sv = mmask[:, None] & ok[None, :] & (done[None, :] <= pos[:, None])
+                m_i, l_i, acc, ar_e, ar_o = _key_tile(qn, qre, qro, addr, local, dlt, ok, sv, freq, offs_d, offs_r,
+                                                      rmask, m_i, l_i, acc, ar_e, ar_o, qk_scale, D, NOPE, PREC, dt)
+        if MODE == 2:          # each row's picks: global entry ids, sorted, bounds[t, P] of them real
+            for r in range(ROWS):
+                tr = t0 + r
+                if tr < T:
+                    cnt = tl.load(bounds_ptr + tr * (P + 1) + P).to(tl.int64)
+                    mine = mmask & (rid == r)
+                    for start in range(0, cnt, BLOCK_N):
+                        k = start + offs_n
+                        gid = tl.load(picks_ptr + tr * n_picks + k, mask=k < cnt, other=0).to(tl.int64)
+                        addr, local, bound, dlt = _locate(tab_ptr, P, gid, True, COLS)
+                        ok = (k < cnt) & (local >= 0) & (local < bound)
+                        m_i, l_i, acc, ar_e, ar_o = _key_tile(qn, qre, qro, addr, local, dlt, ok,
+                                                              mine[:, None] & ok[None, :], freq, offs_d, offs_r,
+                                                              rmask, m_i, l_i, acc, ar_e, ar_o, qk_scale, D, NOPE,
+                                                              PREC, dt)
         # the request-frame rope value sums turned back at t (the conjugate rotation)
         oe = ar_e * cs + ar_o * sn
         oo = ar_o * cs - ar_e * sn
-        sink = tl.load(sink_ptr + offs_h, mask=hmask, other=0.0).to(tl.float32) * sink_scale
-        _finish(o_ptr + t * (H * D) + offs_h[:, None] * D, hmask, m_i, l_i, acc, oe, oo, sink, offs_d, offs_r,
+        sink = tl.load(sink_ptr + hh, mask=hh < H, other=0.0).to(tl.float32) * sink_scale
+        _finish(o_ptr + t[:, None] * (H * D) + hh[:, None] * D, mmask, m_i, l_i, acc, oe, oo, sink, offs_d, offs_r,
                 rmask, NOPE)
 
 
@@ -478,9 +510,11 @@ def multi_segment_attention(q_raw: torch.Tensor, qpos: torch.Tensor, segments, s
     if q_raw.stride(-1) != 1:
         q_raw = q_raw.contiguous()
     bh = triton.next_power_of_2(H)
-    keyed = key_frame and (config or {}).get("ROWS", 1) == 1    # one row per program, heads padded
-    packed = not keyed and bh < 16 and (config or {}).get("ROWS", 16 // bh) > 1
-    if keyed and any(a.delta > b.delta for a, b in zip(segments, segments[1:])):
+    packed = not key_frame and bh < 16 and (config or {}).get("ROWS", 16 // bh) > 1
+    rows = (config or {}).get("ROWS", 1)
+    if rows > 1 and rows * (config or {}).get("BLOCK_H", bh) < 16:
+        raise ValueError(f"ROWS={rows} x {bh} heads fills fewer than the 16 rows a tile needs")
+    if key_frame and any(a.delta > b.delta for a, b in zip(segments, segments[1:])):
         raise ValueError("the key-frame kernel needs the segments in increasing Delta")
     tab, keep = segment_table(segments, dev, q_raw.dtype, mode != "none", pick_first)
     if mode == "picks":
@@ -504,11 +538,19 @@ def multi_segment_attention(q_raw: torch.Tensor, qpos: torch.Tensor, segments, s
         cfg = dict(ROWS=16 // bh, BLOCK_N=32 if D >= 512 else 16, num_warps=4, num_stages=2)
         cfg.update(config or {})
         _multiseg_packed_kernel[(triton.cdiv(T, cfg["ROWS"]),)](*ptrs, T, H, *scalars, **shape, BLOCK_H=bh, **cfg)
+    elif key_frame:
+        # one row per program (heads padded to 16), or for an HCA call of few heads KEY_ROWS rows x all heads: the
+        # rows share every entry tile of the causal run
+        rows = (config or {}).get("ROWS", KEY_ROWS // bh if mode == "causal" and bh < 16 else 1)
+        cfg = dict(ROWS=rows, BLOCK_H=bh if rows > 1 else min(64, max(16, bh)), BLOCK_N=64 if D >= 512 else 16,
+                   num_warps=8 if D >= 512 and rows * H > 16 else 4, num_stages=2)
+        cfg.update(config or {})
+        grid = (triton.cdiv(T, cfg["ROWS"]), triton.cdiv(H, cfg["BLOCK_H"]))
+        _multiseg_keyframe_kernel[grid](*ptrs, T, H, *scalars, **shape, **cfg)
     else:
         cfg = dict(BLOCK_H=min(64, max(16, bh)), BLOCK_N=64 if D >= 512 else 16,
                    num_warps=8 if D >= 512 and H > 16 else 4, num_stages=2)
         cfg.update({k: v for k, v in (config or {}).items() if k != "ROWS"})
-        kernel = _multiseg_keyframe_kernel if keyed else _multiseg_kernel
-        kernel[(T, triton.cdiv(H, cfg["BLOCK_H"]))](*ptrs, H, *scalars, **shape, **cfg)
+        _multiseg_kernel[(T, triton.cdiv(H, cfg["BLOCK_H"]))](*ptrs, H, *scalars, **shape, **cfg)
     del keep
     return out

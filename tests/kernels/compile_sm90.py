@@ -37,10 +37,12 @@ FUSED_C = dict(D=512, HALF_R=32, RP=32, COLS=multiseg.COLS, PREC="tf32")
 # (name, kernel, argument types, constexprs, num_warps, modes)
 KERNELS = [
     ("fused one-row, 64 heads", multiseg._multiseg_kernel, FUSED, dict(FUSED_C, BLOCK_H=64, BLOCK_N=64), 8, True),
-    ("fused key-frame, 64 heads", multiseg._multiseg_keyframe_kernel, FUSED, dict(FUSED_C, BLOCK_H=64, BLOCK_N=64),
-     8, True),
+    ("fused key-frame, 64 heads", multiseg._multiseg_keyframe_kernel, FUSED,
+     dict(FUSED_C, ROWS=1, BLOCK_H=64, BLOCK_N=64), 8, True),
     ("fused key-frame, 8 heads padded to 16", multiseg._multiseg_keyframe_kernel, FUSED,
-     dict(FUSED_C, BLOCK_H=16, BLOCK_N=64), 4, True),
+     dict(FUSED_C, ROWS=1, BLOCK_H=16, BLOCK_N=64), 4, True),
+    ("fused key-frame, 8 heads x 8 rows", multiseg._multiseg_keyframe_kernel, FUSED,
+     dict(FUSED_C, ROWS=multiseg.KEY_ROWS // 8, BLOCK_H=8, BLOCK_N=64), 8, True),
     ("fused packed, 8 heads x 2 rows", multiseg._multiseg_packed_kernel, FUSED,
      dict(FUSED_C, ROWS=2, BLOCK_H=8, BLOCK_N=32), 4, True),
     ("stacked part, 64 heads", sparse_attention._sparse_mqa_kernel, STACKED,

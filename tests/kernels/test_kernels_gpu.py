@@ -427,14 +427,16 @@ SHAPES = [("window", 64), ("hca", 64), ("hca", 8), ("csa-own", 64), ("csa-own", 
 
 
 @pytest.mark.parametrize("kind,H,path", [(k, h, p) for k, h in SHAPES for p in ("fused", "stacked")]
-                         + [("csa-union", 8, "stacked"), ("csa-union", 64, "stacked")])
+                         + [("csa-union", 8, "stacked"), ("csa-union", 64, "stacked"), ("hca", 64, "key"),
+                            ("hca", 8, "key")])
 def test_fused_multi_segment_equals_reference(kind, H, path, monkeypatch):
     """runtime/kernels/multiseg.py (`path` "fused"), or the stacked parts in one launch per kind of part
     (`sparse_mqa_parts`, "stacked"), through runtime/reuse/segments.py `segment_attention` at real dims (D = 512,
     64 rope channels, window 128; 64 heads, or the 8 Global heads), five segments at their offsets (a prefix, three
     relocated documents, new rows), bf16, against the reference path (per-segment torch attention, query rotation,
     de-rotation, stacked merge with the sink) on the float32 upcast inputs. csa-union: a caller's picks over every
-    segment (the stacked path; each picks part reads its segment's run of the row's sorted ids)."""
+    segment (the stacked path; each picks part reads its segment's run of the row's sorted ids). "key": the fused
+    HCA call in the key frame (one row per program with 64 heads, 8 rows x 8 heads with the Global heads)."""
     import types
     import runtime.reuse.segments as C
     from runtime.model.config import CSA, HCA, WINDOW
@@ -477,11 +479,12 @@ def test_fused_multi_segment_equals_reference(kind, H, path, monkeypatch):
         monkeypatch.setattr(C, name, count)
     poison()
     policy = RuntimePolicy(fused_min_heads=1) if path == "fused" else \
+        RuntimePolicy(fused_min_heads=1, key_frame_min_segments_hca=1) if path == "key" else \
         RuntimePolicy(fused_min_heads=1 << 30, fused_min_segments=1 << 30, fused_min_segments_hca=1 << 30)
     out, pairs = C.segment_attention(attn, q, rows, segs, sink, qpos_host=hostpos, own_picks=own, picks=per_seg,
                                      policy=policy)
     # one fused launch, or at most two parts launches (window/causal parts, picks parts) for the five segments
-    assert (counted["fused"], min(counted["stacked"], 1)) == ((1, 0) if path == "fused" else (0, 1))
+    assert (counted["fused"], min(counted["stacked"], 1)) == ((0, 1) if path == "stacked" else (1, 0))
     assert counted["stacked"] <= 2 and out.dtype == DT
     monkeypatch.setenv("REDKNOT_KERNELS", "0")
     up = [C.SegmentKeys(s.delta, s.latent.float(), None if s.entries is None else s.entries.float()) for s in segs]
