@@ -25,24 +25,23 @@ class RuntimePolicy:
     # launches grow with the segments (about five per segment and query chunk) and outgrow the fused kernel's idle
     # tile half (32K, 10% budget, one H100: stacked 1.707 vs fused 1.734 s at 32 documents, 2.388 vs 2.127 s at 64)
     fused_min_segments: int = 48
-    # ... and an HCA call (causal over the compressed entries) from this many. Since the fused kernels read their key
-    # tiles 16 bytes at a time (they read them two bytes at a time before 1cae5b5, when run 19 refuted them for the
-    # Global heads), bench/multiseg.py on one H100 at 32K times the 8 Global heads' HCA calls faster fused (4.19 vs
-    # 4.47 ms stacked at 8 documents, 8.55 vs 13.96 at 32) while window and CSA own-picks calls stay faster stacked
-    # (1.71 vs 2.17 and 5.46 vs 9.15 ms at 8). Not yet timed end to end, nor at 64K-128K (where run 19's unaligned
-    # fused kernel was 2.2x slower): the default keeps fused_min_segments' rule until `bench/ttft.py --policy
-    # fused_min_segments_hca=8` has been timed beside it
-    fused_min_segments_hca: int = 48
+    # ... and an HCA call (causal over the compressed entries) from this many: since the fused kernels read their key
+    # tiles 16 bytes at a time (1cae5b5; run 19 refuted them for the Global heads when they read two bytes at a
+    # time), the 8 Global heads' HCA calls are faster fused (bench/multiseg.py, 32K, one H100: 3.94 vs 4.48 ms
+    # stacked at 8 documents, 8.78 vs 14.10 at 32) while window and CSA own-picks calls stay faster stacked;
+    # bench/ttft.py at 32K beside the old rule (48): 1.084 vs 1.083 s at 8 documents, 1.497 vs 1.594 at 32
+    fused_min_segments_hca: int = 8
     # a fused call in "picks" mode (CSA) of at least this many heads turns the keys to the query's frame, one loop
-    # over the row's picks across segments; other calls turn the query per segment (faster for HCA's long causal
-    # runs)
+    # over the row's picks across segments; other calls turn the query per segment
     key_frame_min_heads: int = 16
-    # ... and a fused HCA call ("causal") over at least this many segments, too (0: never). With many short documents
-    # each segment's few compressed entries (8 for a document of 1024 tokens at ratio 128) fill an eighth of a
-    # 64-entry tile in the per-segment loop, where the key frame's one loop runs across segments; the rule above was
-    # measured when the fused kernels read their key tiles two bytes at a time (before 1cae5b5). Not yet timed:
-    # `bench/multiseg.py --kinds hca --docs 32 --policy key_frame_min_segments_hca=2` times it beside the default
-    key_frame_min_segments_hca: int = 0
+    # ... and a fused HCA call ("causal") over at least this many segments, of any heads (0: never). With many short
+    # documents each segment's few compressed entries (8 for a document of 1024 tokens at ratio 128) fill an eighth
+    # of a 64-entry tile in the per-segment loop, where the key frame's one loop runs across segments (and with the
+    # 8 Global heads 8 rows share each tile). bench/multiseg.py, 32K, one H100: at 32 documents the key frame takes
+    # 5.1 against 7.1 ms (64 heads) and 6.6 against 8.8 (8 heads); at 8 documents it loses (3.5 against 2.5 and 4.9
+    # against 3.9); bench/ttft.py at 32K, both HCA rules beside the old ones: 1.388 against 1.571 s at 32
+    # documents, 1.123 against 1.089 at 8 (with this threshold 8 documents keep the query frame)
+    key_frame_min_segments_hca: int = 16
     # the stacked path holds one float32 [rows, heads, head_dim] part per segment a call reaches: its query chunk
     # (q_chunk x n_heads (row, head) pairs) is sized for this many parts, and a call over more segments takes
     # proportionally fewer rows per chunk, so its parts stay within the same memory whatever the document count

@@ -305,7 +305,8 @@ def test_mhc_kernels_equal_the_torch_path():
 @torch.no_grad()
 @pytest.mark.parametrize("H,rows_per_program,frame", [(8, None, "query"), (3, None, "query"), (8, 4, "query"),
                                                       (16, None, "query"), (8, 1, "query"), (16, None, "key"),
-                                                      (8, 1, "key"), (16, None, "auto"), (8, 1, "auto")])
+                                                      (8, 1, "key"), (8, None, "key"), (3, None, "key"), (8, 4, "key"),
+                                                      (16, None, "auto"), (8, 1, "auto")])
 @pytest.mark.parametrize("kind", ["window", "hca", "csa-own", "csa-union"])
 def test_fused_kernel_rows_per_program_equal_the_reference(kind, H, rows_per_program, frame, monkeypatch):
     """runtime/kernels/multiseg.py with few heads runs several query rows per program (their heads fill the MMA
@@ -316,8 +317,9 @@ def test_fused_kernel_rows_per_program_equal_the_reference(kind, H, rows_per_pro
     kernel, which serves calls of 16 heads or more (Flash's 64 active-row heads) and 8 heads with ROWS = 1. (The
     tiny model's 8- and 4-head calls all take the packed kernel under fused_min_heads=1.) frame "key": the one-row
     calls through the key-frame kernel (key_frame=True: each key tile's rope pairs turned by its segment's Delta,
-    one loop over the row's keys across segments), "auto" the consumer's default rule (the key frame for picks
-    calls of 16 heads or more), which must be the kernel that ran."""
+    one loop over the row's keys across segments; with few heads an HCA call holds 64 // heads rows per program
+    (8 heads: 8 rows; 3: 16), other calls one row, and a config's ROWS any), "auto" the consumer's default rule
+    (the key frame for picks calls of 16 heads or more), which must be the kernel that ran."""
     import types
     from runtime.kernels.multiseg import multi_segment_attention
     launched = fused_launches(monkeypatch)
@@ -361,8 +363,8 @@ def test_fused_kernel_rows_per_program_equal_the_reference(kind, H, rows_per_pro
     ref, _ = segments_mod.segment_attention(attn, q, rows, segs, sink, picks=per_seg, qpos_host=rows.numpy())
     assert rel_err(out, ref) <= TOL
     one_row = H >= 16 or rows_per_program == 1
-    assert launched == ["_multiseg_packed_kernel" if not one_row else
-                        "_multiseg_keyframe_kernel" if keyed else "_multiseg_kernel"]
+    assert launched == ["_multiseg_keyframe_kernel" if keyed else
+                        "_multiseg_packed_kernel" if not one_row else "_multiseg_kernel"]
 
 
 @torch.no_grad()
@@ -439,11 +441,11 @@ def test_stacked_parts_in_bounded_launches_equal_the_reference(kind, kernels_on,
 
 def test_hca_calls_of_few_heads_take_the_fused_kernel_from_their_own_segment_count(kernels_on):
     """RuntimePolicy.fused_min_segments_hca: a call of fewer heads than fused_min_heads (Flash's 8 Global heads)
-    takes the fused kernel in an HCA layer from that many segments (8 here; the kernel bench finds HCA fused faster
-    at 8-32 documents on an H100), in window and CSA layers from fused_min_segments; a caller's picks always take
-    the stacked parts. The default keeps one rule for every kind until the end-to-end timing decides."""
-    assert RuntimePolicy().fused_min_segments_hca == RuntimePolicy().fused_min_segments
-    p = RuntimePolicy(fused_min_segments_hca=8)
+    takes the fused kernel in an HCA layer from that many segments (8, the default: the kernel bench finds HCA fused
+    faster at 8-32 documents on an H100, bench/ttft.py as fast at 8 and faster at 32), in window and CSA layers from
+    fused_min_segments; a caller's picks always take the stacked parts."""
+    assert RuntimePolicy().fused_min_segments_hca == 8 < RuntimePolicy().fused_min_segments
+    p = RuntimePolicy()
     q = torch.zeros(4, 2, 16)
     took = {k: [segments_mod.fused_call(q, None, n, p, k) for n in (7, 8, 47, 48)] for k in (HCA, CSA, WINDOW)}
     assert took == {HCA: [False, True, True, True], CSA: [False, False, False, True],
@@ -456,7 +458,8 @@ def test_hca_calls_of_few_heads_take_the_fused_kernel_from_their_own_segment_cou
 def test_hca_calls_over_many_segments_can_take_the_key_frame(kernels_on, monkeypatch):
     """RuntimePolicy.key_frame_min_segments_hca: a fused HCA call over at least that many segments runs in the key
     frame (one loop over the compressed entries across segments, each key tile turned by its segment's Delta) and
-    equals the torch reference path; below it, or unset (the default), the query is turned per segment."""
+    equals the torch reference path; below it (16 by default: many short documents), or unset (0), the query is
+    turned per segment."""
     import types
     from runtime.model.deepseek_v4 import Rotary
     launched = fused_launches(monkeypatch)
@@ -473,7 +476,7 @@ def test_hca_calls_over_many_segments_can_take_the_key_frame(kernels_on, monkeyp
     monkeypatch.setenv("REDKNOT_KERNELS", "0")
     ref, ref_pairs = segments_mod.segment_attention(attn, q, rows, segs, sink, qpos_host=rows.numpy())
     monkeypatch.setenv("REDKNOT_KERNELS", "1")
-    assert RuntimePolicy().key_frame_min_segments_hca == 0
+    assert RuntimePolicy().key_frame_min_segments_hca == 16
     for least, kernel in ((0, "_multiseg_kernel"), (5, "_multiseg_kernel"), (4, "_multiseg_keyframe_kernel")):
         got, pairs = segments_mod.segment_attention(attn, q, rows, segs, sink, qpos_host=rows.numpy(), trig={},
                                                     policy=RuntimePolicy(key_frame_min_segments_hca=least))
