@@ -38,7 +38,7 @@ from runtime.policy import RuntimePolicy  # noqa: E402
 from bench.report import header, write_json  # noqa: E402
 
 STACKED = RuntimePolicy(fused_min_heads=1 << 30, fused_min_segments=1 << 30,     # every call: stacked parts
-                        fused_min_segments_hca=1 << 30)
+                        key_frame_min_segments_hca=0)
 
 D, W, ROPE, K = 512, 128, 64, 512
 DT = torch.bfloat16          # --fp32: float32 (the CPU smoke run: the interpreter has no bf16 of its own)

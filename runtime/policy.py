@@ -25,22 +25,18 @@ class RuntimePolicy:
     # launches grow with the segments (about five per segment and query chunk) and outgrow the fused kernel's idle
     # tile half (32K, 10% budget, one H100: stacked 1.707 vs fused 1.734 s at 32 documents, 2.388 vs 2.127 s at 64)
     fused_min_segments: int = 48
-    # ... and an HCA call (causal over the compressed entries) from this many: since the fused kernels read their key
-    # tiles 16 bytes at a time (1cae5b5; run 19 refuted them for the Global heads when they read two bytes at a
-    # time), the 8 Global heads' HCA calls are faster fused (bench/multiseg.py, 32K, one H100: 3.94 vs 4.48 ms
-    # stacked at 8 documents, 8.78 vs 14.10 at 32) while window and CSA own-picks calls stay faster stacked;
-    # bench/ttft.py at 32K beside the old rule (48): 1.084 vs 1.083 s at 8 documents, 1.497 vs 1.594 at 32
-    fused_min_segments_hca: int = 8
     # a fused call in "picks" mode (CSA) of at least this many heads turns the keys to the query's frame, one loop
     # over the row's picks across segments; other calls turn the query per segment
     key_frame_min_heads: int = 16
-    # ... and a fused HCA call ("causal") over at least this many segments, of any heads (0: never). With many short
-    # documents each segment's few compressed entries (8 for a document of 1024 tokens at ratio 128) fill an eighth
-    # of a 64-entry tile in the per-segment loop, where the key frame's one loop runs across segments (and with the
-    # 8 Global heads 8 rows share each tile). bench/multiseg.py, 32K, one H100: at 32 documents the key frame takes
-    # 5.1 against 7.1 ms (64 heads) and 6.6 against 8.8 (8 heads); at 8 documents it loses (3.5 against 2.5 and 4.9
-    # against 3.9); bench/ttft.py at 32K, both HCA rules beside the old ones: 1.388 against 1.571 s at 32
-    # documents, 1.123 against 1.089 at 8 (with this threshold 8 documents keep the query frame)
+    # an HCA call ("causal" over the compressed entries) over at least this many segments takes the fused kernel in
+    # the key frame, whatever its heads (0: never; it then follows the rules above). With many short documents each
+    # segment's few compressed entries (8 for a document of 1024 tokens at ratio 128) fill an eighth of a 64-entry
+    # tile in the per-segment loops, where the key frame's one loop runs across segments, 8 rows of the 8 Global
+    # heads sharing each tile. bench/ttft.py beside the earlier rules (stacked below 48 segments for 8 heads, the
+    # query frame for 64; `--policy key_frame_min_segments_hca=0`), one H100, 10% budget: 32K 1.390 vs 1.587 s at
+    # 32 documents; 64K 2.959 vs 3.265 at 32, 3.233 vs 3.662 at 64. Below 16 (8 documents) the earlier rules stay:
+    # the key frame lost there (32K: 1.123 vs 1.089 s) and so did the Global heads' HCA calls fused in the query
+    # frame at 64K (2.299 vs 2.243 s; a tie at 32K)
     key_frame_min_segments_hca: int = 16
     # the stacked path holds one float32 [rows, heads, head_dim] part per segment a call reaches: its query chunk
     # (q_chunk x n_heads (row, head) pairs) is sized for this many parts, and a call over more segments takes

@@ -26,8 +26,8 @@ part per segment and merges them in a second pass.
 
 Where it is used (RuntimePolicy.fused_min_heads): calls of at least 16 heads, i.e. the active rows' 64, where it is
 faster than the stacked path; the 8 Global heads' calls keep the stacked path (half of each 16-row tile idle, and
-this kernel's extra rope dots and loads per tile) below RuntimePolicy.fused_min_segments, except HCA calls, fused
-from fused_min_segments_hca (8) segments.
+this kernel's extra rope dots and loads per tile) below RuntimePolicy.fused_min_segments, except HCA calls over
+key_frame_min_segments_hca (16) segments or more, fused in the key frame.
 
 Calls of fewer than 16 heads (the 8 Global heads) go to `_multiseg_packed_kernel`: ROWS consecutive query rows
 per program (ROWS x heads = 16 by default), so that the MMA tile's rows are filled and neighbouring rows share their
@@ -38,8 +38,9 @@ slower in window and CSA own-picks layers up to about 32 documents.
 
 `_multiseg_keyframe_kernel` (`key_frame=True`: the "picks" calls of RuntimePolicy.key_frame_min_heads heads or
 more, one row per program; HCA calls over RuntimePolicy.key_frame_min_segments_hca segments or more, with few heads
-KEY_ROWS // heads rows per program sharing each entry tile): the same scores with the turn on the keys, q(t - Delta_j) . k = q(t) . k(+Delta_j). The query is turned once to t; each key tile's rope pairs are
-turned in registers by +Delta of the segment each key lies in (the stored rows are read in place, never
+KEY_ROWS // heads rows per program sharing each entry tile): the same scores with the turn on the keys,
+q(t - Delta_j) . k = q(t) . k(+Delta_j). The query is turned once to t; each key tile's rope pairs are turned in
+registers by +Delta of the segment each key lies in (the stored rows are read in place, never
 rewritten); the rope value sums are then in the request frame and turned back once at t. A row's keys become three
 loops whatever the segments (window positions, visible entries by global id, or picks), each key tile free to span
 segments, where `_multiseg_kernel` runs one short loop per segment (about one tile of a row's 512 picks split over

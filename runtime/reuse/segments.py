@@ -54,12 +54,18 @@ def _ranges(kind, W, host, shapes, by):
     return ranges
 
 
+def hca_key_frame(n_segments: int, policy: RuntimePolicy) -> bool:
+    """An HCA call over this many segments runs fused in the key frame (`policy.key_frame_min_segments_hca`)."""
+    return 0 < policy.key_frame_min_segments_hca <= n_segments
+
+
 def fused_call(q_raw: torch.Tensor, picks, n_segments: int, policy: RuntimePolicy, kind=None) -> bool:
     """A call `segment_attention` makes in one launch of the fused multi-segment kernel (CUDA, no caller's picks,
     at least `policy.fused_min_heads` heads, or `policy.fused_min_segments` segments, or for an HCA layer (`kind`)
-    `policy.fused_min_segments_hca`); the others hold one stacked part per segment."""
-    least = policy.fused_min_segments_hca if kind == HCA else policy.fused_min_segments
-    return enabled(q_raw) and picks is None and (q_raw.shape[1] >= policy.fused_min_heads or n_segments >= least)
+    the key frame's `policy.key_frame_min_segments_hca`); the others hold one stacked part per segment."""
+    return enabled(q_raw) and picks is None and (q_raw.shape[1] >= policy.fused_min_heads or
+                                                 n_segments >= policy.fused_min_segments or
+                                                 (kind == HCA and hca_key_frame(n_segments, policy)))
 
 
 def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: list[SegmentKeys], sink: torch.Tensor,
@@ -75,11 +81,11 @@ def segment_attention(attn, q_raw: torch.Tensor, qpos: torch.Tensor, segments: l
     sparse attention writes the partial output and LSE into slice j of one stacked buffer, and the partial output's
     RoPE channels are de-rotated at t - Delta_j (+Delta_j into the request frame, then the inverse output RoPE at t,
     in one rotation); on CUDA every part in a bounded number of launches (`_stacked_parts`), elsewhere one torch
-    reference call per part. One pass then merges every row's parts with the sink once. `own_picks` [T, k]: each row's entry
-    picks in its own segment (the artifact's, global_picks="artifact"); else CSA picks are the native indexer's
-    top-k over the union of all segments' visible entries. On CUDA, a call of at least `policy.fused_min_heads`
-    heads or `policy.fused_min_segments` segments (HCA: `fused_min_segments_hca`) does all of this in one launch of
-    the fused multi-segment kernel instead (`_fused_segment_attention`).
+    reference call per part. One pass then merges every row's parts with the sink once. `own_picks` [T, k]: each
+    row's entry picks in its own segment (the artifact's, global_picks="artifact"); else CSA picks are the native
+    indexer's top-k over the union of all segments' visible entries. On CUDA, a call of at least
+    `policy.fused_min_heads` heads or `policy.fused_min_segments` segments (HCA: `key_frame_min_segments_hca`) does
+    all of this in one launch of the fused multi-segment kernel instead (`_fused_segment_attention`).
     `out`: a contiguous [T,H,D] tensor of q_raw's dtype the merged output is written into (a caller's row slice),
     else a new one."""
     T, H, D = q_raw.shape
@@ -240,7 +246,7 @@ def fused_attention(attn, q_raw, qpos, segments, sink, host, mode: str, gp=None,
         gp, bounds = pick_runs(gp, first, total, trig)
         pairs = bounds[:, -1].sum()
     key_frame = (mode == "picks" and q_raw.shape[1] >= policy.key_frame_min_heads) or \
-        (mode == "causal" and 0 < policy.key_frame_min_segments_hca <= len(segments))
+        (mode == "causal" and hca_key_frame(len(segments), policy))
     out = multi_segment_attention(q_raw, qpos, segments, sink, attn.cfg.window_size, mode, attn.ratio or 1,
                                   attn.scale, attn.rotary.inv_freq, gp, first, bounds, config=config, out=out,
                                   key_frame=key_frame)

@@ -122,7 +122,7 @@ NEVER = 1 << 30
 def case_policy(fused: str, frame: str) -> RuntimePolicy:
     return RuntimePolicy(fused_min_heads={"every": 1, "none": NEVER, "auto": CFG.n_heads}[fused],
                          key_frame_min_heads=1 if frame == "key" else NEVER,
-                         **({"fused_min_segments_hca": NEVER} if fused == "none" else {}))
+                         **({"key_frame_min_segments_hca": 0} if fused == "none" else {}))
 
 
 def reuse_profile(picks: str) -> ReuseProfile:
@@ -396,7 +396,7 @@ def test_stacked_parts_in_bounded_launches_equal_the_reference(kind, kernels_on,
     attn = types.SimpleNamespace(kind={"window": WINDOW, "hca": HCA, "csa-own": CSA, "csa-union": CSA}[kind],
                                  ratio=ratio,
                                  scale=D ** -0.5, rotary=rot, indexer=None, cfg=types.SimpleNamespace(window_size=W))
-    counts, stacked = {}, RuntimePolicy(fused_min_segments_hca=NEVER)      # HCA too, whatever the default
+    counts, stacked = {}, RuntimePolicy(key_frame_min_segments_hca=0)      # HCA too, whatever the default
     for lens in ([24, 40, 32, 9], [24, 16, 40, 8, 32, 24, 16, 40, 8, 32, 24, 9]):
         deltas = [sum(lens[:j]) for j in range(len(lens))]
         segs = [segments_mod.SegmentKeys(d, torch.randn(n, D, generator=g),
@@ -439,18 +439,20 @@ def test_stacked_parts_in_bounded_launches_equal_the_reference(kind, kernels_on,
     assert len(counts[4][0]) <= 3, counts      # window/causal parts, picks parts (csa), the rotation back
 
 
-def test_hca_calls_of_few_heads_take_the_fused_kernel_from_their_own_segment_count(kernels_on):
-    """RuntimePolicy.fused_min_segments_hca: a call of fewer heads than fused_min_heads (Flash's 8 Global heads)
-    takes the fused kernel in an HCA layer from that many segments (8, the default: the kernel bench finds HCA fused
-    faster at 8-32 documents on an H100, bench/ttft.py as fast at 8 and faster at 32), in window and CSA layers from
-    fused_min_segments; a caller's picks always take the stacked parts."""
-    assert RuntimePolicy().fused_min_segments_hca == 8 < RuntimePolicy().fused_min_segments
+def test_hca_calls_over_many_segments_take_the_fused_kernel_whatever_their_heads(kernels_on):
+    """RuntimePolicy.key_frame_min_segments_hca: an HCA call of fewer heads than fused_min_heads (Flash's 8 Global
+    heads) takes the fused kernel (in the key frame) from that many segments (16 by default: many short documents),
+    window and CSA calls from fused_min_segments; a caller's picks always take the stacked parts; 0 leaves HCA calls
+    to the other rules."""
     p = RuntimePolicy()
+    assert p.key_frame_min_segments_hca == 16 < p.fused_min_segments
     q = torch.zeros(4, 2, 16)
-    took = {k: [segments_mod.fused_call(q, None, n, p, k) for n in (7, 8, 47, 48)] for k in (HCA, CSA, WINDOW)}
+    took = {k: [segments_mod.fused_call(q, None, n, p, k) for n in (15, 16, 47, 48)] for k in (HCA, CSA, WINDOW)}
     assert took == {HCA: [False, True, True, True], CSA: [False, False, False, True],
                     WINDOW: [False, False, False, True]}
     assert not segments_mod.fused_call(q, [None], 48, p, HCA)
+    assert [segments_mod.fused_call(q, None, n, p.replace(key_frame_min_segments_hca=0), HCA) for n in (16, 48)] == \
+        [False, True]
     assert segments_mod.fused_call(torch.zeros(4, p.fused_min_heads, 16), None, 1, p, CSA)
 
 

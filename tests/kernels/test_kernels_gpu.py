@@ -480,7 +480,7 @@ def test_fused_multi_segment_equals_reference(kind, H, path, monkeypatch):
     poison()
     policy = RuntimePolicy(fused_min_heads=1) if path == "fused" else \
         RuntimePolicy(fused_min_heads=1, key_frame_min_segments_hca=1) if path == "key" else \
-        RuntimePolicy(fused_min_heads=1 << 30, fused_min_segments=1 << 30, fused_min_segments_hca=1 << 30)
+        RuntimePolicy(fused_min_heads=1 << 30, fused_min_segments=1 << 30, key_frame_min_segments_hca=0)
     out, pairs = C.segment_attention(attn, q, rows, segs, sink, qpos_host=hostpos, own_picks=own, picks=per_seg,
                                      policy=policy)
     # one fused launch, or at most two parts launches (window/causal parts, picks parts) for the five segments

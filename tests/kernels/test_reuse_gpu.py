@@ -38,7 +38,7 @@ def fused_policy(fused: str) -> RuntimePolicy:
     """"1": every segment call through the fused kernel, "0": none, "auto": calls of this model's 8 heads (as 16 is
     to Flash's 64 active-row heads and 8 Global heads)."""
     return RuntimePolicy(fused_min_heads={"1": 1, "0": 1 << 30, "auto": CFG.n_heads}[fused],
-                         **({"fused_min_segments_hca": 1 << 30} if fused == "0" else {}))
+                         **({"key_frame_min_segments_hca": 0} if fused == "0" else {}))
 BASE = dict(first_fences=2, last_fences=2, align=16)
 F32 = 1e-3
 
