@@ -2,10 +2,13 @@
 lowers them through TTIR, TTGIR, LLVM IR and PTX to a cubin (its bundled ptxas), so an error that only the compiler
 sees (types, layouts, shared memory) shows here rather than on the device. Run by test_compile_sm90.py in a
 process without TRITON_INTERPRET (under the interpreter @triton.jit gives no compilable function). Prints one line
-per kernel and mode and exits 1 on any failure."""
+per kernel and mode (for the kernels that read a segment table, their registers and spills from ptxas -v) and exits
+1 on any failure."""
 import os
 import re
+import subprocess
 import sys
+import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -92,6 +95,24 @@ WIDE = re.compile(r"cp\.async\.c[ag]\.shared\.global(?:\.L2::\w+)? \[[^\]]+\], \
                   r"|ld\.global(?:\.nc)?(?:\.L1::\w+)?(?:\.L2::\w+)?\.v4\.(?:b32|f32|u32)")
 
 
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+SPILLS = re.compile(r"Used (\d+) registers|(\d+) bytes spill stores")
+
+
+def registers(ptx: str) -> str:
+    """The attention kernels' registers per thread and spill stores (bytes per thread), from the bundled ptxas -v:
+    a kernel that spills its tile state to local memory in its inner loop runs far below its tile's roofline."""
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        run = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull], capture_output=True,
+                             text=True, timeout=300)
+    regs = spill = "?"
+    for used, stores in SPILLS.findall(run.stderr):
+        regs, spill = used or regs, stores or spill
+    return f", registers {regs}, spill stores {spill} bytes"
+
+
 def main() -> int:
     failed = 0
     for name, kern, types, consts, warps, modal in KERNELS:
@@ -107,8 +128,9 @@ def main() -> int:
                 out = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                      options=dict(num_warps=warps, num_stages=2))
                 wide = len(WIDE.findall(out.asm["ptx"]))
+                regs = registers(out.asm["ptx"]) if name.startswith(TABLE_READS) and os.path.exists(PTXAS) else ""
                 print(f"{name}, {mode}: cubin {len(out.asm['cubin'])} bytes, shared memory {out.metadata.shared}, "
-                      f"16-byte reads {wide}")
+                      f"16-byte reads {wide}{regs}")
                 if name.startswith(TABLE_READS) and wide == 0:
                     failed += 1
                     print(f"{name}, {mode}: FAILED: no 16-byte read (the table's addresses not known aligned?)")
