@@ -41,9 +41,9 @@ more, one row per program; HCA calls over RuntimePolicy.key_frame_min_segments_h
 KEY_ROWS // heads rows per program sharing each entry tile): the same scores with the turn on the keys,
 q(t - Delta_j) . k = q(t) . k(+Delta_j). The query is turned once to t; each key tile's rope pairs are turned in
 registers by +Delta of the segment each key lies in (the stored rows are read in place, never
-rewritten); the rope value sums are then in the request frame and turned back once at t. A row's keys become three
-loops whatever the segments (window positions, visible entries by global id, or picks), each key tile free to span
-segments, where `_multiseg_kernel` runs one short loop per segment (about one tile of a row's 512 picks split over
+rewritten); the rope value sums are then in the request frame and turned back once at t. A row's keys become one
+loop whatever the segments (window positions, then visible entries by global id or picks), each key tile free to
+span segments, where `_multiseg_kernel` runs one short loop per segment (about one tile of a row's 512 picks split over
 9 segments, so nothing pipelines): faster for CSA's picks, and for HCA where many short documents leave each
 segment's entries a fraction of a tile; slower for HCA's long causal runs of few segments. It equals the reference
 under the interpreter and compiles for sm_90.
@@ -367,15 +367,17 @@ if HAVE_TRITON:
         """`_multiseg_kernel`'s result with the relocation turned onto the keys: the query's rope pairs are turned
         once to t (the request frame) and every key tile's rope pairs by +Delta of the key's segment, in registers
         (the same scores: q(t - Delta) . k = q(t) . k(+Delta)); the rope value sums are then in the request frame
-        and turned back once at t. A row's keys are then three loops whatever the segments (window positions
-        t-W+1..t, the visible entries by global id, or the row's picks), each key tile able to span segments, so
-        the tile loads pipeline; `_multiseg_kernel` runs one short loop per segment (about one tile of a row's
-        picks). The stored latent and entries are read in place, never rewritten. Segments must come in
+        and turned back once at t. A row's keys are then one loop of key tiles whatever the segments (window
+        positions t-W+1..t, then the visible entries by global id or the row's picks), each key tile able to span
+        segments, so the tile loads pipeline; `_multiseg_kernel` runs one short loop per segment (about one tile of
+        a row's picks). The stored latent and entries are read in place, never rewritten. Segments must come in
         increasing position, each segment's entries numbered from its table row's first id (col 5).
         A program holds ROWS consecutive query rows x BLOCK_H heads (matrix row m = row m // BLOCK_H, head
         m % BLOCK_H), as `_multiseg_packed_kernel` does: with ROWS > 1 (calls of few heads) the rows share their
         window tiles (over the union of their windows) and entry tiles (up to the furthest row's visible entries),
-        each score masked to the rows that see it; picks are walked row by row."""
+        each score masked to the rows that see it; picks are walked row by row (a second loop). One loop, not one
+        per kind of key, keeps one copy of the tile's work: `ptxas -v` (tests/kernels/compile_sm90.py) counts
+        0.4-0.5 KB of spill stores per thread at 64 heads, against 1.8-2.1 KB with a loop per kind."""
         NOPE: tl.constexpr = D - 2 * HALF_R
         M: tl.constexpr = ROWS * BLOCK_H
         offs_m = tl.arange(0, M)
@@ -399,38 +401,47 @@ if HAVE_TRITON:
         m_i, l_i, acc, ar_e, ar_o = _start(M, D, RP)
         pos_lo = tl.min(tl.where(mmask, pos, pos + window), 0)
         pos_hi = tl.max(tl.where(mmask, pos, -1), 0)
-        for start in range(tl.maximum(pos_lo - window + 1, 0), pos_hi + 1, BLOCK_N):   # window: request positions
-            s = start + offs_n
-            if ROWS == 1:                                  # one row: every tile of its window is its own
-                addr, local, bound, dlt = _locate(tab_ptr, P, s, False, COLS)
-                ok = (s <= pos_hi) & (local >= 0) & (local < bound)
-                m_i, l_i, acc, ar_e, ar_o = _key_tile(qn, qre, qro, addr, local, dlt, ok, ok[None, :], freq, offs_d,
-                                                      offs_r, rmask, m_i, l_i, acc, ar_e, ar_o, qk_scale, D, NOPE,
-                                                      PREC, dt)
-            else:
-                sv = mmask[:, None] & (s[None, :] <= pos[:, None]) & (s[None, :] > pos[:, None] - window)
-                if tl.max(sv.to(tl.int32)) > 0:            # windows far apart: tiles between them are skipped
-                    addr, local, bound, dlt = _locate(tab_ptr, P, s, False, COLS)
-                    ok = (s <= pos_hi) & (local >= 0) & (local < bound)
-                    m_i, l_i, acc, ar_e, ar_o = _key_tile(qn, qre, qro, addr, local, dlt, ok, sv & ok[None, :], freq,
-                                                          offs_d, offs_r, rmask, m_i, l_i, acc, ar_e, ar_o, qk_scale,
-                                                          D, NOPE, PREC, dt)
-        if MODE == 1:          # each segment's entries complete before t - Delta, numbered globally
-            g_end = pos_hi * 0
+        w_lo = tl.maximum(pos_lo - window + 1, 0)          # window: request positions w_lo..pos_hi
+        n_win = tl.cdiv(pos_hi + 1 - w_lo, BLOCK_N)
+        # then the entries complete before each row's t - Delta (numbered globally), or a lone row's picks
+        g_end = pos_hi * 0
+        if MODE == 1:
             for j in range(P):
                 row = tab_ptr + j * COLS
                 nv = tl.minimum(tl.maximum(pos_hi - tl.load(row + 2) + 1, 0) // ratio, tl.load(row + 4))
                 g_end = tl.where(nv > 0, tl.load(row + 5) + nv, g_end)
-            for start in range(0, g_end, BLOCK_N):
-                gid = start + offs_n
+        if MODE == 2 and ROWS == 1:
+            g_end = tl.load(bounds_ptr + t0 * (P + 1) + P).to(tl.int64)
+        # one loop over both kinds of key tile: one copy of the tile's work, whose state (the [rows, D] float32
+        # accumulator and the tile) then fits the registers with far fewer spills than a loop per kind
+        for i in range(0, n_win + tl.cdiv(g_end, BLOCK_N)):
+            if i < n_win:
+                key = w_lo + i * BLOCK_N + offs_n
+                addr, local, bound, dlt = _locate(tab_ptr, P, key, False, COLS)
+                ok = (key <= pos_hi) & (local >= 0) & (local < bound)
+                sv = ok[None, :] & (key[None, :] <= pos[:, None]) & (key[None, :] > pos[:, None] - window)
+            else:
+                k = (i - n_win) * BLOCK_N + offs_n
+                if MODE == 2:      # the row's picks: global entry ids, sorted, bounds[t, P] of them real
+                    gid = tl.load(picks_ptr + t0 * n_picks + k, mask=k < g_end, other=0).to(tl.int64)
+                else:
+                    gid = k.to(tl.int64)
                 addr, local, bound, dlt = _locate(tab_ptr, P, gid, True, COLS)
-                ok = (gid < g_end) & (local >= 0) & (local < bound)
-                # entry w of a segment at Delta is complete from request position Delta + (w + 1) ratio - 1 on
-                done = dlt + (local + 1) * ratio - 1
-                sv = mmask[:, None] & ok[None, :] & (done[None, :] <= pos[:, None])
+                ok = (k < g_end) & (local >= 0) & (local < bound)
+                if MODE == 1:      # entry w of a segment at Delta is complete from position Delta + (w + 1) ratio - 1
+                    sv = ok[None, :] & (dlt + (local + 1) * ratio - 1 <= pos[:, None])
+                else:
+                    sv = ok[None, :] & (pos[:, None] >= 0)
+            sv = sv & mmask[:, None]
+            if ROWS == 1:          # one row: every tile is its own
                 m_i, l_i, acc, ar_e, ar_o = _key_tile(qn, qre, qro, addr, local, dlt, ok, sv, freq, offs_d, offs_r,
                                                       rmask, m_i, l_i, acc, ar_e, ar_o, qk_scale, D, NOPE, PREC, dt)
-        if MODE == 2:          # each row's picks: global entry ids, sorted, bounds[t, P] of them real
+            else:
+                if tl.max(sv.to(tl.int32)) > 0:            # windows far apart: tiles between them are skipped
+                    m_i, l_i, acc, ar_e, ar_o = _key_tile(qn, qre, qro, addr, local, dlt, ok, sv, freq, offs_d,
+                                                          offs_r, rmask, m_i, l_i, acc, ar_e, ar_o, qk_scale, D,
+                                                          NOPE, PREC, dt)
+        if MODE == 2 and ROWS > 1:     # several rows: each row's picks walked on its own, the others masked out
             for r in range(ROWS):
                 tr = t0 + r
                 if tr < T:
