@@ -209,6 +209,25 @@ if HAVE_TRITON:
 
 
     @triton.jit
+    def _query_rows(q_ptr, qpos_ptr, T, H, stride_qt, stride_qh, head0, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+                    D: tl.constexpr, NOPE: tl.constexpr):
+        """A program's ROWS consecutive query rows x BLOCK_H heads from head0 as one matrix (row m: query row
+        m // BLOCK_H, head head0 + m % BLOCK_H): each matrix row's query row within the program, the first query row,
+        its head, whether it is real, its query row (rows past the end read row T-1 and never attend), its query
+        pointer, its query with the rope channels zeroed, and its request position."""
+        offs_m = tl.arange(0, ROWS * BLOCK_H)
+        rid = offs_m // BLOCK_H
+        t0 = tl.program_id(0).to(tl.int64) * ROWS
+        t_raw = t0 + rid
+        hh = head0 + offs_m % BLOCK_H
+        mmask = (t_raw < T) & (hh < H)
+        t = tl.minimum(t_raw, T - 1)
+        qrow = q_ptr + t[:, None] * stride_qt + hh[:, None] * stride_qh
+        offs_d = tl.arange(0, D)
+        qn = tl.load(qrow + offs_d[None, :], mask=mmask[:, None] & (offs_d[None, :] < NOPE), other=0.0)
+        return rid, t0, hh, mmask, t, qrow, qn, tl.load(qpos_ptr + t)
+
+    @triton.jit
     def _multiseg_packed_kernel(q_ptr, qpos_ptr, tab_ptr, picks_ptr, bounds_ptr, freq_ptr, sink_ptr, o_ptr,
                                 T, H, P, window, ratio, n_picks, qk_scale, sink_scale, stride_qt, stride_qh,
                                 MODE: tl.constexpr, D: tl.constexpr, HALF_R: tl.constexpr, RP: tl.constexpr,
@@ -221,22 +240,14 @@ if HAVE_TRITON:
         walked on its own, the other rows masked out."""
         NOPE: tl.constexpr = D - 2 * HALF_R
         M: tl.constexpr = ROWS * BLOCK_H
-        offs_m = tl.arange(0, M)
-        rid = offs_m // BLOCK_H                            # the row within this program
-        t0 = tl.program_id(0).to(tl.int64) * ROWS
-        t_raw = t0 + rid
-        hh = offs_m % BLOCK_H
-        mmask = (t_raw < T) & (hh < H)
-        t = tl.minimum(t_raw, T - 1)                       # rows past the end: read row T-1, never attend
+        rid, t0, hh, mmask, t, qrow, qn, pos = _query_rows(q_ptr, qpos_ptr, T, H, stride_qt, stride_qh, 0, ROWS,
+                                                           BLOCK_H, D, NOPE)
         offs_d = tl.arange(0, D)
         offs_r = tl.arange(0, RP)
         rmask = offs_r < HALF_R
         offs_n = tl.arange(0, BLOCK_N)
         dt = q_ptr.dtype.element_ty
-        qrow = q_ptr + t[:, None] * stride_qt + hh[:, None] * stride_qh
-        qn = tl.load(qrow + offs_d[None, :], mask=mmask[:, None] & (offs_d[None, :] < NOPE), other=0.0)
         freq = tl.load(freq_ptr + offs_r, mask=rmask, other=0.0)
-        pos = tl.load(qpos_ptr + t)
         m_i, l_i, acc, ar_e, ar_o = _start(M, D, RP)
         for j in range(P):
             lat, n, delta, ent, n_ent = _segment(tab_ptr, j, COLS, dt)
@@ -380,22 +391,14 @@ if HAVE_TRITON:
         0.4-0.5 KB of spill stores per thread at 64 heads, against 1.8-2.1 KB with a loop per kind."""
         NOPE: tl.constexpr = D - 2 * HALF_R
         M: tl.constexpr = ROWS * BLOCK_H
-        offs_m = tl.arange(0, M)
-        rid = offs_m // BLOCK_H                            # the row within this program
-        t0 = tl.program_id(0).to(tl.int64) * ROWS
-        t_raw = t0 + rid
-        hh = tl.program_id(1) * BLOCK_H + offs_m % BLOCK_H
-        mmask = (t_raw < T) & (hh < H)
-        t = tl.minimum(t_raw, T - 1)                       # rows past the end: read row T-1, never attend
+        rid, t0, hh, mmask, t, qrow, qn, pos = _query_rows(q_ptr, qpos_ptr, T, H, stride_qt, stride_qh,
+                                                           tl.program_id(1) * BLOCK_H, ROWS, BLOCK_H, D, NOPE)
         offs_d = tl.arange(0, D)
         offs_r = tl.arange(0, RP)
         rmask = offs_r < HALF_R
         offs_n = tl.arange(0, BLOCK_N)
         dt = q_ptr.dtype.element_ty
-        qrow = q_ptr + t[:, None] * stride_qt + hh[:, None] * stride_qh
-        qn = tl.load(qrow + offs_d[None, :], mask=mmask[:, None] & (offs_d[None, :] < NOPE), other=0.0)
         freq = tl.load(freq_ptr + offs_r, mask=rmask, other=0.0)[None, :]
-        pos = tl.load(qpos_ptr + t)                        # [M]
         qre, qro, cs, sn = _turn_query(qrow, pos.to(tl.float32)[:, None], freq, mmask[:, None] & rmask[None, :],
                                        offs_r, NOPE, dt)
         m_i, l_i, acc, ar_e, ar_o = _start(M, D, RP)
