@@ -308,50 +308,72 @@ if HAVE_TRITON:
 
 
     @triton.jit
-    def _locate(tab_ptr, P, key, BY_ENTRY: tl.constexpr, COLS: tl.constexpr):
-        """Keys [N] -> where each lies (the key-frame kernel): a request position (window keys) or a global entry id
-        (BY_ENTRY) falls in the last segment whose start (Delta, or its first entry id) is <= the key; segments
-        come in increasing order. Returns per key that segment's latent or entries address (int64), the key's row
-        in it, the segment's row count (n or its entry count) and its Delta."""
+    def _start_of(tab_ptr, P, j, BY_ENTRY: tl.constexpr, COLS: tl.constexpr):
+        """Segment j's start: its Delta, or its first global entry id (BY_ENTRY); past the table, one no key
+        reaches."""
+        return tl.load(tab_ptr + j * COLS + (5 if BY_ENTRY else 2), mask=j < P, other=1 << 62)
+
+    @triton.jit
+    def _locate(tab_ptr, P, key, j, kmin, kmax, BY_ENTRY: tl.constexpr, COLS: tl.constexpr):
+        """Keys [N], all within kmin..kmax -> where each lies (the key-frame kernel): a request position (window
+        keys) or a global entry id (BY_ENTRY) falls in the last segment whose start is <= the key (segments in
+        increasing order). j: a segment at or before kmin's, carried from the program's earlier tiles, whose keys
+        come in increasing order: it moves forward to kmin's segment, and only the segments from there to
+        kmax's are read (one or two for a window tile), not the whole table per tile. Returns per key that
+        segment's latent or entries address (int64), the key's row in it, the segment's row count (n or its entry
+        count), its Delta and its index in the table; and kmin's segment (the next tile's j)."""
+        nxt = _start_of(tab_ptr, P, j + 1, BY_ENTRY, COLS)
+        while nxt <= kmin:
+            j += 1
+            nxt = _start_of(tab_ptr, P, j + 1, BY_ENTRY, COLS)
         addr = key * 0
         first = key * 0
         bound = key * 0
         dlt = key * 0
-        for j in range(P):
-            row = tab_ptr + j * COLS
-            d_j = tl.load(row + 2)
+        seg = key * 0
+        w = j
+        s_w = _start_of(tab_ptr, P, w, BY_ENTRY, COLS)
+        while s_w <= kmax:
+            row = tab_ptr + w * COLS
             if BY_ENTRY:
-                s_j = tl.load(row + 5)
-                a_j = tl.load(row + 3)
-                b_j = tl.load(row + 4)
+                a_w = tl.load(row + 3)
+                b_w = tl.load(row + 4)
+                d_w = tl.load(row + 2)
             else:
-                s_j = d_j
-                a_j = tl.load(row)
-                b_j = tl.load(row + 1)
-            inside = key >= s_j
-            addr = tl.where(inside, a_j, addr)
-            first = tl.where(inside, s_j, first)
-            bound = tl.where(inside, b_j, bound)
-            dlt = tl.where(inside, d_j, dlt)
-        return addr, key - first, bound, dlt
+                a_w = tl.load(row)
+                b_w = tl.load(row + 1)
+                d_w = s_w
+            inside = key >= s_w
+            addr = tl.where(inside, a_w, addr)
+            first = tl.where(inside, s_w, first)
+            bound = tl.where(inside, b_w, bound)
+            dlt = tl.where(inside, d_w, dlt)
+            seg = tl.where(inside, w, seg)
+            w += 1
+            s_w = _start_of(tab_ptr, P, w, BY_ENTRY, COLS)
+        return addr, key - first, bound, dlt, seg, j
 
     @triton.jit
-    def _key_tile(qn, qre, qro, addr, local, dlt, ok, svalid, freq, offs_d, offs_r, rmask, m_i, l_i, acc, ar_e, ar_o,
-                  qk_scale, D: tl.constexpr, NOPE: tl.constexpr, PREC: tl.constexpr, dt: tl.constexpr):
+    def _key_tile(qn, qre, qro, addr, local, seg, ok, svalid, turn_ptr, offs_d, offs_r, rmask, m_i, l_i, acc, ar_e,
+                  ar_o, qk_scale, D: tl.constexpr, NOPE: tl.constexpr, HALF_R: tl.constexpr, PREC: tl.constexpr,
+                  dt: tl.constexpr):
         """One tile of keys from any segments (the key-frame kernel): each key row read in place at its own
         segment's address, its rope pairs turned by +Delta of that segment in registers (into the request frame,
         where the query is turned once), scored and summed with one online softmax. K = V: the turned rope pairs
         also feed the request-frame rope value sums ar_*; the non-rope value sum is acc's. ok [N]: keys to read;
-        svalid [M, N] (or [1, N]): which query row attends which of them."""
+        seg [N] each key's segment, whose row of the turn table (cos, then sin, of Delta x the frequencies) turns
+        it: read, not computed (a cos and a sin per pair and key cost more than the tile's softmax, and past an
+        angle of about 1e5 radians, which Delta reaches at 128K, the library's exact argument reduction takes its
+        slow path); svalid [M, N] (or [1, N]): which query row attends which of them."""
         ptr = table_ptr(tl.where(ok, addr, 0), dt) + tl.where(ok, local, 0) * D
         k = tl.load(ptr[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)
         rp = ptr[:, None] + NOPE + 2 * offs_r[None, :]
         rm = ok[:, None] & rmask[None, :]
         ke = tl.load(rp, mask=rm, other=0.0).to(tl.float32)
         ko = tl.load(rp + 1, mask=rm, other=0.0).to(tl.float32)
-        ang = dlt.to(tl.float32)[:, None] * freq
-        cs = tl.cos(ang)
-        sn = tl.sin(ang)
+        tp = turn_ptr + seg[:, None] * (2 * HALF_R) + offs_r[None, :]
+        cs = tl.load(tp, mask=rm, other=1.0)
+        sn = tl.load(tp + HALF_R, mask=rm, other=0.0)
         kre = (ke * cs - ko * sn).to(dt)
         kro = (ko * cs + ke * sn).to(dt)
         s = tl.dot(qn, tl.trans(k), input_precision=PREC)
@@ -371,10 +393,10 @@ if HAVE_TRITON:
 
     @triton.jit
     def _multiseg_keyframe_kernel(q_ptr, qpos_ptr, tab_ptr, picks_ptr, bounds_ptr, freq_ptr, sink_ptr, o_ptr,
-                                  T, H, P, window, ratio, n_picks, qk_scale, sink_scale, stride_qt, stride_qh,
+                                  turn_ptr, T, H, P, window, ratio, n_picks, qk_scale, sink_scale, stride_qt, stride_qh,
                                   MODE: tl.constexpr, D: tl.constexpr, HALF_R: tl.constexpr, RP: tl.constexpr,
                                   COLS: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
-                                  BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+                                  BLOCK_N: tl.constexpr, PREC: tl.constexpr, PB: tl.constexpr):
         """`_multiseg_kernel`'s result with the relocation turned onto the keys: the query's rope pairs are turned
         once to t (the request frame) and every key tile's rope pairs by +Delta of the key's segment, in registers
         (the same scores: q(t - Delta) . k = q(t) . k(+Delta)); the rope value sums are then in the request frame
@@ -408,28 +430,40 @@ if HAVE_TRITON:
         n_win = tl.cdiv(pos_hi + 1 - w_lo, BLOCK_N)
         # then the entries complete before each row's t - Delta (numbered globally), or a lone row's picks
         g_end = pos_hi * 0
-        if MODE == 1:
-            for j in range(P):
-                row = tab_ptr + j * COLS
-                nv = tl.minimum(tl.maximum(pos_hi - tl.load(row + 2) + 1, 0) // ratio, tl.load(row + 4))
-                g_end = tl.where(nv > 0, tl.load(row + 5) + nv, g_end)
+        if MODE == 1:      # past the last entry complete before the furthest row, in the last segment that has one
+            offs_p = tl.arange(0, PB)
+            row_p = tab_ptr + offs_p * COLS
+            pm = offs_p < P
+            nv = tl.minimum(tl.maximum(pos_hi - tl.load(row_p + 2, mask=pm, other=1 << 62) + 1, 0) // ratio,
+                            tl.load(row_p + 4, mask=pm, other=0))
+            g_end = tl.max(tl.where(nv > 0, tl.load(row_p + 5, mask=pm, other=0) + nv, 0), 0)
         if MODE == 2 and ROWS == 1:
             g_end = tl.load(bounds_ptr + t0 * (P + 1) + P).to(tl.int64)
         # one loop over both kinds of key tile: one copy of the tile's work, whose state (the [rows, D] float32
         # accumulator and the tile) then fits the registers with far fewer spills than a loop per kind
+        jw = pos_hi * 0        # the segments of the latest window tile and entry tile (keys come in increasing order)
+        je = pos_hi * 0
         for i in range(0, n_win + tl.cdiv(g_end, BLOCK_N)):
             if i < n_win:
-                key = w_lo + i * BLOCK_N + offs_n
-                addr, local, bound, dlt = _locate(tab_ptr, P, key, False, COLS)
+                k0 = w_lo + i * BLOCK_N
+                key = k0 + offs_n
+                addr, local, bound, dlt, seg, jw = _locate(tab_ptr, P, key, jw, k0,
+                                                           tl.minimum(k0 + BLOCK_N - 1, pos_hi), False, COLS)
                 ok = (key <= pos_hi) & (local >= 0) & (local < bound)
                 sv = ok[None, :] & (key[None, :] <= pos[:, None]) & (key[None, :] > pos[:, None] - window)
             else:
-                k = (i - n_win) * BLOCK_N + offs_n
+                k0 = (i - n_win) * BLOCK_N
+                k = k0 + offs_n
+                k1 = tl.minimum(k0 + BLOCK_N, g_end) - 1
                 if MODE == 2:      # the row's picks: global entry ids, sorted, bounds[t, P] of them real
                     gid = tl.load(picks_ptr + t0 * n_picks + k, mask=k < g_end, other=0).to(tl.int64)
+                    lo_id = tl.load(picks_ptr + t0 * n_picks + k0).to(tl.int64)
+                    hi_id = tl.load(picks_ptr + t0 * n_picks + k1).to(tl.int64)
                 else:
                     gid = k.to(tl.int64)
-                addr, local, bound, dlt = _locate(tab_ptr, P, gid, True, COLS)
+                    lo_id = k0.to(tl.int64)
+                    hi_id = k1.to(tl.int64)
+                addr, local, bound, dlt, seg, je = _locate(tab_ptr, P, gid, je, lo_id, hi_id, True, COLS)
                 ok = (k < g_end) & (local >= 0) & (local < bound)
                 if MODE == 1:      # entry w of a segment at Delta is complete from position Delta + (w + 1) ratio - 1
                     sv = ok[None, :] & (dlt + (local + 1) * ratio - 1 <= pos[:, None])
@@ -437,28 +471,33 @@ if HAVE_TRITON:
                     sv = ok[None, :] & (pos[:, None] >= 0)
             sv = sv & mmask[:, None]
             if ROWS == 1:          # one row: every tile is its own
-                m_i, l_i, acc, ar_e, ar_o = _key_tile(qn, qre, qro, addr, local, dlt, ok, sv, freq, offs_d, offs_r,
-                                                      rmask, m_i, l_i, acc, ar_e, ar_o, qk_scale, D, NOPE, PREC, dt)
+                m_i, l_i, acc, ar_e, ar_o = _key_tile(qn, qre, qro, addr, local, seg, ok, sv, turn_ptr, offs_d,
+                                                      offs_r, rmask, m_i, l_i, acc, ar_e, ar_o, qk_scale, D, NOPE,
+                                                      HALF_R, PREC, dt)
             else:
                 if tl.max(sv.to(tl.int32)) > 0:            # windows far apart: tiles between them are skipped
-                    m_i, l_i, acc, ar_e, ar_o = _key_tile(qn, qre, qro, addr, local, dlt, ok, sv, freq, offs_d,
-                                                          offs_r, rmask, m_i, l_i, acc, ar_e, ar_o, qk_scale, D,
-                                                          NOPE, PREC, dt)
+                    m_i, l_i, acc, ar_e, ar_o = _key_tile(qn, qre, qro, addr, local, seg, ok, sv, turn_ptr,
+                                                          offs_d, offs_r, rmask, m_i, l_i, acc, ar_e, ar_o, qk_scale,
+                                                          D, NOPE, HALF_R, PREC, dt)
         if MODE == 2 and ROWS > 1:     # several rows: each row's picks walked on its own, the others masked out
             for r in range(ROWS):
                 tr = t0 + r
                 if tr < T:
                     cnt = tl.load(bounds_ptr + tr * (P + 1) + P).to(tl.int64)
                     mine = mmask & (rid == r)
+                    jr = cnt * 0
                     for start in range(0, cnt, BLOCK_N):
                         k = start + offs_n
                         gid = tl.load(picks_ptr + tr * n_picks + k, mask=k < cnt, other=0).to(tl.int64)
-                        addr, local, bound, dlt = _locate(tab_ptr, P, gid, True, COLS)
+                        addr, local, bound, dlt, seg, jr = _locate(
+                            tab_ptr, P, gid, jr, tl.load(picks_ptr + tr * n_picks + start).to(tl.int64),
+                            tl.load(picks_ptr + tr * n_picks + tl.minimum(start + BLOCK_N, cnt) - 1).to(tl.int64),
+                            True, COLS)
                         ok = (k < cnt) & (local >= 0) & (local < bound)
-                        m_i, l_i, acc, ar_e, ar_o = _key_tile(qn, qre, qro, addr, local, dlt, ok,
-                                                              mine[:, None] & ok[None, :], freq, offs_d, offs_r,
+                        m_i, l_i, acc, ar_e, ar_o = _key_tile(qn, qre, qro, addr, local, seg, ok,
+                                                              mine[:, None] & ok[None, :], turn_ptr, offs_d, offs_r,
                                                               rmask, m_i, l_i, acc, ar_e, ar_o, qk_scale, D, NOPE,
-                                                              PREC, dt)
+                                                              HALF_R, PREC, dt)
         # the request-frame rope value sums turned back at t (the conjugate rotation)
         oe = ar_e * cs + ar_o * sn
         oo = ar_o * cs - ar_e * sn
@@ -492,7 +531,7 @@ def multi_segment_attention(q_raw: torch.Tensor, qpos: torch.Tensor, segments, s
                             picks: torch.Tensor | None = None, pick_first: list[int] | None = None,
                             bounds: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                             config: dict | None = None, out: torch.Tensor | None = None,
-                            key_frame: bool = False) -> torch.Tensor:
+                            key_frame: bool = False, turns: torch.Tensor | None = None) -> torch.Tensor:
     """q_raw [T,H,D] normed, not roped; qpos [T] request positions; segments: objects with .delta, .latent [n,D]
     and .entries [N,D] or None; sink [H]; inv_freq [rd/2] float32 (the layer's rotary). "picks": picks [T,k]
     global ids sorted ascending per row (unused: any id past every segment), pick_first[j] segment j's first
@@ -502,7 +541,9 @@ def multi_segment_attention(q_raw: torch.Tensor, qpos: torch.Tensor, segments, s
     `_multiseg_keyframe_kernel` (the rope turn on the keys, one pipelined loop per key kind across segments; one
     query row per program, fewer than 16 heads padded to 16; segments in increasing Delta), the caller's rule
     (RuntimePolicy.key_frame_min_heads: the active rows' CSA calls); else the query turned per segment
-    (`_multiseg_kernel`, or `_multiseg_packed_kernel` for fewer than 16 heads unless a config sets ROWS = 1)."""
+    (`_multiseg_kernel`, or `_multiseg_packed_kernel` for fewer than 16 heads unless a config sets ROWS = 1).
+    `turns` (key frame): [P, 2, rd/2] float32, cos and sin of each segment's Delta x inv_freq (the model's angles,
+    `Rotary.cos_sin`; a caller that makes them once per request passes them), else made here."""
     check_runnable(q_raw)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
@@ -560,8 +601,16 @@ def multi_segment_attention(q_raw: torch.Tensor, qpos: torch.Tensor, segments, s
         cfg = dict(ROWS=rows, BLOCK_H=bh if rows > 1 else min(64, max(16, bh)), BLOCK_N=64 if D >= 512 else 16,
                    num_warps=8 if D >= 512 and rows * H > 16 else 4, num_stages=2)
         cfg.update(config or {})
+        if turns is None:
+            ang = to_device_nowait(torch.tensor([s.delta for s in segments], dtype=torch.long), dev).float()[:, None] \
+                * inv_freq[None, :]
+            turns = torch.stack((ang.cos(), ang.sin()), dim=1)
+        if turns.shape != (len(segments), 2, half_r) or turns.dtype != torch.float32:
+            raise ValueError(f"turns must be float32 {(len(segments), 2, half_r)}, got {turns.dtype} "
+                             f"{tuple(turns.shape)}")
         grid = (triton.cdiv(T, cfg["ROWS"]), triton.cdiv(H, cfg["BLOCK_H"]))
-        _multiseg_keyframe_kernel[grid](*ptrs, T, H, *scalars, **shape, **cfg)
+        _multiseg_keyframe_kernel[grid](*ptrs, turns.to(dev).contiguous(), T, H, *scalars, **shape, **cfg,
+                                        PB=max(16, triton.next_power_of_2(len(segments))))
     else:
         cfg = dict(BLOCK_H=min(64, max(16, bh)), BLOCK_N=64 if D >= 512 else 16,
                    num_warps=8 if D >= 512 and H > 16 else 4, num_stages=2)

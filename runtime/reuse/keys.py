@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.kernels._host import to_device_nowait
 from runtime.model.config import WINDOW
 
 
@@ -39,6 +40,12 @@ def angles(attn, qpos, lo, hi, delta, trig):
     return memo(trig, (attn.kind == WINDOW, lo, hi, delta),
                  lambda: attn.rotary.cos_sin(shifted(qpos, lo, hi, delta, trig)))
 
+
+def delta_turns(attn, deltas: tuple[int, ...], device, trig) -> torch.Tensor:
+    """[P, 2, rd/2] float32: cos and sin of each Delta x the layer's frequencies (the turn of a key stored at 0..
+    to its place), the model's own angles (`Rotary.cos_sin`); once per call's rows and places (`trig`)."""
+    return memo(trig, ("delta_angles", attn.kind == WINDOW, deltas), lambda: torch.stack(
+        attn.rotary.cos_sin(to_device_nowait(torch.tensor(deltas, dtype=torch.long), device)), dim=1))
 
 
 def offsets(segments: list[SegmentKeys], attr: str) -> tuple[list[int], int]:

@@ -9,9 +9,8 @@ import torch
 import runtime.kernels as K
 from runtime.kernels._host import to_device_nowait
 from runtime.kernels import rope_
-from runtime.model.config import WINDOW
 from runtime.model.deepseek_v4 import Rotary
-from .keys import angles, memo, offsets, shifted
+from .keys import angles, delta_turns, memo, offsets, shifted
 
 
 def own_global_picks(segments, qpos, own_picks, first, total, trig=None):
@@ -91,8 +90,7 @@ def indexer_global_picks(attn, qpos, segments, idx_inputs, first, total, trig=No
     # the query is roped once, at t; each segment's keys are turned by +Delta instead (q(t - D) . k = q(t) . k(+D))
     rope_(q, *angles(attn, qpos, 0, T, 0, trig))
     deltas = tuple(seg.delta for _, seg in keyed)
-    cs = memo(trig, ("delta_angles", attn.kind == WINDOW, deltas),
-              lambda: torch.stack(attn.rotary.cos_sin(torch.tensor(deltas, device=qpos.device)), dim=1))
+    cs = delta_turns(attn, deltas, qpos.device, trig)
     # every segment's scores land in their columns of one [T, total] block (no concatenation); segment j's
     # columns are first[j].. (checked above), so a column's index IS the entry's global id
     s = torch.empty((T, total), dtype=torch.float32, device=h.device)

@@ -18,7 +18,7 @@ from runtime.kernels._host import to_device_nowait
 from runtime.kernels.multiseg import multi_segment_attention, segment_table
 from runtime.kernels.reference import sparse_mqa_reference
 from runtime.kernels.sparse_attention import packed_rows, sparse_mqa_parts
-from .keys import SegmentKeys, angles, memo, offsets, shifted
+from .keys import SegmentKeys, angles, delta_turns, memo, offsets, shifted
 from .picks import global_from_split, indexer_global_picks, local_picks, own_global_picks, part_runs, pick_runs
 
 
@@ -247,8 +247,9 @@ def fused_attention(attn, q_raw, qpos, segments, sink, host, mode: str, gp=None,
         pairs = bounds[:, -1].sum()
     key_frame = (mode == "picks" and q_raw.shape[1] >= policy.key_frame_min_heads) or \
         (mode == "causal" and hca_key_frame(len(segments), policy))
+    turns = delta_turns(attn, tuple(s.delta for s in segments), q_raw.device, trig) if key_frame else None
     out = multi_segment_attention(q_raw, qpos, segments, sink, attn.cfg.window_size, mode, attn.ratio or 1,
                                   attn.scale, attn.rotary.inv_freq, gp, first, bounds, config=config, out=out,
-                                  key_frame=key_frame)
+                                  key_frame=key_frame, turns=turns)
     return out, pairs + _pairs_host(attn, host, segments, mode == "causal", trig)
 

@@ -20,7 +20,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from runtime.kernels import indexer, merge, mhc, multiseg, rmsnorm, rope, sparse_attention, swiglu  # noqa: E402
 
 FUSED = dict(q_ptr="*bf16", qpos_ptr="*i64", tab_ptr="*i64", picks_ptr="*i32", bounds_ptr="*i32", freq_ptr="*fp32",
-             sink_ptr="*fp32", o_ptr="*bf16", qk_scale="fp32", sink_scale="fp32")
+             sink_ptr="*fp32", o_ptr="*bf16", qk_scale="fp32", sink_scale="fp32", turn_ptr="*fp32")
 STACKED = dict(q_ptr="*bf16", k_ptr="*bf16", e_ptr="*bf16", cpos_ptr="*i64", picks_ptr="*i32", o_ptr="*fp32",
                lse_ptr="*fp32", qk_scale="fp32", tab_ptr="*i64", prog_ptr="*i64", cos_ptr="*fp32", sin_ptr="*fp32",
                stride_op="i64", stride_lp="i64", runs_ptr="*i64", stride_rt="i64")
@@ -41,11 +41,11 @@ FUSED_C = dict(D=512, HALF_R=32, RP=32, COLS=multiseg.COLS, PREC="tf32")
 KERNELS = [
     ("fused one-row, 64 heads", multiseg._multiseg_kernel, FUSED, dict(FUSED_C, BLOCK_H=64, BLOCK_N=64), 8, True),
     ("fused key-frame, 64 heads", multiseg._multiseg_keyframe_kernel, FUSED,
-     dict(FUSED_C, ROWS=1, BLOCK_H=64, BLOCK_N=64), 8, True),
+     dict(FUSED_C, ROWS=1, BLOCK_H=64, BLOCK_N=64, PB=64), 8, True),
     ("fused key-frame, 8 heads padded to 16", multiseg._multiseg_keyframe_kernel, FUSED,
-     dict(FUSED_C, ROWS=1, BLOCK_H=16, BLOCK_N=64), 4, True),
+     dict(FUSED_C, ROWS=1, BLOCK_H=16, BLOCK_N=64, PB=64), 4, True),
     ("fused key-frame, 8 heads x 8 rows", multiseg._multiseg_keyframe_kernel, FUSED,
-     dict(FUSED_C, ROWS=multiseg.KEY_ROWS // 8, BLOCK_H=8, BLOCK_N=64), 8, True),
+     dict(FUSED_C, ROWS=multiseg.KEY_ROWS // 8, BLOCK_H=8, BLOCK_N=64, PB=64), 8, True),
     ("fused packed, 8 heads x 2 rows", multiseg._multiseg_packed_kernel, FUSED,
      dict(FUSED_C, ROWS=2, BLOCK_H=8, BLOCK_N=32), 4, True),
     ("stacked part, 64 heads", sparse_attention._sparse_mqa_kernel, STACKED,

@@ -320,15 +320,34 @@ def test_fused_kernel_rows_per_program_equal_the_reference(kind, H, rows_per_pro
     one loop over the row's keys across segments; with few heads an HCA call holds 64 // heads rows per program
     (8 heads: 8 rows; 3: 16), other calls one row, and a config's ROWS any), "auto" the consumer's default rule
     (the key frame for picks calls of 16 heads or more), which must be the kernel that ran."""
+    _fused_equals_reference(kind, H, rows_per_program, frame, [24, 40, 32, 9], [3, 4, 60, 61, 62], (5, 59),
+                            monkeypatch)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("H", [8, 16])
+@pytest.mark.parametrize("kind", ["window", "hca", "csa-own", "csa-union"])
+def test_key_frame_over_many_short_segments_equals_the_reference(kind, H, monkeypatch):
+    """The key-frame kernel finds each key's segment by walking only the segments between its tile's least and
+    greatest key, from a cursor carried over the program's tiles: on 14 segments of 1 to 30 rows (key tiles of
+    16 spanning up to 6 segments; segments of fewer rows than the compression ratio hold no entry, so their first
+    entry id is their successor's) it equals the reference, 8 heads (8 rows a program in HCA calls) and 16."""
+    _fused_equals_reference(kind, H, None, "key", [5, 3, 17, 2, 9, 30, 4, 1, 12, 8, 3, 21, 6, 11], [0, 1, 2, 40],
+                            (60, 80), monkeypatch)
+
+
+def _fused_equals_reference(kind, H, rows_per_program, frame, lens, kept, dropped, monkeypatch):
+    """multi_segment_attention over segments of `lens` rows (placed end to end from 0) on a random ~60% of the rows,
+    the `kept` rows among them and the `dropped` range not, equals segment_attention's reference path to TOL, and
+    the kernel `frame` asks for ran."""
     import types
     from runtime.kernels.multiseg import multi_segment_attention
     launched = fused_launches(monkeypatch)
     from runtime.model.config import CSA, HCA, WINDOW
     from runtime.model.deepseek_v4 import Rotary
-    g = torch.Generator().manual_seed(H + len(kind))
+    g = torch.Generator().manual_seed(H + len(kind) + len(lens))
     D, W = 64, 8
     ratio = {"window": 0, "hca": 8, "csa-own": 4, "csa-union": 4}[kind]
-    lens = [24, 40, 32, 9]
     deltas = [sum(lens[:j]) for j in range(len(lens))]
     rot = Rotary(1.0 / (10000.0 ** (torch.arange(0, 16, 2).float() / 16)))
     attn = types.SimpleNamespace(kind={"window": WINDOW, "hca": HCA}.get(kind, CSA), ratio=ratio, scale=D ** -0.5,
@@ -337,8 +356,8 @@ def test_fused_kernel_rows_per_program_equal_the_reference(kind, H, rows_per_pro
                                      torch.randn(n // ratio, D, generator=g) if ratio else None)
             for n, d in zip(lens, deltas)]
     keep = torch.rand(sum(lens), generator=g) < 0.6
-    keep[[3, 4, 60, 61, 62]] = True                  # consecutive rows, and rows far apart in one program
-    keep[5:59] = False
+    keep[kept] = True                  # consecutive rows, and rows far apart in one program
+    keep[dropped[0]:dropped[1]] = False
     rows = torch.nonzero(keep).flatten()
     q = torch.randn(rows.numel(), H, D, generator=g)
     sink = torch.randn(H, generator=g)
