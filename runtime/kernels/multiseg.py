@@ -308,50 +308,34 @@ if HAVE_TRITON:
 
 
     @triton.jit
-    def _start_of(tab_ptr, P, j, BY_ENTRY: tl.constexpr, COLS: tl.constexpr):
-        """Segment j's start: its Delta, or its first global entry id (BY_ENTRY); past the table, one no key
-        reaches."""
-        return tl.load(tab_ptr + j * COLS + (5 if BY_ENTRY else 2), mask=j < P, other=1 << 62)
-
-    @triton.jit
-    def _locate(tab_ptr, P, key, j, kmin, kmax, BY_ENTRY: tl.constexpr, COLS: tl.constexpr):
-        """Keys [N], all within kmin..kmax -> where each lies (the key-frame kernel): a request position (window
-        keys) or a global entry id (BY_ENTRY) falls in the last segment whose start is <= the key (segments in
-        increasing order). j: a segment at or before kmin's, carried from the program's earlier tiles, whose keys
-        come in increasing order: it moves forward to kmin's segment, and only the segments from there to
-        kmax's are read (one or two for a window tile), not the whole table per tile. Returns per key that
-        segment's latent or entries address (int64), the key's row in it, the segment's row count (n or its entry
-        count), its Delta and its index in the table; and kmin's segment (the next tile's j)."""
-        nxt = _start_of(tab_ptr, P, j + 1, BY_ENTRY, COLS)
-        while nxt <= kmin:
-            j += 1
-            nxt = _start_of(tab_ptr, P, j + 1, BY_ENTRY, COLS)
+    def _locate(tab_ptr, P, key, BY_ENTRY: tl.constexpr, COLS: tl.constexpr):
+        """Keys [N] -> where each lies (the key-frame kernel): a request position (window keys) or a global entry id
+        (BY_ENTRY) falls in the last segment whose start (Delta, or its first entry id) is <= the key; segments
+        come in increasing order. Returns per key that segment's latent or entries address (int64), the key's row
+        in it, the segment's row count (n or its entry count), its Delta and its index in the table."""
         addr = key * 0
         first = key * 0
         bound = key * 0
         dlt = key * 0
         seg = key * 0
-        w = j
-        s_w = _start_of(tab_ptr, P, w, BY_ENTRY, COLS)
-        while s_w <= kmax:
-            row = tab_ptr + w * COLS
+        for j in range(P):
+            row = tab_ptr + j * COLS
+            d_j = tl.load(row + 2)
             if BY_ENTRY:
-                a_w = tl.load(row + 3)
-                b_w = tl.load(row + 4)
-                d_w = tl.load(row + 2)
+                s_j = tl.load(row + 5)
+                a_j = tl.load(row + 3)
+                b_j = tl.load(row + 4)
             else:
-                a_w = tl.load(row)
-                b_w = tl.load(row + 1)
-                d_w = s_w
-            inside = key >= s_w
-            addr = tl.where(inside, a_w, addr)
-            first = tl.where(inside, s_w, first)
-            bound = tl.where(inside, b_w, bound)
-            dlt = tl.where(inside, d_w, dlt)
-            seg = tl.where(inside, w, seg)
-            w += 1
-            s_w = _start_of(tab_ptr, P, w, BY_ENTRY, COLS)
-        return addr, key - first, bound, dlt, seg, j
+                s_j = d_j
+                a_j = tl.load(row)
+                b_j = tl.load(row + 1)
+            inside = key >= s_j
+            addr = tl.where(inside, a_j, addr)
+            first = tl.where(inside, s_j, first)
+            bound = tl.where(inside, b_j, bound)
+            dlt = tl.where(inside, d_j, dlt)
+            seg = tl.where(inside, j, seg)
+        return addr, key - first, bound, dlt, seg
 
     @triton.jit
     def _key_tile(qn, qre, qro, addr, local, seg, ok, svalid, turn_ptr, offs_d, offs_r, rmask, m_i, l_i, acc, ar_e,
@@ -396,7 +380,7 @@ if HAVE_TRITON:
                                   turn_ptr, T, H, P, window, ratio, n_picks, qk_scale, sink_scale, stride_qt, stride_qh,
                                   MODE: tl.constexpr, D: tl.constexpr, HALF_R: tl.constexpr, RP: tl.constexpr,
                                   COLS: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
-                                  BLOCK_N: tl.constexpr, PREC: tl.constexpr, PB: tl.constexpr):
+                                  BLOCK_N: tl.constexpr, PREC: tl.constexpr):
         """`_multiseg_kernel`'s result with the relocation turned onto the keys: the query's rope pairs are turned
         once to t (the request frame) and every key tile's rope pairs by +Delta of the key's segment, in registers
         (the same scores: q(t - Delta) . k = q(t) . k(+Delta)); the rope value sums are then in the request frame
@@ -430,40 +414,28 @@ if HAVE_TRITON:
         n_win = tl.cdiv(pos_hi + 1 - w_lo, BLOCK_N)
         # then the entries complete before each row's t - Delta (numbered globally), or a lone row's picks
         g_end = pos_hi * 0
-        if MODE == 1:      # past the last entry complete before the furthest row, in the last segment that has one
-            offs_p = tl.arange(0, PB)
-            row_p = tab_ptr + offs_p * COLS
-            pm = offs_p < P
-            nv = tl.minimum(tl.maximum(pos_hi - tl.load(row_p + 2, mask=pm, other=1 << 62) + 1, 0) // ratio,
-                            tl.load(row_p + 4, mask=pm, other=0))
-            g_end = tl.max(tl.where(nv > 0, tl.load(row_p + 5, mask=pm, other=0) + nv, 0), 0)
+        if MODE == 1:
+            for j in range(P):
+                row = tab_ptr + j * COLS
+                nv = tl.minimum(tl.maximum(pos_hi - tl.load(row + 2) + 1, 0) // ratio, tl.load(row + 4))
+                g_end = tl.where(nv > 0, tl.load(row + 5) + nv, g_end)
         if MODE == 2 and ROWS == 1:
             g_end = tl.load(bounds_ptr + t0 * (P + 1) + P).to(tl.int64)
         # one loop over both kinds of key tile: one copy of the tile's work, whose state (the [rows, D] float32
         # accumulator and the tile) then fits the registers with far fewer spills than a loop per kind
-        jw = pos_hi * 0        # the segments of the latest window tile and entry tile (keys come in increasing order)
-        je = pos_hi * 0
         for i in range(0, n_win + tl.cdiv(g_end, BLOCK_N)):
             if i < n_win:
-                k0 = w_lo + i * BLOCK_N
-                key = k0 + offs_n
-                addr, local, bound, dlt, seg, jw = _locate(tab_ptr, P, key, jw, k0,
-                                                           tl.minimum(k0 + BLOCK_N - 1, pos_hi), False, COLS)
+                key = w_lo + i * BLOCK_N + offs_n
+                addr, local, bound, dlt, seg = _locate(tab_ptr, P, key, False, COLS)
                 ok = (key <= pos_hi) & (local >= 0) & (local < bound)
                 sv = ok[None, :] & (key[None, :] <= pos[:, None]) & (key[None, :] > pos[:, None] - window)
             else:
-                k0 = (i - n_win) * BLOCK_N
-                k = k0 + offs_n
-                k1 = tl.minimum(k0 + BLOCK_N, g_end) - 1
+                k = (i - n_win) * BLOCK_N + offs_n
                 if MODE == 2:      # the row's picks: global entry ids, sorted, bounds[t, P] of them real
                     gid = tl.load(picks_ptr + t0 * n_picks + k, mask=k < g_end, other=0).to(tl.int64)
-                    lo_id = tl.load(picks_ptr + t0 * n_picks + k0).to(tl.int64)
-                    hi_id = tl.load(picks_ptr + t0 * n_picks + k1).to(tl.int64)
                 else:
                     gid = k.to(tl.int64)
-                    lo_id = k0.to(tl.int64)
-                    hi_id = k1.to(tl.int64)
-                addr, local, bound, dlt, seg, je = _locate(tab_ptr, P, gid, je, lo_id, hi_id, True, COLS)
+                addr, local, bound, dlt, seg = _locate(tab_ptr, P, gid, True, COLS)
                 ok = (k < g_end) & (local >= 0) & (local < bound)
                 if MODE == 1:      # entry w of a segment at Delta is complete from position Delta + (w + 1) ratio - 1
                     sv = ok[None, :] & (dlt + (local + 1) * ratio - 1 <= pos[:, None])
@@ -485,14 +457,10 @@ if HAVE_TRITON:
                 if tr < T:
                     cnt = tl.load(bounds_ptr + tr * (P + 1) + P).to(tl.int64)
                     mine = mmask & (rid == r)
-                    jr = cnt * 0
                     for start in range(0, cnt, BLOCK_N):
                         k = start + offs_n
                         gid = tl.load(picks_ptr + tr * n_picks + k, mask=k < cnt, other=0).to(tl.int64)
-                        addr, local, bound, dlt, seg, jr = _locate(
-                            tab_ptr, P, gid, jr, tl.load(picks_ptr + tr * n_picks + start).to(tl.int64),
-                            tl.load(picks_ptr + tr * n_picks + tl.minimum(start + BLOCK_N, cnt) - 1).to(tl.int64),
-                            True, COLS)
+                        addr, local, bound, dlt, seg = _locate(tab_ptr, P, gid, True, COLS)
                         ok = (k < cnt) & (local >= 0) & (local < bound)
                         m_i, l_i, acc, ar_e, ar_o = _key_tile(qn, qre, qro, addr, local, seg, ok,
                                                               mine[:, None] & ok[None, :], turn_ptr, offs_d, offs_r,
@@ -609,8 +577,7 @@ def multi_segment_attention(q_raw: torch.Tensor, qpos: torch.Tensor, segments, s
             raise ValueError(f"turns must be float32 {(len(segments), 2, half_r)}, got {turns.dtype} "
                              f"{tuple(turns.shape)}")
         grid = (triton.cdiv(T, cfg["ROWS"]), triton.cdiv(H, cfg["BLOCK_H"]))
-        _multiseg_keyframe_kernel[grid](*ptrs, turns.to(dev).contiguous(), T, H, *scalars, **shape, **cfg,
-                                        PB=max(16, triton.next_power_of_2(len(segments))))
+        _multiseg_keyframe_kernel[grid](*ptrs, turns.to(dev).contiguous(), T, H, *scalars, **shape, **cfg)
     else:
         cfg = dict(BLOCK_H=min(64, max(16, bh)), BLOCK_N=64 if D >= 512 else 16,
                    num_warps=8 if D >= 512 and H > 16 else 4, num_stages=2)
