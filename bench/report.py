@@ -45,9 +45,11 @@ def header(what: str = "", device: torch.device | str | None = None) -> dict:
     return m
 
 
-def write_json(path: str | Path | None, record: dict, args=None, device: torch.device | str | None = None) -> None:
+def write_json(path: str | Path | None, record: dict, args=None, device: torch.device | str | None = None,
+               quiet: bool = False) -> None:
     """Write `record` to `path` (nothing without a path) beside the machine and the arguments; the record's own
-    fields win where a name is shared (a script may name its device more exactly)."""
+    fields win where a name is shared (a script may name its device more exactly). `quiet`: no line printed (a
+    partial record rewritten as a run goes)."""
     if not path:
         return
     out = dict(machine(device))
@@ -56,4 +58,5 @@ def write_json(path: str | Path | None, record: dict, args=None, device: torch.d
     out.update(record)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(out, indent=1, default=str) + "\n")
-    print(f"# wrote {path}", flush=True)
+    if not quiet:
+        print(f"# wrote {path}", flush=True)

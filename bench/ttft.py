@@ -521,6 +521,9 @@ def main() -> int:
                 return engine.prefill(LayerPrefetcher(fresh, device).documents(), question)
             row["cold_s"] = timed(cold, device)[0]
         rows.append(row)
+        if len(rows) < len(lengths) * len(args.docs):     # what is done so far survives a run stopped by a time limit
+            write_json(args.json, dict(experts=args.experts, layers=cfg.n_layers, profile=prof.to_dict(), rows=rows,
+                                       partial=True), args, device, quiet=True)
         print(f"T={row['tokens']:7d} x {n_docs:2d} docs  recompute {rec:7.3f} s  reuse {reu:7.3f} s  speedup {rec / reu:5.2f}x  "
               f"(analytic FLOP ratio {row['flop_ratio']:.2f}x; head-row {row['head_row_saving']:.1%} of ceiling "
               f"{row['structural_ceiling']:.1%}; token-row {row['token_row_saving']:.1%}; active "

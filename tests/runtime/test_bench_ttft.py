@@ -3,6 +3,7 @@ with every budget's reuse arm, each of which really reused (the script asserts i
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from runtime.reuse.profile import FLASH_PROFILE
@@ -81,3 +82,29 @@ def test_ttft_refuses_an_unknown_policy_field_before_any_work():
     r = subprocess.run([sys.executable, "bench/ttft.py", "--small", "--device", "cpu", "--policy", "fused=1"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "policy item 'fused=1' must be key=value with key one of" in r.stderr, r.stderr
+
+
+def test_a_run_stopped_after_its_first_row_keeps_that_row(tmp_path):
+    """Device runs are cut by time limits: after each row but the last the JSON holds every finished row, marked
+    partial, so a stopped run still reports them; the finished run's record is whole (no mark)."""
+    out = tmp_path / "ttft.json"
+    cmd = [sys.executable, "bench/ttft.py", "--small", "--device", "cpu", "--layers", "8", "--experts", "8",
+           "--lengths", "512", "--docs", "2,3", "--reps", "1", "--warmup", "1", "--json", str(out)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    guard = threading.Timer(600, proc.kill)      # bounded: a run that hangs is killed, and the asserts fail
+    guard.start()
+    try:
+        for line in proc.stdout:
+            if line.startswith("T="):
+                proc.kill()
+                break
+    finally:
+        guard.cancel()
+        proc.kill()
+        proc.wait(timeout=60)
+    run = json.loads(out.read_text())
+    assert run["partial"] is True and [r["docs"] for r in run["rows"]] == [2]
+    assert run["rows"][0]["recompute_s"] > 0 and run["rows"][0]["reuse_s"] > 0
+    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=600)
+    run = json.loads(out.read_text())
+    assert "partial" not in run and [r["docs"] for r in run["rows"]] == [2, 3]
