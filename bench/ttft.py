@@ -372,6 +372,7 @@ def main() -> int:
                   f"{'even lengths' if args.doc_lengths is None else 'lengths log-uniform on %d..%d' % args.doc_lengths}"
                   f") + {args.question}-token question", device)["device"]
     rows = []
+    record = dict(experts=args.experts, layers=cfg.n_layers, profile=prof.to_dict(), rows=rows)   # rows as they come
     lengths = [int(v) for v in args.lengths.split(",")]
     elem = torch.empty((), dtype=dtype).element_size()
     for L, n_docs in itertools.product(lengths, args.docs):
@@ -522,8 +523,7 @@ def main() -> int:
             row["cold_s"] = timed(cold, device)[0]
         rows.append(row)
         if len(rows) < len(lengths) * len(args.docs):     # what is done so far survives a run stopped by a time limit
-            write_json(args.json, dict(experts=args.experts, layers=cfg.n_layers, profile=prof.to_dict(), rows=rows,
-                                       partial=True), args, device, quiet=True)
+            write_json(args.json, dict(record, partial=True), args, device, quiet=True)
         print(f"T={row['tokens']:7d} x {n_docs:2d} docs  recompute {rec:7.3f} s  reuse {reu:7.3f} s  speedup {rec / reu:5.2f}x  "
               f"(analytic FLOP ratio {row['flop_ratio']:.2f}x; head-row {row['head_row_saving']:.1%} of ceiling "
               f"{row['structural_ceiling']:.1%}; token-row {row['token_row_saving']:.1%}; active "
@@ -541,8 +541,7 @@ def main() -> int:
             torch.cuda.empty_cache()
             print(f"## {L} tokens: peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB", flush=True)
             torch.cuda.reset_peak_memory_stats()
-    write_json(args.json, dict(experts=args.experts, layers=cfg.n_layers, profile=prof.to_dict(), rows=rows), args,
-               device)
+    write_json(args.json, record, args, device)
     if args.plot:
         plot(rows, name, args.plot)
     return 0
