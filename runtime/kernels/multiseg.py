@@ -506,9 +506,10 @@ def multi_segment_attention(q_raw: torch.Tensor, qpos: torch.Tensor, segments, s
     global id, bounds [T, P+1] int32 each segment's start in the row's list (bounds[:, P] = the row's count).
     -> o [T,H,D] in out_dtype (default q's), merged with the sink, RoPE channels turned back (ready for W_a);
     written into `out` (contiguous [T,H,D] of that dtype, e.g. a caller's row slice) when given. `key_frame`:
-    `_multiseg_keyframe_kernel` (the rope turn on the keys, one pipelined loop per key kind across segments; one
-    query row per program, fewer than 16 heads padded to 16; segments in increasing Delta), the caller's rule
-    (RuntimePolicy.key_frame_min_heads: the active rows' CSA calls); else the query turned per segment
+    `_multiseg_keyframe_kernel` (the rope turn on the keys, one loop over a row's window and entry tiles across
+    segments; one query row per program, fewer than 16 heads padded to 16, or KEY_ROWS // heads rows in an HCA call
+    of few heads; segments in increasing Delta), the caller's rule (RuntimePolicy.key_frame_min_heads: the active
+    rows' CSA calls; key_frame_min_segments_hca: HCA calls over many segments); else the query turned per segment
     (`_multiseg_kernel`, or `_multiseg_packed_kernel` for fewer than 16 heads unless a config sets ROWS = 1).
     `turns` (key frame): [P, 2, rd/2] float32, cos and sin of each segment's Delta x inv_freq (the model's angles,
     `Rotary.cos_sin`; a caller that makes them once per request passes them), else made here."""
