@@ -34,7 +34,8 @@ per program (ROWS x heads = 16 by default), so that the MMA tile's rows are fill
 window and entry tiles. It serves models whose calls have fewer heads than the tile (the tests' tiny configs under
 a lowered fused_min_heads); on Flash's 8 Global heads at 32K (one H100, bench/multiseg.py, since the key tiles are
 read 16 bytes at a time) it is faster than the stacked path in HCA layers (1.07x at 8 documents, 1.63x at 32) and
-slower in window and CSA own-picks layers up to about 32 documents.
+slower in window and CSA own-picks layers at 8 documents; since each program walks only its rows' segments
+(`_span`) its CSA own-picks call beats the stacked one at 32 documents too (6.2 ms against 7.2, one H100).
 
 `_multiseg_keyframe_kernel` (`key_frame=True`: the "picks" calls of RuntimePolicy.key_frame_min_heads heads or
 more, one row per program; HCA calls over RuntimePolicy.key_frame_min_segments_hca segments or more, with few heads
@@ -47,6 +48,14 @@ span segments, where `_multiseg_kernel` runs one short loop per segment (about o
 9 segments, so nothing pipelines): faster for CSA's picks, and for HCA where many short documents leave each
 segment's entries a fraction of a tile; slower for HCA's long causal runs of few segments. It equals the reference
 under the interpreter and compiles for sm_90.
+
+No kernel passes over every segment per row or per key tile: the query-frame kernels walk only the segments from
+the one holding their rows' earliest window key to the latest row's (causal: from the first), widened to each row's
+first and last segment with picks (`_span`; segments in increasing Delta and disjoint, else all of them), and the
+key-frame kernel finds each key tile's segments between its least and greatest key (`_locate`), each from one
+count over the table's starts. A row of a 64-document request reaches two or three of its 66 segments (one H100,
+bench/multiseg.py at 64K and 64 documents: all fused calls 40.6 ms against 47.2 with the key frame's whole-table
+walk; the 8 Global heads' CSA call 12.6 ms, under the stacked path's 13.1).
 
 Segments come as a table (one int64 row each: latent address, n, Delta, entries address, entries count, first
 global pick id); picks as one list per row of global entry ids (segment j's entry w is `first_j + w`) sorted
@@ -118,6 +127,37 @@ if HAVE_TRITON:
                 tl.load(row + 4))
 
     @triton.jit
+    def _span(tab_ptr, bounds_ptr, P, T, t0, p_lo, p_hi, MODE: tl.constexpr, ROWS: tl.constexpr,
+              COLS: tl.constexpr, PB: tl.constexpr):
+        """[j0, j1): the only segments that can hold a key of query rows t0..t0+ROWS-1 (rows past T ignored) whose
+        keys lie at request positions p_lo..p_hi (windows included), for segments in increasing Delta and disjoint
+        (the caller's SPAN): from the segment holding p_lo (causal: the first, every earlier entry is visible) to the
+        one holding p_hi, widened to each row's first and last segment with picks (bounds). One masked load of
+        the table's Deltas and of each row's bounds, and a count, instead of a pass over every segment: a row of
+        a 64-document request reaches two or three of its 66 segments."""
+        offs_p = tl.arange(0, PB)
+        pm = offs_p < P
+        starts = tl.load(tab_ptr + offs_p * COLS + 2, mask=pm, other=1 << 62)
+        j1 = tl.sum((starts <= p_hi).to(tl.int32), 0)
+        if MODE == 1:
+            j0 = j1 * 0
+        else:
+            j0 = tl.maximum(tl.sum((starts <= p_lo).to(tl.int32), 0) - 1, 0)
+        if MODE == 2:
+            for r in range(ROWS):
+                tr = t0 + r
+                brow = bounds_ptr + tl.minimum(tr, T - 1) * (P + 1)
+                b0 = tl.load(brow)
+                cnt = tl.load(brow + P)
+                # runs before the first pick end at b0; runs from the last one's segment on start at cnt
+                lead = tl.sum((tl.load(brow + 1 + offs_p, mask=pm, other=cnt) <= b0).to(tl.int32), 0)
+                upto = tl.sum((tl.load(brow + offs_p, mask=pm, other=cnt) < cnt).to(tl.int32), 0)
+                has = (tr < T) & (cnt > b0)
+                j0 = tl.where(has, tl.minimum(j0, lead), j0)
+                j1 = tl.where(has, tl.maximum(j1, upto), j1)
+        return j0, j1
+
+    @triton.jit
     def _turn_query(qrow, c, freq, qm, offs_r, NOPE: tl.constexpr, dt: tl.constexpr):
         """The query's rope pairs (even and odd halves) turned to the segment's frame (positions c, [M, 1] or
         scalar); returns them in the key dtype with the angles' cosines and sines (for turning the sums back)."""
@@ -147,7 +187,8 @@ if HAVE_TRITON:
     def _multiseg_kernel(q_ptr, qpos_ptr, tab_ptr, picks_ptr, bounds_ptr, freq_ptr, sink_ptr, o_ptr,
                          H, P, window, ratio, n_picks, qk_scale, sink_scale, stride_qt, stride_qh,
                          MODE: tl.constexpr, D: tl.constexpr, HALF_R: tl.constexpr, RP: tl.constexpr,
-                         COLS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+                         COLS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+                         SPAN: tl.constexpr, PB: tl.constexpr):
         NOPE: tl.constexpr = D - 2 * HALF_R
         t = tl.program_id(0).to(tl.int64)
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -162,7 +203,11 @@ if HAVE_TRITON:
         freq = tl.load(freq_ptr + offs_r, mask=rmask, other=0.0)
         pos = tl.load(qpos_ptr + t)
         m_i, l_i, acc, ar_e, ar_o = _start(BLOCK_H, D, RP)
-        for j in range(P):
+        j0 = 0
+        j1 = P
+        if SPAN:
+            j0, j1 = _span(tab_ptr, bounds_ptr, P, t + 1, t, pos - window + 1, pos, MODE, 1, COLS, PB)
+        for j in range(j0, j1):
             lat, n, delta, ent, n_ent = _segment(tab_ptr, j, COLS, dt)
             c = pos - delta                                # the query's position in segment j's frame
             lo = tl.maximum(c - window + 1, 0)
@@ -232,7 +277,7 @@ if HAVE_TRITON:
                                 T, H, P, window, ratio, n_picks, qk_scale, sink_scale, stride_qt, stride_qh,
                                 MODE: tl.constexpr, D: tl.constexpr, HALF_R: tl.constexpr, RP: tl.constexpr,
                                 COLS: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
-                                BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+                                BLOCK_N: tl.constexpr, PREC: tl.constexpr, SPAN: tl.constexpr, PB: tl.constexpr):
         """`_multiseg_kernel` for calls of few heads: one program holds ROWS consecutive query rows x all their
         heads (matrix row m = row m // BLOCK_H, head m % BLOCK_H), so the MMA tile's rows are filled and the rows
         share their key tiles: window tiles over the union of the rows' windows, entry tiles up to the furthest
@@ -249,7 +294,12 @@ if HAVE_TRITON:
         dt = q_ptr.dtype.element_ty
         freq = tl.load(freq_ptr + offs_r, mask=rmask, other=0.0)
         m_i, l_i, acc, ar_e, ar_o = _start(M, D, RP)
-        for j in range(P):
+        j0 = 0
+        j1 = P
+        if SPAN:
+            j0, j1 = _span(tab_ptr, bounds_ptr, P, T, t0, tl.min(tl.where(mmask, pos, 1 << 62), 0) - window + 1,
+                           tl.max(tl.where(mmask, pos, -1), 0), MODE, ROWS, COLS, PB)
+        for j in range(j0, j1):
             lat, n, delta, ent, n_ent = _segment(tab_ptr, j, COLS, dt)
             c = pos - delta                                # [M] each query row's position in segment j's frame
             lo = tl.maximum(c - window + 1, 0)
@@ -308,17 +358,23 @@ if HAVE_TRITON:
 
 
     @triton.jit
-    def _locate(tab_ptr, P, key, BY_ENTRY: tl.constexpr, COLS: tl.constexpr):
+    def _locate(tab_ptr, P, key, kmin, kmax, BY_ENTRY: tl.constexpr, COLS: tl.constexpr, PB: tl.constexpr):
         """Keys [N] -> where each lies (the key-frame kernel): a request position (window keys) or a global entry id
         (BY_ENTRY) falls in the last segment whose start (Delta, or its first entry id) is <= the key; segments
         come in increasing order. Returns per key that segment's latent or entries address (int64), the key's row
-        in it, the segment's row count (n or its entry count), its Delta and its index in the table."""
+        in it, the segment's row count (n or its entry count), its Delta and its index in the table. Every key the
+        caller reads lies in kmin..kmax, so only the segments from kmin's to kmax's are walked (found by one count
+        over the table's starts: one or two for a tile of a 64-document request, not all 66)."""
         addr = key * 0
         first = key * 0
         bound = key * 0
         dlt = key * 0
         seg = key * 0
-        for j in range(P):
+        offs_p = tl.arange(0, PB)
+        starts = tl.load(tab_ptr + offs_p * COLS + (5 if BY_ENTRY else 2), mask=offs_p < P, other=1 << 62)
+        j0 = tl.maximum(tl.sum((starts <= kmin).to(tl.int32), 0) - 1, 0)
+        j1 = tl.sum((starts <= kmax).to(tl.int32), 0)
+        for j in range(j0, j1):
             row = tab_ptr + j * COLS
             d_j = tl.load(row + 2)
             if BY_ENTRY:
@@ -380,7 +436,7 @@ if HAVE_TRITON:
                                   turn_ptr, T, H, P, window, ratio, n_picks, qk_scale, sink_scale, stride_qt, stride_qh,
                                   MODE: tl.constexpr, D: tl.constexpr, HALF_R: tl.constexpr, RP: tl.constexpr,
                                   COLS: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
-                                  BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+                                  BLOCK_N: tl.constexpr, PREC: tl.constexpr, PB: tl.constexpr):
         """`_multiseg_kernel`'s result with the relocation turned onto the keys: the query's rope pairs are turned
         once to t (the request frame) and every key tile's rope pairs by +Delta of the key's segment, in registers
         (the same scores: q(t - Delta) . k = q(t) . k(+Delta)); the rope value sums are then in the request frame
@@ -394,7 +450,9 @@ if HAVE_TRITON:
         window tiles (over the union of their windows) and entry tiles (up to the furthest row's visible entries),
         each score masked to the rows that see it; picks are walked row by row (a second loop). One loop, not one
         per kind of key, keeps one copy of the tile's work: `ptxas -v` (tests/kernels/compile_sm90.py) counts
-        0.4-0.5 KB of spill stores per thread at 64 heads, against 1.8-2.1 KB with a loop per kind."""
+        0.6 KB of spill stores per thread at 64 heads, against 1.8-2.1 KB with a loop per kind (0.3 KB with a walk of
+        the whole table per tile instead of `_locate`'s span, which measured slower: 2.87 ms against 2.58 for the
+        active rows' HCA call at 32K and 32 documents, one H100)."""
         NOPE: tl.constexpr = D - 2 * HALF_R
         M: tl.constexpr = ROWS * BLOCK_H
         rid, t0, hh, mmask, t, qrow, qn, pos = _query_rows(q_ptr, qpos_ptr, T, H, stride_qt, stride_qh,
@@ -425,17 +483,23 @@ if HAVE_TRITON:
         # accumulator and the tile) then fits the registers with far fewer spills than a loop per kind
         for i in range(0, n_win + tl.cdiv(g_end, BLOCK_N)):
             if i < n_win:
-                key = w_lo + i * BLOCK_N + offs_n
-                addr, local, bound, dlt, seg = _locate(tab_ptr, P, key, False, COLS)
+                k0 = w_lo + i * BLOCK_N
+                key = k0 + offs_n
+                addr, local, bound, dlt, seg = _locate(tab_ptr, P, key, k0, tl.minimum(k0 + BLOCK_N - 1, pos_hi),
+                                                       False, COLS, PB)
                 ok = (key <= pos_hi) & (local >= 0) & (local < bound)
                 sv = ok[None, :] & (key[None, :] <= pos[:, None]) & (key[None, :] > pos[:, None] - window)
             else:
                 k = (i - n_win) * BLOCK_N + offs_n
                 if MODE == 2:      # the row's picks: global entry ids, sorted, bounds[t, P] of them real
                     gid = tl.load(picks_ptr + t0 * n_picks + k, mask=k < g_end, other=0).to(tl.int64)
+                    g_lo = tl.min(tl.where(k < g_end, gid, 1 << 62), 0)
+                    g_hi = tl.max(tl.where(k < g_end, gid, -1), 0)
                 else:
                     gid = k.to(tl.int64)
-                addr, local, bound, dlt, seg = _locate(tab_ptr, P, gid, True, COLS)
+                    g_lo = (i - n_win) * BLOCK_N
+                    g_hi = tl.minimum(g_lo + BLOCK_N, g_end) - 1
+                addr, local, bound, dlt, seg = _locate(tab_ptr, P, gid, g_lo, g_hi, True, COLS, PB)
                 ok = (k < g_end) & (local >= 0) & (local < bound)
                 if MODE == 1:      # entry w of a segment at Delta is complete from position Delta + (w + 1) ratio - 1
                     sv = ok[None, :] & (dlt + (local + 1) * ratio - 1 <= pos[:, None])
@@ -460,7 +524,9 @@ if HAVE_TRITON:
                     for start in range(0, cnt, BLOCK_N):
                         k = start + offs_n
                         gid = tl.load(picks_ptr + tr * n_picks + k, mask=k < cnt, other=0).to(tl.int64)
-                        addr, local, bound, dlt, seg = _locate(tab_ptr, P, gid, True, COLS)
+                        g_lo = tl.min(tl.where(k < cnt, gid, 1 << 62), 0)
+                        g_hi = tl.max(tl.where(k < cnt, gid, -1), 0)
+                        addr, local, bound, dlt, seg = _locate(tab_ptr, P, gid, g_lo, g_hi, True, COLS, PB)
                         ok = (k < cnt) & (local >= 0) & (local < bound)
                         m_i, l_i, acc, ar_e, ar_o = _key_tile(qn, qre, qro, addr, local, seg, ok,
                                                               mine[:, None] & ok[None, :], turn_ptr, offs_d, offs_r,
@@ -542,6 +608,9 @@ def multi_segment_attention(q_raw: torch.Tensor, qpos: torch.Tensor, segments, s
     if key_frame and any(a.delta > b.delta for a, b in zip(segments, segments[1:])):
         raise ValueError("the key-frame kernel needs the segments in increasing Delta")
     tab, keep = segment_table(segments, dev, q_raw.dtype, mode != "none", pick_first)
+    # segments in increasing Delta, disjoint: a program walks only the segments its rows reach (`_span`)
+    span = all(a.delta + a.latent.shape[0] <= b.delta for a, b in zip(segments, segments[1:]))
+    pb = max(16, triton.next_power_of_2(len(segments)))
     if mode == "picks":
         picks = picks.to(device=dev, dtype=torch.int32).contiguous()
         bounds = bounds.to(device=dev, dtype=torch.int32).contiguous()
@@ -562,7 +631,8 @@ def multi_segment_attention(q_raw: torch.Tensor, qpos: torch.Tensor, segments, s
         # few heads: several rows per program (_multiseg_packed_kernel), ROWS x heads filling the MMA tile
         cfg = dict(ROWS=16 // bh, BLOCK_N=32 if D >= 512 else 16, num_warps=4, num_stages=2)
         cfg.update(config or {})
-        _multiseg_packed_kernel[(triton.cdiv(T, cfg["ROWS"]),)](*ptrs, T, H, *scalars, **shape, BLOCK_H=bh, **cfg)
+        _multiseg_packed_kernel[(triton.cdiv(T, cfg["ROWS"]),)](*ptrs, T, H, *scalars, **shape, BLOCK_H=bh, **cfg,
+                                                                  SPAN=span, PB=pb)
     elif key_frame:
         # one row per program (heads padded to 16), or for an HCA call of few heads KEY_ROWS rows x all heads: the
         # rows share every entry tile of the causal run
@@ -578,11 +648,11 @@ def multi_segment_attention(q_raw: torch.Tensor, qpos: torch.Tensor, segments, s
             raise ValueError(f"turns must be float32 {(len(segments), 2, half_r)}, got {turns.dtype} "
                              f"{tuple(turns.shape)}")
         grid = (triton.cdiv(T, cfg["ROWS"]), triton.cdiv(H, cfg["BLOCK_H"]))
-        _multiseg_keyframe_kernel[grid](*ptrs, turns.to(dev).contiguous(), T, H, *scalars, **shape, **cfg)
+        _multiseg_keyframe_kernel[grid](*ptrs, turns.to(dev).contiguous(), T, H, *scalars, **shape, **cfg, PB=pb)
     else:
         cfg = dict(BLOCK_H=min(64, max(16, bh)), BLOCK_N=64 if D >= 512 else 16,
                    num_warps=8 if D >= 512 and H > 16 else 4, num_stages=2)
         cfg.update({k: v for k, v in (config or {}).items() if k != "ROWS"})
-        _multiseg_kernel[(T, triton.cdiv(H, cfg["BLOCK_H"]))](*ptrs, H, *scalars, **shape, **cfg)
+        _multiseg_kernel[(T, triton.cdiv(H, cfg["BLOCK_H"]))](*ptrs, H, *scalars, **shape, **cfg, SPAN=span, PB=pb)
     del keep
     return out

@@ -39,15 +39,16 @@ FUSED_C = dict(D=512, HALF_R=32, RP=32, COLS=multiseg.COLS, PREC="tf32")
 # Flash's dims (D = 512, 64 rope channels) at the launch configurations the wrappers use by default:
 # (name, kernel, argument types, constexprs, num_warps, modes)
 KERNELS = [
-    ("fused one-row, 64 heads", multiseg._multiseg_kernel, FUSED, dict(FUSED_C, BLOCK_H=64, BLOCK_N=64), 8, True),
+    ("fused one-row, 64 heads", multiseg._multiseg_kernel, FUSED,
+     dict(FUSED_C, BLOCK_H=64, BLOCK_N=64, SPAN=True, PB=128), 8, True),
     ("fused key-frame, 64 heads", multiseg._multiseg_keyframe_kernel, FUSED,
-     dict(FUSED_C, ROWS=1, BLOCK_H=64, BLOCK_N=64), 8, True),
+     dict(FUSED_C, ROWS=1, BLOCK_H=64, BLOCK_N=64, PB=128), 8, True),
     ("fused key-frame, 8 heads padded to 16", multiseg._multiseg_keyframe_kernel, FUSED,
-     dict(FUSED_C, ROWS=1, BLOCK_H=16, BLOCK_N=64), 4, True),
+     dict(FUSED_C, ROWS=1, BLOCK_H=16, BLOCK_N=64, PB=128), 4, True),
     ("fused key-frame, 8 heads x 8 rows", multiseg._multiseg_keyframe_kernel, FUSED,
-     dict(FUSED_C, ROWS=multiseg.KEY_ROWS // 8, BLOCK_H=8, BLOCK_N=64), 8, True),
+     dict(FUSED_C, ROWS=multiseg.KEY_ROWS // 8, BLOCK_H=8, BLOCK_N=64, PB=128), 8, True),
     ("fused packed, 8 heads x 2 rows", multiseg._multiseg_packed_kernel, FUSED,
-     dict(FUSED_C, ROWS=2, BLOCK_H=8, BLOCK_N=32), 4, True),
+     dict(FUSED_C, ROWS=2, BLOCK_H=8, BLOCK_N=32, SPAN=True, PB=128), 4, True),
     ("stacked part, 64 heads", sparse_attention._sparse_mqa_kernel, STACKED,
      dict(D=512, DV=512, BLOCK_H=64, BLOCK_N=64, PREC="tf32", PARTS=False, HALF=1, RUNS=False), 8, True),
     ("stacked part, 8 heads", sparse_attention._sparse_mqa_kernel, STACKED,

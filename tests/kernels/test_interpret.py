@@ -325,21 +325,35 @@ def test_fused_kernel_rows_per_program_equal_the_reference(kind, H, rows_per_pro
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("frame", ["key", "query"])
 @pytest.mark.parametrize("H", [8, 16])
 @pytest.mark.parametrize("kind", ["window", "hca", "csa-own", "csa-union"])
-def test_key_frame_over_many_short_segments_equals_the_reference(kind, H, monkeypatch):
-    """The key-frame kernel finds each key's segment by walking only the segments between its tile's least and
-    greatest key, from a cursor carried over the program's tiles: on 14 segments of 1 to 30 rows (key tiles of
-    16 spanning up to 6 segments; segments of fewer rows than the compression ratio hold no entry, so their first
-    entry id is their successor's) it equals the reference, 8 heads (8 rows a program in HCA calls) and 16."""
-    _fused_equals_reference(kind, H, None, "key", [5, 3, 17, 2, 9, 30, 4, 1, 12, 8, 3, 21, 6, 11], [0, 1, 2, 40],
+def test_kernels_over_many_short_segments_equal_the_reference(kind, H, frame, monkeypatch):
+    """Every fused kernel walks only the segments its rows can reach: the key-frame kernel the segments between
+    each key tile's least and greatest key, the query-frame kernels (packed at 8 heads, one row at 16) the
+    segments from the one holding its rows' earliest window key to the latest row's, widened to each row's first
+    and last segment with picks (causal: from the first). On 14 segments of 1 to 30 rows (key tiles of 16
+    spanning up to 6 segments; segments of fewer rows than the compression ratio hold no entry, so their first
+    entry id is their successor's; rows whose picks lie in none, or segments before their window) each equals the
+    reference, 8 heads (8 rows a program in HCA key-frame calls) and 16."""
+    _fused_equals_reference(kind, H, None, frame, [5, 3, 17, 2, 9, 30, 4, 1, 12, 8, 3, 21, 6, 11], [0, 1, 2, 40],
                             (60, 80), monkeypatch)
 
 
-def _fused_equals_reference(kind, H, rows_per_program, frame, lens, kept, dropped, monkeypatch):
+@torch.no_grad()
+@pytest.mark.parametrize("kind", ["window", "hca"])
+def test_query_frame_kernels_over_segments_out_of_order_walk_every_segment(kind, monkeypatch):
+    """Segments that are not in increasing Delta (or overlap) give no span to narrow the walk to: the query-frame
+    kernels then visit every segment, and still equal the reference (8 heads: packed; 16: one row)."""
+    for H in (8, 16):
+        _fused_equals_reference(kind, H, None, "query", [24, 40, 32, 9], [3, 4, 60, 61, 62], (5, 59), monkeypatch,
+                                order=[2, 0, 3, 1])
+
+
+def _fused_equals_reference(kind, H, rows_per_program, frame, lens, kept, dropped, monkeypatch, order=None):
     """multi_segment_attention over segments of `lens` rows (placed end to end from 0) on a random ~60% of the rows,
     the `kept` rows among them and the `dropped` range not, equals segment_attention's reference path to TOL, and
-    the kernel `frame` asks for ran."""
+    the kernel `frame` asks for ran. `order`: the segments handed over in that order (calls without picks)."""
     import types
     from runtime.kernels.multiseg import multi_segment_attention
     launched = fused_launches(monkeypatch)
@@ -355,6 +369,9 @@ def _fused_equals_reference(kind, H, rows_per_program, frame, lens, kept, droppe
     segs = [segments_mod.SegmentKeys(d, torch.randn(n, D, generator=g),
                                      torch.randn(n // ratio, D, generator=g) if ratio else None)
             for n, d in zip(lens, deltas)]
+    if order is not None:
+        assert kind in ("window", "hca")
+        segs = [segs[j] for j in order]
     keep = torch.rand(sum(lens), generator=g) < 0.6
     keep[kept] = True                  # consecutive rows, and rows far apart in one program
     keep[dropped[0]:dropped[1]] = False
