@@ -37,7 +37,8 @@ read 16 bytes at a time) it is faster than the stacked path in HCA layers (1.07x
 slower in window and CSA own-picks layers at 8 documents; since each program walks only its rows' segments
 (`_span`) its CSA own-picks call beats the stacked one at 32 documents too (6.2 ms against 7.2, one H100).
 
-`_multiseg_keyframe_kernel` (`key_frame=True`: the "picks" calls of RuntimePolicy.key_frame_min_heads heads or
+`_multiseg_keyframe_kernel` (runtime/kernels/keyframe.py; the building blocks both frames share are in
+runtime/kernels/multiseg_tiles.py) (`key_frame=True`: the "picks" calls of RuntimePolicy.key_frame_min_heads heads or
 more, one row per program; HCA calls over RuntimePolicy.key_frame_min_segments_hca segments or more, with few heads
 KEY_ROWS // heads rows per program sharing each entry tile): the same scores with the turn on the keys,
 q(t - Delta_j) . k = q(t) . k(+Delta_j). The query is turned once to t; each key tile's rope pairs are turned in
@@ -71,7 +72,8 @@ from ._host import aligned, to_device_nowait
 from ._triton import HAVE_TRITON, check_runnable, dot_precision, tl, triton
 
 if HAVE_TRITON:
-    from ._triton import table_ptr
+    from .keyframe import _multiseg_keyframe_kernel
+    from .multiseg_tiles import _finish, _query_rows, _seg_tile, _segment, _span, _start, _turn_query
 
 MODES = {"none": 0, "causal": 1, "picks": 2}
 LOG2E = 1.0 / math.log(2.0)
@@ -79,109 +81,6 @@ KEY_ROWS = 64     # the key-frame kernel's (query row, head) pairs per program i
 COLS = 6          # segment table: latent ptr, n, delta, entries ptr, n_entries, first global pick id
 
 if HAVE_TRITON:
-
-    @triton.jit
-    def _seg_tile(qn, qre, qro, base, rows, valid, svalid, offs_d, offs_r, rmask, m_i, l_i, acc, sr_e, sr_o, ar_e,
-                  ar_o, qk_scale, D: tl.constexpr, NOPE: tl.constexpr, PREC: tl.constexpr):
-        """One key tile of segment j. The tile is read contiguously (all D channels) for the scores' non-rope part
-        and the value sum; its rope pairs are read again as even/odd halves (a cache hit) for the rope part of the
-        score and of the value sum. qn: the query with its rope channels zeroed; qre/qro: its rope pairs turned
-        to t - Delta_j. sr_*: this segment's rope value sums; ar_*: the earlier segments' (already turned back).
-        K = V; online softmax in the log2 domain, shared by every segment of the row. valid [N]: the key rows to
-        read; svalid [M, N] (or [1, N]): which query row attends which of them."""
-        ptr = base + rows[:, None].to(tl.int64) * D
-        k = tl.load(ptr + offs_d[None, :], mask=valid[:, None], other=0.0)
-        rp = ptr + NOPE + 2 * offs_r[None, :]
-        ke = tl.load(rp, mask=valid[:, None] & rmask[None, :], other=0.0)
-        ko = tl.load(rp + 1, mask=valid[:, None] & rmask[None, :], other=0.0)
-        s = tl.dot(qn, tl.trans(k), input_precision=PREC)
-        s = tl.dot(qre, tl.trans(ke), s, input_precision=PREC)
-        s = tl.dot(qro, tl.trans(ko), s, input_precision=PREC) * qk_scale
-        s = tl.where(svalid, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        pk = p.to(k.dtype)
-        acc = acc * alpha[:, None] + tl.dot(pk, k, input_precision=PREC)       # rope channels unused
-        sr_e = sr_e * alpha[:, None] + tl.dot(pk, ke, input_precision=PREC)
-        sr_o = sr_o * alpha[:, None] + tl.dot(pk, ko, input_precision=PREC)
-        ar_e = ar_e * alpha[:, None]
-        ar_o = ar_o * alpha[:, None]
-        return m_new, l_i, acc, sr_e, sr_o, ar_e, ar_o
-
-    @triton.jit
-    def _start(M: tl.constexpr, D: tl.constexpr, RP: tl.constexpr):
-        """The online softmax's state for M query rows: running max, denominator, value sums (all D channels; the
-        rope ones unused), and the earlier segments' turned-back rope value sums (even and odd halves)."""
-        return (tl.full([M], float("-inf"), tl.float32), tl.zeros([M], dtype=tl.float32),
-                tl.zeros([M, D], dtype=tl.float32), tl.zeros([M, RP], dtype=tl.float32),
-                tl.zeros([M, RP], dtype=tl.float32))
-
-    @triton.jit
-    def _segment(tab_ptr, j, COLS: tl.constexpr, dt: tl.constexpr):
-        """Segment j's table row: its latent (pointer), length, Delta, entries (pointer) and entry count."""
-        row = tab_ptr + j * COLS
-        return (table_ptr(tl.load(row), dt), tl.load(row + 1), tl.load(row + 2), table_ptr(tl.load(row + 3), dt),
-                tl.load(row + 4))
-
-    @triton.jit
-    def _span(tab_ptr, bounds_ptr, P, T, t0, p_lo, p_hi, MODE: tl.constexpr, ROWS: tl.constexpr,
-              COLS: tl.constexpr, PB: tl.constexpr):
-        """[j0, j1): the only segments that can hold a key of query rows t0..t0+ROWS-1 (rows past T ignored) whose
-        keys lie at request positions p_lo..p_hi (windows included), for segments in increasing Delta and disjoint
-        (the caller's SPAN): from the segment holding p_lo (causal: the first, every earlier entry is visible) to the
-        one holding p_hi, widened to each row's first and last segment with picks (bounds). One masked load of
-        the table's Deltas and of each row's bounds, and a count, instead of a pass over every segment: a row of
-        a 64-document request reaches two or three of its 66 segments."""
-        offs_p = tl.arange(0, PB)
-        pm = offs_p < P
-        starts = tl.load(tab_ptr + offs_p * COLS + 2, mask=pm, other=1 << 62)
-        j1 = tl.sum((starts <= p_hi).to(tl.int32), 0)
-        if MODE == 1:
-            j0 = j1 * 0
-        else:
-            j0 = tl.maximum(tl.sum((starts <= p_lo).to(tl.int32), 0) - 1, 0)
-        if MODE == 2:
-            for r in range(ROWS):
-                tr = t0 + r
-                brow = bounds_ptr + tl.minimum(tr, T - 1) * (P + 1)
-                b0 = tl.load(brow)
-                cnt = tl.load(brow + P)
-                # runs before the first pick end at b0; runs from the last one's segment on start at cnt
-                lead = tl.sum((tl.load(brow + 1 + offs_p, mask=pm, other=cnt) <= b0).to(tl.int32), 0)
-                upto = tl.sum((tl.load(brow + offs_p, mask=pm, other=cnt) < cnt).to(tl.int32), 0)
-                has = (tr < T) & (cnt > b0)
-                j0 = tl.where(has, tl.minimum(j0, lead), j0)
-                j1 = tl.where(has, tl.maximum(j1, upto), j1)
-        return j0, j1
-
-    @triton.jit
-    def _turn_query(qrow, c, freq, qm, offs_r, NOPE: tl.constexpr, dt: tl.constexpr):
-        """The query's rope pairs (even and odd halves) turned to the segment's frame (positions c, [M, 1] or
-        scalar); returns them in the key dtype with the angles' cosines and sines (for turning the sums back)."""
-        ang = c * freq
-        cs = tl.cos(ang)
-        sn = tl.sin(ang)
-        qe = tl.load(qrow + NOPE + 2 * offs_r[None, :], mask=qm, other=0.0).to(tl.float32)
-        qo = tl.load(qrow + NOPE + 2 * offs_r[None, :] + 1, mask=qm, other=0.0).to(tl.float32)
-        return (qe * cs - qo * sn).to(dt), (qo * cs + qe * sn).to(dt), cs, sn
-
-    @triton.jit
-    def _finish(orow, rmask_rows, m_i, l_i, acc, ar_e, ar_o, sink, offs_d, offs_r, rmask, NOPE: tl.constexpr):
-        """The sink's exp(sink) joins the denominator once (log2 domain: 2^(sink log2e - m)); the normalized
-        output is stored, its rope pairs from the turned-back sums."""
-        m_safe = tl.maximum(m_i, sink)
-        keep = tl.exp2(m_i - m_safe)
-        scale_out = keep / (l_i * keep + tl.exp2(sink - m_safe))
-        scale_out = tl.where(l_i > 0.0, scale_out, 0.0)[:, None]
-        out_dt = orow.dtype.element_ty
-        tl.store(orow + offs_d[None, :], (acc * scale_out).to(out_dt),
-                 mask=rmask_rows[:, None] & (offs_d[None, :] < NOPE))
-        om = rmask_rows[:, None] & rmask[None, :]
-        tl.store(orow + NOPE + 2 * offs_r[None, :], (ar_e * scale_out).to(out_dt), mask=om)
-        tl.store(orow + NOPE + 2 * offs_r[None, :] + 1, (ar_o * scale_out).to(out_dt), mask=om)
 
     @triton.jit
     def _multiseg_kernel(q_ptr, qpos_ptr, tab_ptr, picks_ptr, bounds_ptr, freq_ptr, sink_ptr, o_ptr,
@@ -251,26 +150,6 @@ if HAVE_TRITON:
         sink = tl.load(sink_ptr + offs_h, mask=hmask, other=0.0).to(tl.float32) * sink_scale
         _finish(o_ptr + t * (H * D) + offs_h[:, None] * D, hmask, m_i, l_i, acc, ar_e, ar_o, sink, offs_d, offs_r,
                 rmask, NOPE)
-
-
-    @triton.jit
-    def _query_rows(q_ptr, qpos_ptr, T, H, stride_qt, stride_qh, head0, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
-                    D: tl.constexpr, NOPE: tl.constexpr):
-        """A program's ROWS consecutive query rows x BLOCK_H heads from head0 as one matrix (row m: query row
-        m // BLOCK_H, head head0 + m % BLOCK_H): each matrix row's query row within the program, the first query row,
-        its head, whether it is real, its query row (rows past the end read row T-1 and never attend), its query
-        pointer, its query with the rope channels zeroed, and its request position."""
-        offs_m = tl.arange(0, ROWS * BLOCK_H)
-        rid = offs_m // BLOCK_H
-        t0 = tl.program_id(0).to(tl.int64) * ROWS
-        t_raw = t0 + rid
-        hh = head0 + offs_m % BLOCK_H
-        mmask = (t_raw < T) & (hh < H)
-        t = tl.minimum(t_raw, T - 1)
-        qrow = q_ptr + t[:, None] * stride_qt + hh[:, None] * stride_qh
-        offs_d = tl.arange(0, D)
-        qn = tl.load(qrow + offs_d[None, :], mask=mmask[:, None] & (offs_d[None, :] < NOPE), other=0.0)
-        return rid, t0, hh, mmask, t, qrow, qn, tl.load(qpos_ptr + t)
 
     @triton.jit
     def _multiseg_packed_kernel(q_ptr, qpos_ptr, tab_ptr, picks_ptr, bounds_ptr, freq_ptr, sink_ptr, o_ptr,
@@ -355,189 +234,6 @@ if HAVE_TRITON:
         sink = tl.load(sink_ptr + hh, mask=hh < H, other=0.0).to(tl.float32) * sink_scale
         _finish(o_ptr + t[:, None] * (H * D) + hh[:, None] * D, mmask, m_i, l_i, acc, ar_e, ar_o, sink, offs_d,
                 offs_r, rmask, NOPE)
-
-
-    @triton.jit
-    def _locate(tab_ptr, P, key, kmin, kmax, BY_ENTRY: tl.constexpr, COLS: tl.constexpr, PB: tl.constexpr):
-        """Keys [N] -> where each lies (the key-frame kernel): a request position (window keys) or a global entry id
-        (BY_ENTRY) falls in the last segment whose start (Delta, or its first entry id) is <= the key; segments
-        come in increasing order. Returns per key that segment's latent or entries address (int64), the key's row
-        in it, the segment's row count (n or its entry count), its Delta and its index in the table. Every key the
-        caller reads lies in kmin..kmax, so only the segments from kmin's to kmax's are walked (found by one count
-        over the table's starts: one or two for a tile of a 64-document request, not all 66)."""
-        addr = key * 0
-        first = key * 0
-        bound = key * 0
-        dlt = key * 0
-        seg = key * 0
-        offs_p = tl.arange(0, PB)
-        starts = tl.load(tab_ptr + offs_p * COLS + (5 if BY_ENTRY else 2), mask=offs_p < P, other=1 << 62)
-        j0 = tl.maximum(tl.sum((starts <= kmin).to(tl.int32), 0) - 1, 0)
-        j1 = tl.sum((starts <= kmax).to(tl.int32), 0)
-        for j in range(j0, j1):
-            row = tab_ptr + j * COLS
-            d_j = tl.load(row + 2)
-            if BY_ENTRY:
-                s_j = tl.load(row + 5)
-                a_j = tl.load(row + 3)
-                b_j = tl.load(row + 4)
-            else:
-                s_j = d_j
-                a_j = tl.load(row)
-                b_j = tl.load(row + 1)
-            inside = key >= s_j
-            addr = tl.where(inside, a_j, addr)
-            first = tl.where(inside, s_j, first)
-            bound = tl.where(inside, b_j, bound)
-            dlt = tl.where(inside, d_j, dlt)
-            seg = tl.where(inside, j, seg)
-        return addr, key - first, bound, dlt, seg
-
-    @triton.jit
-    def _key_tile(qn, qre, qro, addr, local, seg, ok, svalid, turn_ptr, offs_d, offs_r, rmask, m_i, l_i, acc, ar_e,
-                  ar_o, qk_scale, D: tl.constexpr, NOPE: tl.constexpr, HALF_R: tl.constexpr, PREC: tl.constexpr,
-                  dt: tl.constexpr):
-        """One tile of keys from any segments (the key-frame kernel): each key row read in place at its own
-        segment's address, its rope pairs turned by +Delta of that segment in registers (into the request frame,
-        where the query is turned once), scored and summed with one online softmax. K = V: the turned rope pairs
-        also feed the request-frame rope value sums ar_*; the non-rope value sum is acc's. ok [N]: keys to read;
-        seg [N] each key's segment, whose row of the turn table (cos, then sin, of Delta x the frequencies) turns
-        it: read, not computed (a cos and a sin per pair and key cost more than the tile's softmax, and past an
-        angle of about 1e5 radians, which Delta reaches at 128K, the library's exact argument reduction takes its
-        slow path); svalid [M, N] (or [1, N]): which query row attends which of them."""
-        ptr = table_ptr(tl.where(ok, addr, 0), dt) + tl.where(ok, local, 0) * D
-        k = tl.load(ptr[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)
-        rp = ptr[:, None] + NOPE + 2 * offs_r[None, :]
-        rm = ok[:, None] & rmask[None, :]
-        ke = tl.load(rp, mask=rm, other=0.0).to(tl.float32)
-        ko = tl.load(rp + 1, mask=rm, other=0.0).to(tl.float32)
-        tp = turn_ptr + seg[:, None] * (2 * HALF_R) + offs_r[None, :]
-        cs = tl.load(tp, mask=rm, other=1.0)
-        sn = tl.load(tp + HALF_R, mask=rm, other=0.0)
-        kre = (ke * cs - ko * sn).to(dt)
-        kro = (ko * cs + ke * sn).to(dt)
-        s = tl.dot(qn, tl.trans(k), input_precision=PREC)
-        s = tl.dot(qre, tl.trans(kre), s, input_precision=PREC)
-        s = tl.dot(qro, tl.trans(kro), s, input_precision=PREC) * qk_scale
-        s = tl.where(svalid, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        pk = p.to(dt)
-        acc = acc * alpha[:, None] + tl.dot(pk, k, input_precision=PREC)       # rope channels unused
-        ar_e = ar_e * alpha[:, None] + tl.dot(pk, kre, input_precision=PREC)
-        ar_o = ar_o * alpha[:, None] + tl.dot(pk, kro, input_precision=PREC)
-        return m_new, l_i, acc, ar_e, ar_o
-
-    @triton.jit
-    def _multiseg_keyframe_kernel(q_ptr, qpos_ptr, tab_ptr, picks_ptr, bounds_ptr, freq_ptr, sink_ptr, o_ptr,
-                                  turn_ptr, T, H, P, window, ratio, n_picks, qk_scale, sink_scale, stride_qt, stride_qh,
-                                  MODE: tl.constexpr, D: tl.constexpr, HALF_R: tl.constexpr, RP: tl.constexpr,
-                                  COLS: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
-                                  BLOCK_N: tl.constexpr, PREC: tl.constexpr, PB: tl.constexpr):
-        """`_multiseg_kernel`'s result with the relocation turned onto the keys: the query's rope pairs are turned
-        once to t (the request frame) and every key tile's rope pairs by +Delta of the key's segment, in registers
-        (the same scores: q(t - Delta) . k = q(t) . k(+Delta)); the rope value sums are then in the request frame
-        and turned back once at t. A row's keys are then one loop of key tiles whatever the segments (window
-        positions t-W+1..t, then the visible entries by global id or the row's picks), each key tile able to span
-        segments, so the tile loads pipeline; `_multiseg_kernel` runs one short loop per segment (about one tile of
-        a row's picks). The stored latent and entries are read in place, never rewritten. Segments must come in
-        increasing position, each segment's entries numbered from its table row's first id (col 5).
-        A program holds ROWS consecutive query rows x BLOCK_H heads (matrix row m = row m // BLOCK_H, head
-        m % BLOCK_H), as `_multiseg_packed_kernel` does: with ROWS > 1 (calls of few heads) the rows share their
-        window tiles (over the union of their windows) and entry tiles (up to the furthest row's visible entries),
-        each score masked to the rows that see it; picks are walked row by row (a second loop). One loop, not one
-        per kind of key, keeps one copy of the tile's work: `ptxas -v` (tests/kernels/compile_sm90.py) counts
-        0.6 KB of spill stores per thread at 64 heads, against 1.8-2.1 KB with a loop per kind (0.3 KB with a walk of
-        the whole table per tile instead of `_locate`'s span, which measured slower: 2.87 ms against 2.58 for the
-        active rows' HCA call at 32K and 32 documents, one H100)."""
-        NOPE: tl.constexpr = D - 2 * HALF_R
-        M: tl.constexpr = ROWS * BLOCK_H
-        rid, t0, hh, mmask, t, qrow, qn, pos = _query_rows(q_ptr, qpos_ptr, T, H, stride_qt, stride_qh,
-                                                           tl.program_id(1) * BLOCK_H, ROWS, BLOCK_H, D, NOPE)
-        offs_d = tl.arange(0, D)
-        offs_r = tl.arange(0, RP)
-        rmask = offs_r < HALF_R
-        offs_n = tl.arange(0, BLOCK_N)
-        dt = q_ptr.dtype.element_ty
-        freq = tl.load(freq_ptr + offs_r, mask=rmask, other=0.0)[None, :]
-        qre, qro, cs, sn = _turn_query(qrow, pos.to(tl.float32)[:, None], freq, mmask[:, None] & rmask[None, :],
-                                       offs_r, NOPE, dt)
-        m_i, l_i, acc, ar_e, ar_o = _start(M, D, RP)
-        pos_lo = tl.min(tl.where(mmask, pos, pos + window), 0)
-        pos_hi = tl.max(tl.where(mmask, pos, -1), 0)
-        w_lo = tl.maximum(pos_lo - window + 1, 0)          # window: request positions w_lo..pos_hi
-        n_win = tl.cdiv(pos_hi + 1 - w_lo, BLOCK_N)
-        # then the entries complete before each row's t - Delta (numbered globally), or a lone row's picks
-        g_end = pos_hi * 0
-        if MODE == 1:
-            for j in range(P):
-                row = tab_ptr + j * COLS
-                nv = tl.minimum(tl.maximum(pos_hi - tl.load(row + 2) + 1, 0) // ratio, tl.load(row + 4))
-                g_end = tl.where(nv > 0, tl.load(row + 5) + nv, g_end)
-        if MODE == 2 and ROWS == 1:
-            g_end = tl.load(bounds_ptr + t0 * (P + 1) + P).to(tl.int64)
-        # one loop over both kinds of key tile: one copy of the tile's work, whose state (the [rows, D] float32
-        # accumulator and the tile) then fits the registers with far fewer spills than a loop per kind
-        for i in range(0, n_win + tl.cdiv(g_end, BLOCK_N)):
-            if i < n_win:
-                k0 = w_lo + i * BLOCK_N
-                key = k0 + offs_n
-                addr, local, bound, dlt, seg = _locate(tab_ptr, P, key, k0, tl.minimum(k0 + BLOCK_N - 1, pos_hi),
-                                                       False, COLS, PB)
-                ok = (key <= pos_hi) & (local >= 0) & (local < bound)
-                sv = ok[None, :] & (key[None, :] <= pos[:, None]) & (key[None, :] > pos[:, None] - window)
-            else:
-                k = (i - n_win) * BLOCK_N + offs_n
-                if MODE == 2:      # the row's picks: global entry ids, sorted, bounds[t, P] of them real
-                    gid = tl.load(picks_ptr + t0 * n_picks + k, mask=k < g_end, other=0).to(tl.int64)
-                    g_lo = tl.min(tl.where(k < g_end, gid, 1 << 62), 0)
-                    g_hi = tl.max(tl.where(k < g_end, gid, -1), 0)
-                else:
-                    gid = k.to(tl.int64)
-                    g_lo = (i - n_win) * BLOCK_N
-                    g_hi = tl.minimum(g_lo + BLOCK_N, g_end) - 1
-                addr, local, bound, dlt, seg = _locate(tab_ptr, P, gid, g_lo, g_hi, True, COLS, PB)
-                ok = (k < g_end) & (local >= 0) & (local < bound)
-                if MODE == 1:      # entry w of a segment at Delta is complete from position Delta + (w + 1) ratio - 1
-                    sv = ok[None, :] & (dlt + (local + 1) * ratio - 1 <= pos[:, None])
-                else:
-                    sv = ok[None, :] & (pos[:, None] >= 0)
-            sv = sv & mmask[:, None]
-            if ROWS == 1:          # one row: every tile is its own
-                m_i, l_i, acc, ar_e, ar_o = _key_tile(qn, qre, qro, addr, local, seg, ok, sv, turn_ptr, offs_d,
-                                                      offs_r, rmask, m_i, l_i, acc, ar_e, ar_o, qk_scale, D, NOPE,
-                                                      HALF_R, PREC, dt)
-            else:
-                if tl.max(sv.to(tl.int32)) > 0:            # windows far apart: tiles between them are skipped
-                    m_i, l_i, acc, ar_e, ar_o = _key_tile(qn, qre, qro, addr, local, seg, ok, sv, turn_ptr,
-                                                          offs_d, offs_r, rmask, m_i, l_i, acc, ar_e, ar_o, qk_scale,
-                                                          D, NOPE, HALF_R, PREC, dt)
-        if MODE == 2 and ROWS > 1:     # several rows: each row's picks walked on its own, the others masked out
-            for r in range(ROWS):
-                tr = t0 + r
-                if tr < T:
-                    cnt = tl.load(bounds_ptr + tr * (P + 1) + P).to(tl.int64)
-                    mine = mmask & (rid == r)
-                    for start in range(0, cnt, BLOCK_N):
-                        k = start + offs_n
-                        gid = tl.load(picks_ptr + tr * n_picks + k, mask=k < cnt, other=0).to(tl.int64)
-                        g_lo = tl.min(tl.where(k < cnt, gid, 1 << 62), 0)
-                        g_hi = tl.max(tl.where(k < cnt, gid, -1), 0)
-                        addr, local, bound, dlt, seg = _locate(tab_ptr, P, gid, g_lo, g_hi, True, COLS, PB)
-                        ok = (k < cnt) & (local >= 0) & (local < bound)
-                        m_i, l_i, acc, ar_e, ar_o = _key_tile(qn, qre, qro, addr, local, seg, ok,
-                                                              mine[:, None] & ok[None, :], turn_ptr, offs_d, offs_r,
-                                                              rmask, m_i, l_i, acc, ar_e, ar_o, qk_scale, D, NOPE,
-                                                              HALF_R, PREC, dt)
-        # the request-frame rope value sums turned back at t (the conjugate rotation)
-        oe = ar_e * cs + ar_o * sn
-        oo = ar_o * cs - ar_e * sn
-        sink = tl.load(sink_ptr + hh, mask=hh < H, other=0.0).to(tl.float32) * sink_scale
-        _finish(o_ptr + t[:, None] * (H * D) + hh[:, None] * D, mmask, m_i, l_i, acc, oe, oo, sink, offs_d, offs_r,
-                rmask, NOPE)
 
 
 def segment_table(segments, device, dtype, with_entries: bool, pick_first: list[int] | None = None):
