@@ -8,7 +8,7 @@ from ._triton import HAVE_TRITON, tl, triton
 
 if HAVE_TRITON:
     from ._triton import table_ptr
-    from .multiseg_tiles import _finish, _query_rows, _start, _turn_query
+    from .multiseg_tiles import _finish, _online, _query_rows, _start, _turn_query
 
     @triton.jit
     def _locate(tab_ptr, P, key, kmin, kmax, BY_ENTRY: tl.constexpr, COLS: tl.constexpr, PB: tl.constexpr):
@@ -72,13 +72,7 @@ if HAVE_TRITON:
         s = tl.dot(qn, tl.trans(k), input_precision=PREC)
         s = tl.dot(qre, tl.trans(kre), s, input_precision=PREC)
         s = tl.dot(qro, tl.trans(kro), s, input_precision=PREC) * qk_scale
-        s = tl.where(svalid, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        pk = p.to(dt)
+        m_new, l_i, pk, alpha = _online(s, svalid, m_i, l_i, dt)
         acc = acc * alpha[:, None] + tl.dot(pk, k, input_precision=PREC)       # rope channels unused
         ar_e = ar_e * alpha[:, None] + tl.dot(pk, kre, input_precision=PREC)
         ar_o = ar_o * alpha[:, None] + tl.dot(pk, kro, input_precision=PREC)

@@ -10,6 +10,18 @@ if HAVE_TRITON:
     from ._triton import table_ptr
 
     @triton.jit
+    def _online(s, svalid, m_i, l_i, dt: tl.constexpr):
+        """One key tile's scores s [M, N] (log2 domain) into the online softmax: masked to svalid, the running max
+        and denominator moved on; returns them with the tile's weights (in dt, for the value dots) and the factor
+        alpha the earlier sums are rescaled by."""
+        s = tl.where(svalid, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        return m_new, l_i * alpha + tl.sum(p, 1), p.to(dt), alpha
+
+    @triton.jit
     def _seg_tile(qn, qre, qro, base, rows, valid, svalid, offs_d, offs_r, rmask, m_i, l_i, acc, sr_e, sr_o, ar_e,
                   ar_o, qk_scale, D: tl.constexpr, NOPE: tl.constexpr, PREC: tl.constexpr):
         """One key tile of segment j. The tile is read contiguously (all D channels) for the scores' non-rope part
@@ -26,13 +38,7 @@ if HAVE_TRITON:
         s = tl.dot(qn, tl.trans(k), input_precision=PREC)
         s = tl.dot(qre, tl.trans(ke), s, input_precision=PREC)
         s = tl.dot(qro, tl.trans(ko), s, input_precision=PREC) * qk_scale
-        s = tl.where(svalid, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        pk = p.to(k.dtype)
+        m_new, l_i, pk, alpha = _online(s, svalid, m_i, l_i, k.dtype)
         acc = acc * alpha[:, None] + tl.dot(pk, k, input_precision=PREC)       # rope channels unused
         sr_e = sr_e * alpha[:, None] + tl.dot(pk, ke, input_precision=PREC)
         sr_o = sr_o * alpha[:, None] + tl.dot(pk, ko, input_precision=PREC)
