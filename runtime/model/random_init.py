@@ -25,8 +25,10 @@ FORMAT = "redknot.random-init.v1"
 
 def init_random(model, seed: int, per_name: bool = True, device: torch.device | str | None = None) -> None:
     """Random weights scaled like a trained model's, in place. `per_name`: each parameter from its own generator
-    seeded by its name (and the hash layers' routing from a seeded CPU generator), so that every process and TP
-    rank draws the same replicated tensors; otherwise one generator in parameter order (bench/ttft.py's weights).
+    seeded by its name, so that every process and TP rank draws the same replicated tensors; otherwise one
+    generator in parameter order (bench/ttft.py's weights). The hash layers' routing comes from a CPU generator
+    seeded by `seed` either way (it once drew from the global generator without `per_name`, so bench/ttft.py's
+    model routed differently in every process).
     `device`: where the numbers are drawn (default: where the parameters live). Row-parallel W_b keeps the full
     fan-in's scale on every rank."""
     dev = torch.device(device) if device is not None else model.embed.weight.device
@@ -51,7 +53,7 @@ def init_random(model, seed: int, per_name: bool = True, device: torch.device | 
             x.normal_(0, 0.1, generator=gen)
         if x is not p.data:
             p.data.copy_(x)
-    routing = torch.Generator().manual_seed(seed) if per_name else None
+    routing = torch.Generator().manual_seed(seed)     # never the global generator: every process the same table
     for block in model.layers:
         if block.ffn.gate.hash:
             tid = torch.stack([torch.randperm(cfg.n_routed_experts, generator=routing)[:cfg.n_activated_experts]

@@ -508,3 +508,22 @@ def test_demo_tokenizer_full_bytes_and_checkpoint_copy(tmp_path):
 
 def test_load_tokenizer_missing(tmp_path):
     refused(lambda: load_tokenizer(tmp_path), str(tmp_path / "tokenizer.json"))
+
+
+@pytest.mark.parametrize("per_name", [True, False])
+def test_random_init_routes_the_hash_layers_alike_in_every_process(per_name):
+    """init_random's hash-layer routing (tid2eid) comes from its own seeded generator whatever the global one holds:
+    without `per_name` (bench/ttft.py's models) it once drew from the global generator, so the same seed routed
+    tokens differently in every process (bench/fp8_local.py --small's figures moved by 10x between runs)."""
+    from runtime.model.deepseek_v4 import Transformer
+    from runtime.model.random_init import init_random
+    cfg = C.tiny_reuse()
+    tables = []
+    for global_seed in (1, 2):
+        torch.manual_seed(global_seed)
+        m = Transformer(cfg)
+        init_random(m, 0, per_name=per_name)
+        hashed = [b.ffn.gate.tid2eid.clone() for b in m.layers if b.ffn.gate.hash]
+        assert hashed and all(t.any() for t in hashed)
+        tables.append(hashed)
+    assert all(torch.equal(a, b) for a, b in zip(*tables))
