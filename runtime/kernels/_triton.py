@@ -60,6 +60,18 @@ if HAVE_TRITON:
         asynchronous copy (tests/kernels/compile_sm90.py fails a table reader without 16-byte reads)."""
         return tl.multiple_of(addr.to(tl.pointer_type(dt)), 16)
 
+    @triton.jit
+    def online_step(s, svalid, m_i, l_i, dt: tl.constexpr):
+        """One key tile's scores s [M, N] (log2 domain) into an online softmax, the step every attention kernel
+        takes: masked to svalid, the running max and denominator moved on; returns them with the tile's weights (in
+        dt, for the value dots) and the factor alpha the earlier sums are rescaled by (0 while the max is -inf)."""
+        s = tl.where(svalid, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])                                   # 0 at masked keys
+        return m_new, l_i * alpha + tl.sum(p, 1), p.to(dt), alpha
+
 
 @functools.cache
 def available() -> bool:

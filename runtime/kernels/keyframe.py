@@ -7,8 +7,8 @@ from __future__ import annotations
 from ._triton import HAVE_TRITON, tl, triton
 
 if HAVE_TRITON:
-    from ._triton import table_ptr
-    from .multiseg_tiles import _finish, _online, _query_rows, _start, _turn_query
+    from ._triton import online_step, table_ptr
+    from .multiseg_tiles import _finish, _query_rows, _segment_range, _start, _turn_query
 
     @triton.jit
     def _locate(tab_ptr, P, key, kmin, kmax, BY_ENTRY: tl.constexpr, COLS: tl.constexpr, PB: tl.constexpr):
@@ -23,10 +23,7 @@ if HAVE_TRITON:
         bound = key * 0
         dlt = key * 0
         seg = key * 0
-        offs_p = tl.arange(0, PB)
-        starts = tl.load(tab_ptr + offs_p * COLS + (5 if BY_ENTRY else 2), mask=offs_p < P, other=1 << 62)
-        j0 = tl.maximum(tl.sum((starts <= kmin).to(tl.int32), 0) - 1, 0)
-        j1 = tl.sum((starts <= kmax).to(tl.int32), 0)
+        j0, j1 = _segment_range(tab_ptr, P, 5 if BY_ENTRY else 2, kmin, kmax, COLS, PB)
         for j in range(j0, j1):
             row = tab_ptr + j * COLS
             d_j = tl.load(row + 2)
@@ -72,7 +69,7 @@ if HAVE_TRITON:
         s = tl.dot(qn, tl.trans(k), input_precision=PREC)
         s = tl.dot(qre, tl.trans(kre), s, input_precision=PREC)
         s = tl.dot(qro, tl.trans(kro), s, input_precision=PREC) * qk_scale
-        m_new, l_i, pk, alpha = _online(s, svalid, m_i, l_i, dt)
+        m_new, l_i, pk, alpha = online_step(s, svalid, m_i, l_i, dt)
         acc = acc * alpha[:, None] + tl.dot(pk, k, input_precision=PREC)       # rope channels unused
         ar_e = ar_e * alpha[:, None] + tl.dot(pk, kre, input_precision=PREC)
         ar_o = ar_o * alpha[:, None] + tl.dot(pk, kro, input_precision=PREC)

@@ -7,19 +7,7 @@ from __future__ import annotations
 from ._triton import HAVE_TRITON, tl, triton
 
 if HAVE_TRITON:
-    from ._triton import table_ptr
-
-    @triton.jit
-    def _online(s, svalid, m_i, l_i, dt: tl.constexpr):
-        """One key tile's scores s [M, N] (log2 domain) into the online softmax: masked to svalid, the running max
-        and denominator moved on; returns them with the tile's weights (in dt, for the value dots) and the factor
-        alpha the earlier sums are rescaled by."""
-        s = tl.where(svalid, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        return m_new, l_i * alpha + tl.sum(p, 1), p.to(dt), alpha
+    from ._triton import online_step, table_ptr
 
     @triton.jit
     def _seg_tile(qn, qre, qro, base, rows, valid, svalid, offs_d, offs_r, rmask, m_i, l_i, acc, sr_e, sr_o, ar_e,
@@ -38,7 +26,7 @@ if HAVE_TRITON:
         s = tl.dot(qn, tl.trans(k), input_precision=PREC)
         s = tl.dot(qre, tl.trans(ke), s, input_precision=PREC)
         s = tl.dot(qro, tl.trans(ko), s, input_precision=PREC) * qk_scale
-        m_new, l_i, pk, alpha = _online(s, svalid, m_i, l_i, k.dtype)
+        m_new, l_i, pk, alpha = online_step(s, svalid, m_i, l_i, k.dtype)
         acc = acc * alpha[:, None] + tl.dot(pk, k, input_precision=PREC)       # rope channels unused
         sr_e = sr_e * alpha[:, None] + tl.dot(pk, ke, input_precision=PREC)
         sr_o = sr_o * alpha[:, None] + tl.dot(pk, ko, input_precision=PREC)
@@ -62,6 +50,16 @@ if HAVE_TRITON:
                 tl.load(row + 4))
 
     @triton.jit
+    def _segment_range(tab_ptr, P, COL: tl.constexpr, lo, hi, COLS: tl.constexpr, PB: tl.constexpr):
+        """[j0, j1): the segments, in increasing order of the start in column COL of the table (Delta, or the first
+        global entry id), that hold a key from lo to hi: from the last one starting at or before lo (the first if
+        none) to the last one starting at or before hi. One masked load of the starts and two counts."""
+        offs_p = tl.arange(0, PB)
+        starts = tl.load(tab_ptr + offs_p * COLS + COL, mask=offs_p < P, other=1 << 62)
+        return (tl.maximum(tl.sum((starts <= lo).to(tl.int32), 0) - 1, 0),
+                tl.sum((starts <= hi).to(tl.int32), 0))
+
+    @triton.jit
     def _span(tab_ptr, bounds_ptr, P, T, t0, p_lo, p_hi, MODE: tl.constexpr, ROWS: tl.constexpr,
               COLS: tl.constexpr, PB: tl.constexpr):
         """[j0, j1): the only segments that can hold a key of query rows t0..t0+ROWS-1 (rows past T ignored) whose
@@ -70,15 +68,12 @@ if HAVE_TRITON:
         one holding p_hi, widened to each row's first and last segment with picks (bounds). One masked load of
         the table's Deltas and of each row's bounds, and a count, instead of a pass over every segment: a row of
         a 64-document request reaches two or three of its 66 segments."""
-        offs_p = tl.arange(0, PB)
-        pm = offs_p < P
-        starts = tl.load(tab_ptr + offs_p * COLS + 2, mask=pm, other=1 << 62)
-        j1 = tl.sum((starts <= p_hi).to(tl.int32), 0)
+        j0, j1 = _segment_range(tab_ptr, P, 2, p_lo, p_hi, COLS, PB)
         if MODE == 1:
             j0 = j1 * 0
-        else:
-            j0 = tl.maximum(tl.sum((starts <= p_lo).to(tl.int32), 0) - 1, 0)
         if MODE == 2:
+            offs_p = tl.arange(0, PB)
+            pm = offs_p < P
             for r in range(ROWS):
                 tr = t0 + r
                 brow = bounds_ptr + tl.minimum(tr, T - 1) * (P + 1)

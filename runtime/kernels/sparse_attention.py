@@ -36,7 +36,7 @@ import torch
 from ._triton import HAVE_TRITON, check_runnable, dot_precision, tl, triton
 
 if HAVE_TRITON:
-    from ._triton import table_ptr
+    from ._triton import online_step, table_ptr
 
 MODES = {"none": 0, "causal": 1, "picks": 2}
 LN2 = math.log(2.0)
@@ -50,13 +50,8 @@ if HAVE_TRITON:
         (every query row sees the same keys) or [BH, BN] (which query row sees which key); the softmax state is
         kept in the log2 domain. PREC: the dots' input precision (see `dot_precision`)."""
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale                             # [BH, BN] fp32
-        s = tl.where(valid, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)                                      # 0 while m_i is -inf
-        p = tl.exp2(s - m_safe[:, None])                                   # 0 at masked keys
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m_new, l_i, p, alpha = online_step(s, valid, m_i, l_i, v.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PREC)
         return m_new, l_i, acc
 
     @triton.jit
