@@ -24,16 +24,18 @@ import random
 import shutil
 import statistics
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.report import header, write_json  # noqa: E402
-from bench.serve_ttft import (QUESTION, TENANT, TOKEN, _client, add_worker_args, random_checkpoint,  # noqa: E402
-                              upload, wait_ready, worker_env)
+from bench.serve_ttft import (QUESTION, TENANT, TOKEN, _client, add_worker_args, check_disk,  # noqa: E402
+                              random_checkpoint, upload, wait_ready, worker_env)
 from bench.ttft import add_model_args, model_config, request  # noqa: E402
 from services.common.stack import LocalStack, StackConfig  # noqa: E402
 
@@ -171,6 +173,7 @@ def main() -> int:
     lengths = [int(v) for v in args.lengths.split(",") if v.strip()]
     concs = [int(v) for v in args.concurrency.split(",") if v.strip()]
     cfg, prof = model_config(args)
+    check_disk(Path(args.workdir or tempfile.gettempdir()), args, cfg, prof, [(L, L) for L in lengths])
     work, ckpt = random_checkpoint(args, cfg, "rk-qps-")
     header(f"Flash dims x {cfg.n_layers} layers{' (small)' if args.small else ''}, routed experts "
            f"{cfg.n_routed_experts} | budget {prof.budget} | {args.docs} documents, {args.output_tokens} tokens out "

@@ -41,9 +41,10 @@ import httpx
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.ttft import add_model_args, model_config, request  # noqa: E402
+from bench.ttft import add_model_args, artifact_bytes, doc_lengths, model_config, request  # noqa: E402
 from runtime.model.checkpoint import build_demo_tokenizer, load_tokenizer  # noqa: E402
 from runtime.model.random_init import write_random_checkpoint  # noqa: E402
+from services.common.serving import serving_dtype  # noqa: E402
 from services.common.stack import LocalStack, StackConfig  # noqa: E402
 from bench.report import header, write_json  # noqa: E402
 
@@ -77,6 +78,28 @@ def worker_env(args) -> dict[str, str]:
     requests, and the policy `add_worker_args` asked for."""
     return {"REDKNOT_WORKER_REQUEST_TIMEOUT_S": "1800",
             **({"REDKNOT_POLICY": f"prefill_chunk={args.prefill_chunk}"} if args.prefill_chunk else {})}
+
+
+def check_disk(work: Path, args, cfg, prof, sets: list[tuple[int, int]]) -> list[int]:
+    """The bytes the store will hold for the document sets the run builds (`request`'s (length, seed) each), every
+    document complete in the serving dtype, against the free space under `work`, before any service starts: a 128K
+    set is about 48 GiB, and a disk that fills mid-build fails the run minutes in. The builder's copy of one
+    document (removed after its upload) is the margin. Returns each set's estimate (the store held 0.02% more at 64K:
+    its headers). `work` need not exist yet: its nearest existing folder is asked."""
+    elem = torch.empty((), dtype=serving_dtype("auto", args.device)).element_size()
+    docs = [artifact_bytes(cfg, prof, doc_lengths(L, args.docs, args.doc_lengths, seed), elem, whole=True)
+            for L, seed in sets]
+    per_set = [sum(b.values()) for b in docs]
+    need, margin = sum(per_set), max(per_set) // args.docs
+    there = work
+    while not there.exists():
+        there = there.parent
+    free = shutil.disk_usage(there).free
+    if need + margin > free:
+        raise SystemExit(f"the documents of this run need {need / 2**30:.1f} GiB in the store under {work} "
+                         f"(+{margin / 2**30:.1f} GiB while a document is built) and {free / 2**30:.1f} GiB are "
+                         "free: use --workdir on a larger disk, fewer or shorter --lengths, or --local-format fp8")
+    return per_set
 
 
 def _client(stack: LocalStack) -> httpx.Client:
@@ -161,6 +184,8 @@ def main() -> int:
     empty_at = [L for L in lengths if not args.empty_at.strip() or L in {int(v) for v in args.empty_at.split(",")}]
     empty_reps = args.empty_reps or args.reps
     cfg, prof = model_config(args)
+    estimate = check_disk(Path(args.workdir or tempfile.gettempdir()), args, cfg, prof, [(L, L) for L in lengths]
+                          + [(L, L + 1) for L in sorted(cold_at & set(lengths))])
     work, ckpt = random_checkpoint(args, cfg, "rk-serve-")
     tok = work / "tokenizer.json"
     n_q = len(load_tokenizer(tok).encode(QUESTION).ids)
@@ -189,6 +214,7 @@ def main() -> int:
                 row["ids"] = upload(c, docs)
                 wait_ready(c, row["ids"])
                 row["store_bytes"] = sum(c.get(f"/v1/documents/{i}").json()["bytes"] for i in row["ids"])
+                row["store_bytes_estimate"] = estimate[lengths.index(L)]
                 print(f"  {L}: {args.docs} documents built ({row['store_bytes'] / 2**30:.1f} GiB stored)", flush=True)
             cold = sorted(cold_at & set(lengths))
             if not cold:

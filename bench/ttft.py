@@ -182,9 +182,10 @@ def request(cfg, L: int, n_docs: int, n_q: int, seed: int, spread: tuple[int, in
     return docs, torch.randint(2, cfg.vocab_size, (n_q,), generator=g).tolist()
 
 
-def artifact_bytes(cfg, prof, lengths: list[int], elem: int) -> dict[str, int]:
+def artifact_bytes(cfg, prof, lengths: list[int], elem: int, whole: bool = False) -> dict[str, int]:
     """Bytes of the hot artifacts of one request (documents of `lengths` tokens), by kind, as the producer writes
-    them (the prefix document's Local contribution and picks are dropped: its rows are never computed)."""
+    them (the prefix document's Local contribution and picks are dropped: its rows are never computed); `whole`:
+    every document complete, as the store keeps it (any of them may open a request)."""
     b = dict(latent=0, entries=0, index_keys=0, picks=0, local=0)
     C = cfg.o_groups * cfg.o_lora_rank
     row = C + -(-C // FP8_ROW_BLOCK) if prof.local_format == "fp8" else C * elem
@@ -196,9 +197,9 @@ def artifact_bytes(cfg, prof, lengths: list[int], elem: int) -> dict[str, int]:
                 b["entries"] += (n // r) * cfg.head_dim * elem
             if kind == CSA:
                 b["index_keys"] += (n // 4) * cfg.index_head_dim * elem
-                if reusable and prof.global_picks == "artifact" and j:
+                if reusable and prof.global_picks == "artifact" and (j or whole):
                     b["picks"] += n * min(cfg.index_topk, n // 4) * 4
-            if reusable and j:   # W_a,L O_L: o_groups x o_lora_rank per row (FP8: a byte each and a scale per 128)
+            if reusable and (j or whole):   # W_a,L O_L: o_groups x o_lora_rank per row (FP8: a byte and a scale/128)
                 b["local"] += n * row
     return b
 
