@@ -21,9 +21,11 @@ Medians of --reps after --warmup untimed requests of each arm; a reuse case that
     python bench/serve_ttft.py --lengths 16384,32768 --budget 0.1 --json bench/results/serve.json   # on the GPU
     python bench/serve_ttft.py --small                                                          # CPU smoke run
 
-Disk and memory: a bf16 document token costs about 0.65 MB of artifacts over the 37 reusable layers at TP1, stored
-once by the store (the builder's copy is removed after upload) and held once more in the pinned tier: 16K + 32K
-with one cold set fit the H200 machine's 64 GiB disk; 64K needs a fresh machine of its own.
+Disk and memory: a bf16 document token with stored picks costs about 0.69 MB of artifacts over the 43 layers at
+TP1 with the Local contribution native, 0.39 MB with it in FP8 (the flash preset's), stored once by the store (the
+builder's copy is removed after upload) and held once more in the pinned tier. Before any service starts, the run
+estimates what the store will hold (`check_disk`) and stops if it does not fit under --workdir: 128K with stored
+picks is about 48 GiB, within the GPU machine's 64 GiB disk only on a fresh machine.
 """
 from __future__ import annotations
 

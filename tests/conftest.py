@@ -5,7 +5,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # one compute thread per core: under xdist the test processes share the cores (2 workers on 2 cores: one thread
-# each; two each measured 2-9x slower per test, the workers' spinning threads taking each other's cores)
+# each; two each measured 4-10x slower per test, the workers' spinning threads taking each other's cores)
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
 
 # Without a GPU the Triton kernels run under Triton's interpreter (tests/kernels/test_interpret.py): the switch must
