@@ -64,12 +64,22 @@ def _die_with_parent() -> None:
         pass
 
 
+def rank_threads(size: int) -> int:
+    """Each rank's torch threads: OMP_NUM_THREADS where the deployment set it (a container's CPU limit, which the
+    host's core count does not show, or processes sharing the cores), else the cores this process may run on
+    divided among the ranks."""
+    if os.environ.get("OMP_NUM_THREADS", "").strip().isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+        return int(os.environ["OMP_NUM_THREADS"])
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // size)
+
+
 def _entry(rank: int, target, size: int, rendezvous: str, device: str, args: tuple) -> None:
     _die_with_parent()
     if rank != 0:                           # followers stop when rank 0 broadcasts the stop, never on their own
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    torch.set_num_threads(rank_threads(size))
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(rank)

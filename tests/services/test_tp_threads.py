@@ -1,0 +1,29 @@
+"""A TP group's ranks take their torch threads from OMP_NUM_THREADS where the deployment set it (a container's CPU
+limit is not the host's core count; processes may share the cores), else the cores this process may run on divided
+among the ranks (services/common/tp.py `rank_threads`). Real rank processes (spawned, gloo)."""
+import json
+import os
+
+import torch
+
+from services.common.tp import launch, rank_threads
+
+
+def _record(group, out_dir: str) -> None:
+    with open(f"{out_dir}/rank{group.rank}.json", "w") as fh:
+        json.dump(torch.get_num_threads(), fh)
+
+
+def test_ranks_take_omp_num_threads_where_it_is_set(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert launch(2, _record, (str(tmp_path),)) == 0
+    assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)] == [3, 3]
+
+
+def test_without_it_the_cores_are_divided_among_the_ranks(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = len(os.sched_getaffinity(0))
+    assert rank_threads(1) == cores and rank_threads(2) == max(1, cores // 2) and rank_threads(4 * cores) == 1
+    for junk in ("", "0", "two"):                     # not a count of threads: the default
+        monkeypatch.setenv("OMP_NUM_THREADS", junk)
+        assert rank_threads(2) == max(1, cores // 2)
