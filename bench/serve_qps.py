@@ -24,10 +24,8 @@ import random
 import shutil
 import statistics
 import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import torch
@@ -173,7 +171,7 @@ def main() -> int:
     lengths = [int(v) for v in args.lengths.split(",") if v.strip()]
     concs = [int(v) for v in args.concurrency.split(",") if v.strip()]
     cfg, prof = model_config(args)
-    check_disk(Path(args.workdir or tempfile.gettempdir()), args, cfg, prof, [(L, L) for L in lengths])
+    check_disk(args, cfg, prof, [(L, L) for L in lengths])
     work, ckpt = random_checkpoint(args, cfg, "rk-qps-")
     header(f"Flash dims x {cfg.n_layers} layers{' (small)' if args.small else ''}, routed experts "
            f"{cfg.n_routed_experts} | budget {prof.budget} | {args.docs} documents, {args.output_tokens} tokens out "

@@ -82,12 +82,14 @@ def worker_env(args) -> dict[str, str]:
             **({"REDKNOT_POLICY": f"prefill_chunk={args.prefill_chunk}"} if args.prefill_chunk else {})}
 
 
-def check_disk(work: Path, args, cfg, prof, sets: list[tuple[int, int]]) -> list[int]:
+def check_disk(args, cfg, prof, sets: list[tuple[int, int]]) -> list[int]:
     """The bytes the store will hold for the document sets the run builds (`request`'s (length, seed) each), every
-    document complete in the serving dtype, against the free space under `work`, before any service starts: a 128K
+    document complete in the serving dtype, against the free space under --workdir (or the temporary folder
+    `random_checkpoint` makes one in), before any service starts: a 128K
     set is about 48 GiB, and a disk that fills mid-build fails the run minutes in. The builder's copy of one
     document (removed after its upload) is the margin. Returns each set's estimate (the store held 0.02% more at 64K:
-    its headers). `work` need not exist yet: its nearest existing folder is asked."""
+    its headers). The folder need not exist yet: its nearest existing parent is asked."""
+    work = Path(args.workdir or tempfile.gettempdir())
     elem = torch.empty((), dtype=serving_dtype("auto", args.device)).element_size()
     docs = [artifact_bytes(cfg, prof, doc_lengths(L, args.docs, args.doc_lengths, seed), elem, whole=True)
             for L, seed in sets]
@@ -186,8 +188,8 @@ def main() -> int:
     empty_at = [L for L in lengths if not args.empty_at.strip() or L in {int(v) for v in args.empty_at.split(",")}]
     empty_reps = args.empty_reps or args.reps
     cfg, prof = model_config(args)
-    estimate = check_disk(Path(args.workdir or tempfile.gettempdir()), args, cfg, prof, [(L, L) for L in lengths]
-                          + [(L, L + 1) for L in sorted(cold_at & set(lengths))])
+    cold = sorted(cold_at & set(lengths))
+    estimate = check_disk(args, cfg, prof, [(L, L) for L in lengths] + [(L, L + 1) for L in cold])
     work, ckpt = random_checkpoint(args, cfg, "rk-serve-")
     tok = work / "tokenizer.json"
     n_q = len(load_tokenizer(tok).encode(QUESTION).ids)
@@ -218,7 +220,6 @@ def main() -> int:
                 row["store_bytes"] = sum(c.get(f"/v1/documents/{i}").json()["bytes"] for i in row["ids"])
                 row["store_bytes_estimate"] = estimate[lengths.index(L)]
                 print(f"  {L}: {args.docs} documents built ({row['store_bytes'] / 2**30:.1f} GiB stored)", flush=True)
-            cold = sorted(cold_at & set(lengths))
             if not cold:
                 builder_code = stack.services["builder"].stop()
             stack.restart("worker")
