@@ -171,7 +171,7 @@ def main() -> int:
     lengths = [int(v) for v in args.lengths.split(",") if v.strip()]
     concs = [int(v) for v in args.concurrency.split(",") if v.strip()]
     cfg, prof = model_config(args)
-    check_disk(args, cfg, prof, [(L, L) for L in lengths])
+    estimate = dict(zip(lengths, check_disk(args, cfg, prof, [(L, L) for L in lengths])))
     work, ckpt = random_checkpoint(args, cfg, "rk-qps-")
     header(f"Flash dims x {cfg.n_layers} layers{' (small)' if args.small else ''}, routed experts "
            f"{cfg.n_routed_experts} | budget {prof.budget} | {args.docs} documents, {args.output_tokens} tokens out "
@@ -201,7 +201,7 @@ def main() -> int:
                 for arm in ("recompute", "reuse"):     # each row printed as soon as it exists
                     r = pair[arm] = run_concurrency(stack, sets[L], arm, conc, args.output_tokens, args.window_s,
                                                     args.windows, SMALL_EXTRA if args.small else MAX_EXTRA)
-                    r["length"] = L
+                    r["length"], r["store_bytes_estimate"] = L, estimate[L]
                     r["ratio_req_s"] = r["req_s"] / pair["recompute"]["req_s"] if pair["recompute"]["req_s"] else None
                     r["ratio_req_s_ci"] = ratio_ci(r["windows_req_s"], pair["recompute"]["windows_req_s"])
                     rows.append(r)

@@ -30,4 +30,6 @@ def test_serve_qps_small_drives_both_arms_at_each_concurrency(tmp_path):
         if row["arm"] == "reuse":           # the ratio to the recompute arm, with its bootstrap interval
             lo, hi = row["ratio_req_s_ci"]     # (no upper end where a resampled recompute arm completed nothing)
             assert lo - 1e-9 <= row["ratio_req_s"] <= (float("inf") if hi is None else hi + 1e-9), row
+    # the disk check's estimate of the store's bytes for the length's document set, on every row of that length
+    assert len({row["store_bytes_estimate"] for row in run["rows"]}) == 1 and run["rows"][0]["store_bytes_estimate"] > 0
     assert "| 512 | 2 | reuse |" in r.stdout                 # the results table
