@@ -64,13 +64,22 @@ def _die_with_parent() -> None:
         pass
 
 
+def _count(name: str) -> int | None:
+    """A positive whole count from the environment variable `name`; None where it is unset or not one."""
+    v = os.environ.get(name, "").strip()
+    return int(v) if v.isdigit() and int(v) > 0 else None
+
+
 def rank_threads(size: int) -> int:
-    """Each rank's torch threads: OMP_NUM_THREADS where the deployment set it (a container's CPU limit, which the
-    host's core count does not show, or processes sharing the cores), else the cores this process may run on
-    divided among the ranks."""
-    if os.environ.get("OMP_NUM_THREADS", "").strip().isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
-        return int(os.environ["OMP_NUM_THREADS"])
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """Each rank's torch threads: OMP_NUM_THREADS where the deployment set it (per process), else the group's CPUs
+    divided among the ranks: REDKNOT_CPUS where set (the Helm chart sets it from the pod's CPU limit, or its request
+    where it has no limit: a container's share, which the host's core count does not show), else the cores this
+    process may run on."""
+    omp = _count("OMP_NUM_THREADS")
+    if omp is not None:
+        return omp
+    cores = _count("REDKNOT_CPUS") or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                       else os.cpu_count() or 1)
     return max(1, cores // size)
 
 

@@ -447,3 +447,15 @@ def test_the_api_gets_a_generated_document_id_key_or_yours(rendered):
     assert not [o for o in own if o["kind"] == "Secret" and o["metadata"]["name"].endswith("-api")]
     env = {e["name"]: e for e in _container(find(own, "Deployment", "-api"))["env"]}
     assert env["REDKNOT_API_ID_SECRET"]["valueFrom"]["secretKeyRef"]["name"] == "my-ids"
+
+
+def test_workers_and_builders_divide_their_pods_cpu_share_among_their_ranks(rendered):
+    """Each TP rank's torch threads come from the pod's CPU share (services/common/tp.py rank_threads): the chart
+    passes the container's CPU limit where it has one, else its request, through the downward API."""
+    objs = objects(rendered["default"])
+    for w in (find(objs, "StatefulSet", "-worker"), find(objs, "Deployment", "-builder")):
+        ref = _env(_container(w))["REDKNOT_CPUS"]["resourceFieldRef"]
+        assert ref == {"resource": "requests.cpu", "divisor": "1"}          # the defaults request CPUs, no limit
+    vals = {**values("default"), "worker": {"resources": {"requests": {"cpu": "8"}, "limits": {"cpu": "12"}}}}
+    ref = _env(_container(find(objects(render(vals)), "StatefulSet", "-worker")))["REDKNOT_CPUS"]["resourceFieldRef"]
+    assert ref == {"resource": "limits.cpu", "divisor": "1"}

@@ -189,6 +189,18 @@ securityContext:
 {{- toYaml $res }}
 {{- end }}
 
+{{- /* REDKNOT_CPUS: the container's CPU share (its limit, else its request; a whole count, rounded up), which a TP
+group's ranks divide among themselves for their torch threads (services/common/tp.py rank_threads): the node's core
+count, which a process sees, is not the pod's share. (list resources). */}}
+{{- define "redknot.cpusEnv" -}}
+{{- $res := index . 0 | default dict -}}
+- name: REDKNOT_CPUS
+  valueFrom:
+    resourceFieldRef:
+      resource: {{ ternary "limits.cpu" "requests.cpu" (hasKey ($res.limits | default dict) "cpu") }}
+      divisor: "1"
+{{- end }}
+
 {{- /* A NetworkPolicy peer: the pods of one component of this release: (list $ "api"). */}}
 {{- define "redknot.peer" -}}
 - podSelector:
