@@ -54,4 +54,4 @@ def rank_main(group: RankGroup, s: BuilderSettings) -> None:
 def main(s: BuilderSettings) -> int:
     if not s.model:
         raise SystemExit("redknot builder: --model (REDKNOT_MODEL) is required")
-    return launch(s.tp, rank_main, (s,), device=s.device)
+    return launch(s.tp, rank_main, (s,), device=s.device, cpus=s.cpus)

@@ -64,31 +64,25 @@ def _die_with_parent() -> None:
         pass
 
 
-def _count(name: str) -> int | None:
-    """A positive whole count from the environment variable `name`; None where it is unset or not one."""
-    v = os.environ.get(name, "").strip()
-    return int(v) if v.isdigit() and int(v) > 0 else None
-
-
-def rank_threads(size: int) -> int:
+def rank_threads(size: int, cpus: int = 0) -> int:
     """Each rank's torch threads: OMP_NUM_THREADS where the deployment set it (per process), else the group's CPUs
-    divided among the ranks: REDKNOT_CPUS where set (the Helm chart sets it from the pod's CPU limit, or its request
-    where it has no limit: a container's share, which the host's core count does not show), else the cores this
-    process may run on."""
-    omp = _count("OMP_NUM_THREADS")
-    if omp is not None:
-        return omp
-    cores = _count("REDKNOT_CPUS") or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                                       else os.cpu_count() or 1)
+    divided among the ranks: `cpus` where given (the worker's and builder's `cpus` setting, REDKNOT_CPUS, which the
+    Helm chart sets from the pod's CPU limit, or its request where it has no limit: a container's share, which the
+    host's core count does not show), else the cores this process may run on."""
+    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if omp.isdigit() and int(omp) > 0:
+        return int(omp)
+    cores = cpus if cpus > 0 else (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                   else os.cpu_count() or 1)
     return max(1, cores // size)
 
 
-def _entry(rank: int, target, size: int, rendezvous: str, device: str, args: tuple) -> None:
+def _entry(rank: int, target, size: int, rendezvous: str, device: str, args: tuple, cpus: int) -> None:
     _die_with_parent()
     if rank != 0:                           # followers stop when rank 0 broadcasts the stop, never on their own
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-    torch.set_num_threads(rank_threads(size))
+    torch.set_num_threads(rank_threads(size, cpus))
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(rank)
@@ -111,8 +105,12 @@ def _entry(rank: int, target, size: int, rendezvous: str, device: str, args: tup
     os._exit(0)
 
 
-def launch(size: int, target, args: tuple = (), device: str = "cpu") -> int:
+def launch(size: int, target, args: tuple = (), device: str = "cpu", cpus: int = 0) -> int:
+    """Run `target(group, *args)` on `size` ranks (spawned processes; in this process at size 1), each with
+    `rank_threads(size, cpus)` torch threads (at size 1 only where `cpus` is given: else torch's own count)."""
     if size == 1:
+        if cpus > 0:
+            torch.set_num_threads(rank_threads(1, cpus))
         dev = torch.device(device)
         target(RankGroup(0, 1, dev, Parallel()), *args)
         return 0
@@ -121,7 +119,7 @@ def launch(size: int, target, args: tuple = (), device: str = "cpu") -> int:
     meet = tempfile.mkdtemp(prefix="redknot-tp-")
     try:
         return _supervise(mp.start_processes(_entry, args=(target, size, os.path.join(meet, "rendezvous"), device,
-                                                           args), nprocs=size, join=False, start_method="spawn"))
+                                                           args, cpus), nprocs=size, join=False, start_method="spawn"))
     finally:
         shutil.rmtree(meet, ignore_errors=True)
 

@@ -219,4 +219,4 @@ def calibration_source(s: WorkerSettings, tenants: Tenants, fingerprint: str,
 def main(s: WorkerSettings) -> int:
     if not s.model:
         raise SystemExit("redknot worker: --model (REDKNOT_MODEL) is required")
-    return launch(s.tp, rank_main, (s,), device=s.device)
+    return launch(s.tp, rank_main, (s,), device=s.device, cpus=s.cpus)

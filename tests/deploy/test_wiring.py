@@ -68,7 +68,8 @@ def _under(path: str, mounts: set[str]) -> bool:
 
 # ------------------------------------------------------------------------------------------------- Helm
 def _container_env(c: dict) -> dict[str, str]:
-    """The container's environment as Kubernetes makes it: secrets stand in as placeholders, and $(NAME) of a
+    """The container's environment as Kubernetes makes it: secrets stand in as placeholders, a container's resource
+    (the downward API) as a count, and $(NAME) of a
     variable defined earlier in the list is expanded (REDIS_URL carries the bundled Redis's REDIS_PASSWORD)."""
     out = {}
     for e in c.get("env", []):
@@ -76,6 +77,8 @@ def _container_env(c: dict) -> dict[str, str]:
             out[e["name"]] = re.sub(r"\$\((\w+)\)", lambda m: out.get(m.group(1), m.group(0)), e["value"])
         elif e["name"] == "REDIS_URL":                     # from a Secret at run time
             out[e["name"]] = "redis://redis-from-secret:6379/0"
+        elif "resourceFieldRef" in e.get("valueFrom", {}):     # the downward API: a whole count of CPUs
+            out[e["name"]] = "6"
         else:
             out[e["name"]] = "from-a-secret"
     return out
@@ -120,6 +123,8 @@ def test_helm_commands_and_env_start_the_services(name, rendered, monkeypatch):
             if values(name).get("redis", {}).get("auth", {}).get("enabled", True):
                 assert url.password == "from-a-secret", where       # $(REDIS_PASSWORD), from the Secret
         assert s.tp == values(name).get("worker", {}).get("tp", 8)
+        if service in ("worker", "builder"):
+            assert s.cpus == 6, where                      # the pod's CPU share, for the ranks' threads
         if service == "api":
             assert _port(s.listen) == ports["http"], where
             worker_host = s.worker_url.split("//")[1].split(":")[0]

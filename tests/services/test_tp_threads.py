@@ -1,6 +1,6 @@
 """A TP group's ranks take their torch threads from OMP_NUM_THREADS where the deployment set it, else from the
-group's CPUs divided among the ranks: REDKNOT_CPUS (the pod's share, from the Helm chart) where set, else the cores this
-process may run on (services/common/tp.py `rank_threads`). Real rank processes (spawned, gloo)."""
+group's CPUs divided among the ranks: the worker's and builder's `cpus` setting (REDKNOT_CPUS, the pod's share, from the
+Helm chart) where given, else the cores this process may run on (services/common/tp.py `rank_threads`). Real rank processes (spawned, gloo)."""
 import json
 import os
 
@@ -22,7 +22,6 @@ def test_ranks_take_omp_num_threads_where_it_is_set(tmp_path, monkeypatch):
 
 def test_without_it_the_cores_are_divided_among_the_ranks(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.delenv("REDKNOT_CPUS", raising=False)
     cores = len(os.sched_getaffinity(0))
     assert rank_threads(1) == cores and rank_threads(2) == max(1, cores // 2) and rank_threads(4 * cores) == 1
     for junk in ("", "0", "two"):                     # not a count of threads: the default
@@ -30,14 +29,19 @@ def test_without_it_the_cores_are_divided_among_the_ranks(monkeypatch):
         assert rank_threads(2) == max(1, cores // 2)
 
 
-def test_the_pods_cpu_share_is_divided_among_the_ranks(monkeypatch):
-    """REDKNOT_CPUS (the chart's downward-API value of the pod's CPU limit or request) stands for the host's cores;
-    OMP_NUM_THREADS, where set, still wins; a value that is not a count is ignored."""
+def test_the_pods_cpu_share_is_divided_among_the_ranks(tmp_path, monkeypatch):
+    """`cpus` (the chart's downward-API value of the pod's CPU limit or request) stands for the host's cores, in the
+    spawned ranks too; OMP_NUM_THREADS, where set, still wins."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setenv("REDKNOT_CPUS", "12")
-    assert rank_threads(1) == 12 and rank_threads(4) == 3 and rank_threads(16) == 1
+    assert rank_threads(1, 12) == 12 and rank_threads(4, 12) == 3 and rank_threads(16, 12) == 1
+    assert launch(2, _record, (str(tmp_path),), cpus=6) == 0
+    assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)] == [3, 3]
     monkeypatch.setenv("OMP_NUM_THREADS", "5")
-    assert rank_threads(4) == 5
-    monkeypatch.delenv("OMP_NUM_THREADS")
-    monkeypatch.setenv("REDKNOT_CPUS", "1.5")
-    assert rank_threads(2) == max(1, len(os.sched_getaffinity(0)) // 2)
+    assert rank_threads(4, 12) == 5
+
+
+def test_the_cpus_setting_reaches_the_worker_and_the_builder():
+    from services.builder.settings import BuilderSettings
+    from services.worker.settings import WorkerSettings
+    for cls in (WorkerSettings, BuilderSettings):
+        assert cls.from_args(env={"REDKNOT_CPUS": "24"}).cpus == 24 and cls.from_args(env={}).cpus == 0

@@ -189,9 +189,10 @@ securityContext:
 {{- toYaml $res }}
 {{- end }}
 
-{{- /* REDKNOT_CPUS: the container's CPU share (its limit, else its request; a whole count, rounded up), which a TP
-group's ranks divide among themselves for their torch threads (services/common/tp.py rank_threads): the node's core
-count, which a process sees, is not the pod's share. (list resources). */}}
+{{- /* REDKNOT_CPUS (the worker's and builder's `cpus` setting): the container's CPU share (its limit, else its
+request; a whole count, rounded up), which a TP group's ranks divide among themselves for their torch threads
+(services/common/tp.py rank_threads): the node's core count, which a process sees, is not the pod's share.
+(list resources). */}}
 {{- define "redknot.cpusEnv" -}}
 {{- $res := index . 0 | default dict -}}
 - name: REDKNOT_CPUS
