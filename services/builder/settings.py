@@ -21,9 +21,5 @@ class BuilderSettings(CommonSettings):
     workdir: str = setting(".cache/builder", "REDKNOT_BUILDER_WORKDIR", "where rank artifacts are written "
                                                                        "before upload (removed after)")
     device: str = setting("cpu", "REDKNOT_DEVICE", "cpu (gloo) or cuda (NCCL, one GPU per rank)")
-    cpus: int = setting(0, "REDKNOT_CPUS", "CPUs the group's ranks divide among themselves for their torch threads "
-                                           "(the Helm chart sets the pod's CPU limit, or its request where it has "
-                                           "none; 0: the cores this process may run on; OMP_NUM_THREADS, where set, "
-                                           "is each rank's count)")
     failpoints: str = setting("", "REDKNOT_BUILDER_FAILPOINTS", "testing only: name=seconds pauses "
                                                                 "(before_commit, producing)")

@@ -69,6 +69,10 @@ class CommonSettings(Settings):
                                                       "of ReuseProfile fields (the Llama family: \"preamble\": "
                                                       "[token ids] opens every request)")
     tp: int = setting(1, "REDKNOT_TP", "tensor-parallel size the artifacts are built and served for")
+    cpus: int = setting(0, "REDKNOT_CPUS", "CPUs a worker's or builder's TP ranks divide among themselves for their "
+                                           "torch threads (the Helm chart sets the pod's CPU limit, or its request "
+                                           "where it has none; 0: the cores the process may run on; OMP_NUM_THREADS, "
+                                           "where set, is each rank's count)")
     store: str = setting("127.0.0.1:50051", "REDKNOT_STORE_TARGET", "host:port of the artifact store")
     store_tls_ca: str = setting("", "REDKNOT_STORE_CLIENT_TLS_CA", "PEM CA that signed the store's certificate: talk "
                                                                   "to the store over TLS (empty: plaintext)")
@@ -83,6 +87,13 @@ class CommonSettings(Settings):
                                                 "(runtime/policy.py: fused_min_heads, fused_min_segments, "
                                                 "key_frame_min_heads, stacked_parts, moe_grouped_slots, "
                                                 "prefill_chunk; empty: the defaults)")
+
+    @field_validator("cpus")
+    @classmethod
+    def _cpus_not_negative(cls, v: int) -> int:
+        if v < 0:
+            raise ValueError(f"cpus {v} is negative (0: the cores the process may run on)")
+        return v
 
     @field_validator("policy")
     @classmethod

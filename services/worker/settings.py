@@ -10,10 +10,6 @@ class WorkerSettings(CommonSettings):
     listen: str = setting("127.0.0.1:8100", "REDKNOT_WORKER_LISTEN",
                           "host:port of rank 0's HTTP endpoint (/v1/generate, /healthz, /readyz, /metrics)")
     device: str = setting("cpu", "REDKNOT_DEVICE", "cpu (gloo) or cuda (NCCL, one GPU per rank)")
-    cpus: int = setting(0, "REDKNOT_CPUS", "CPUs the group's ranks divide among themselves for their torch threads "
-                                           "(the Helm chart sets the pod's CPU limit, or its request where it has "
-                                           "none; 0: the cores this process may run on; OMP_NUM_THREADS, where set, "
-                                           "is each rank's count)")
     tier_gib: float = setting(16.0, "REDKNOT_WORKER_TIER_GIB", "pinned host tier capacity per rank, GiB (verified "
                                                               "documents kept in page-locked memory, LRU by bytes; "
                                                               "0: off, every request fetches from the store)")

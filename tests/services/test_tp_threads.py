@@ -43,5 +43,10 @@ def test_the_pods_cpu_share_is_divided_among_the_ranks(tmp_path, monkeypatch):
 def test_the_cpus_setting_reaches_the_worker_and_the_builder():
     from services.builder.settings import BuilderSettings
     from services.worker.settings import WorkerSettings
+    import pydantic
+    import pytest
     for cls in (WorkerSettings, BuilderSettings):
         assert cls.from_args(env={"REDKNOT_CPUS": "24"}).cpus == 24 and cls.from_args(env={}).cpus == 0
+        for bad in ("-2", "1.5", "all"):                 # a clear error naming the setting, at start
+            with pytest.raises(pydantic.ValidationError, match="cpus"):
+                cls.from_args(env={"REDKNOT_CPUS": bad})
