@@ -69,8 +69,8 @@ def _under(path: str, mounts: set[str]) -> bool:
 # ------------------------------------------------------------------------------------------------- Helm
 def _container_env(c: dict) -> dict[str, str]:
     """The container's environment as Kubernetes makes it: secrets stand in as placeholders, a container's resource
-    (the downward API) as a count, and $(NAME) of a
-    variable defined earlier in the list is expanded (REDIS_URL carries the bundled Redis's REDIS_PASSWORD)."""
+    (the downward API) as a count, and $(NAME) of a variable defined earlier in the list is expanded (REDIS_URL
+    carries the bundled Redis's REDIS_PASSWORD)."""
     out = {}
     for e in c.get("env", []):
         if "value" in e:

@@ -1,9 +1,12 @@
 """A TP group's ranks take their torch threads from OMP_NUM_THREADS where the deployment set it, else from the
-group's CPUs divided among the ranks: the worker's and builder's `cpus` setting (REDKNOT_CPUS, the pod's share, from the
-Helm chart) where given, else the cores this process may run on (services/common/tp.py `rank_threads`). Real rank processes (spawned, gloo)."""
+group's CPUs divided among the ranks: the worker's and builder's `cpus` setting (REDKNOT_CPUS, the pod's share, from
+the Helm chart) where given, else the cores this process may run on (services/common/tp.py `rank_threads`). Real rank
+processes (spawned, gloo)."""
 import json
 import os
 
+import pydantic
+import pytest
 import torch
 
 from services.common.tp import launch, rank_threads
@@ -43,8 +46,6 @@ def test_the_pods_cpu_share_is_divided_among_the_ranks(tmp_path, monkeypatch):
 def test_the_cpus_setting_reaches_the_worker_and_the_builder():
     from services.builder.settings import BuilderSettings
     from services.worker.settings import WorkerSettings
-    import pydantic
-    import pytest
     for cls in (WorkerSettings, BuilderSettings):
         assert cls.from_args(env={"REDKNOT_CPUS": "24"}).cpus == 24 and cls.from_args(env={}).cpus == 0
         for bad in ("-2", "1.5", "all"):                 # a clear error naming the setting, at start
