@@ -274,3 +274,21 @@ def test_packing_through_the_kept_plans_equals_packing_afresh():
                 assert torch.equal(a, b) and torch.equal(a, c)
     with pytest.raises(ValueError, match="plans"):
         pack_documents(host, "cpu", plans=[(ts, lay) for ts, lay, _ in hp][:2])
+
+
+def test_bench_stage_views_times_the_packed_one_copy_path(tmp_path, monkeypatch):
+    """bench/stage_views.py times what LayerPrefetcher does for pinned documents: its layers pack into one storage
+    each (one copy a document, not the loose tensor-by-tensor path), and it reports a time per document count."""
+    import json
+    import sys
+    from bench import stage_views
+    from runtime.reuse.packing import host_plan, pin_layers
+    for csa in (True, False):
+        la = pin_layers([stage_views.flash_layer(128, csa)])[0]
+        assert host_plan(la)[2] is not None                              # a packed source: one copy
+    out = tmp_path / "views.json"
+    monkeypatch.setattr(sys, "argv", ["stage_views", "--docs", "2,4", "--layers", "2", "--reps", "1",
+                                      "--json", str(out)])
+    stage_views.main()
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["docs"] for r in rows] == [2, 4] and all(r["s"] > 0 and r["first_s"] > 0 for r in rows)
