@@ -22,24 +22,29 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.report import header, write_json  # noqa: E402
+from runtime.model.config import FLASH  # noqa: E402
 from runtime.reuse.artifact import LayerArtifact  # noqa: E402
 from runtime.reuse.packing import host_plan, pack_documents, pin_layers  # noqa: E402
 
-D, ROPE, IDX, LOCAL = 512, 64, 128, 8 * 1024        # Flash: latent dim, rope dims, indexer key dim, 8 x o_lora_rank
+F = FLASH
 
 
 def flash_layer(n: int, csa: bool) -> LayerArtifact:
-    """A reusable layer's artifact of `n` rows with a Flash layer's fields (values irrelevant: zeros)."""
+    """A Flash reusable layer's artifact of `n` rows (CSA: ratio 4 with indexer keys and stored picks; HCA: ratio
+    128), FP8 Local contribution W_a,L O_L (o_groups x o_lora_rank channels) and its scales; values irrelevant."""
     ratio = 4 if csa else 128
-    pair = lambda w: (torch.zeros(ratio, w), torch.zeros(ratio, w))            # noqa: E731
+    local = F.o_groups * F.o_lora_rank
+
+    def carried(width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.zeros(ratio, width), torch.zeros(ratio, width)
     return LayerArtifact(
-        latent=torch.zeros(n, D, dtype=torch.bfloat16), entries=torch.zeros(max(n // ratio, 1), D,
-                                                                              dtype=torch.bfloat16),
-        index_keys=torch.zeros(n // 4, IDX, dtype=torch.bfloat16) if csa else None,
-        comp_prev=pair(2 * D), index_prev=pair(2 * IDX) if csa else None,
-        local_p=torch.zeros(n, LOCAL, dtype=torch.float8_e4m3fn),
-        picks=torch.zeros(n, 512, dtype=torch.int32) if csa else None,
-        local_s=torch.zeros(n, LOCAL // 128, dtype=torch.uint8))
+        latent=torch.zeros(n, F.head_dim, dtype=torch.bfloat16),
+        entries=torch.zeros(max(n // ratio, 1), F.head_dim, dtype=torch.bfloat16),
+        index_keys=torch.zeros(n // ratio, F.index_head_dim, dtype=torch.bfloat16) if csa else None,
+        comp_prev=carried(2 * F.head_dim), index_prev=carried(2 * F.index_head_dim) if csa else None,
+        local_p=torch.zeros(n, local, dtype=torch.float8_e4m3fn),
+        picks=torch.zeros(n, F.index_topk, dtype=torch.int32) if csa else None,
+        local_s=torch.zeros(n, local // 128, dtype=torch.uint8))
 
 
 def main() -> None:
